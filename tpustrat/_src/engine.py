@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
+from tpustrat._src import host_memory
 from tpustrat._src import logical as logical_lib
 from tpustrat._src.values import Mirrored, PerReplica, check_components, is_distributed, stacked_steps
 
@@ -166,6 +167,8 @@ class Engine:
     self._split = NamedSharding(mesh, P(axis_name))
     self._core_axes = tuple(a for a in mesh.axis_names if a != axis_name)  # logical cores of a replica
     self.max_steps_in_flight = _DEFAULT_STEPS_IN_FLIGHT
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    self._alias_align = host_memory.alias_alignment(local[0]) if local else None
 
   def run(self, fn: Callable[..., Any], args: Any, kwargs: Any, options: RunOptions | None) -> Any:
     kwargs = check_run_call(fn, args, kwargs)
@@ -250,7 +253,15 @@ class Engine:
             "step. Scan over the steps (jax.lax.scan with strategy.run in the body), use "
             "strategy.experimental_run_steps, or take one step with tpustrat.unstack_steps.")
       check_components(x, self._strategy.num_replicas_in_sync, "strategy.run: a PerReplica argument")
-    return jax.device_put(x, target)
+    if not isinstance(x, np.ndarray):
+      return jax.device_put(x, target)
+    # TF captures a numpy argument when `run` is called; JAX's transfer may read it later (host_memory).
+    parts = self._strategy.num_replicas_in_sync if target is self._split else 1
+    if self._alias_align is not None and host_memory.may_alias(x, parts, self._alias_align):
+      return jax.device_put(host_memory.owned_copy(x), target)
+    placed = jax.device_put(x, target)
+    placed.block_until_ready()
+    return placed
 
   def wait(self) -> None:
     """Blocks until every step dispatched by `run` has finished."""

@@ -15,6 +15,9 @@ or a `tf.data.Dataset`, and yields `PerReplica` values ready for `strategy.run`:
 * Each global batch goes to the devices with one `jax.device_put` of the ``[N, k, ...]`` host array onto
   ``NamedSharding(mesh, P('replica'))``, in a background thread that keeps a bounded number of batches
   ready on device (`InputOptions`), so host-to-device transfer overlaps the previous steps.
+* A source may reuse its buffers (write each batch where the last one was): every step still gets its
+  own batch. The source is read again only after the transfers out of its memory have completed, and
+  memory that XLA:CPU would alias instead of copying is copied first (see "host memory" below).
 
 `strategy.experimental_distribute_datasets_from_function(dataset_fn)` calls ``dataset_fn(InputContext)``
 once per process (one input pipeline per process); the dataset it returns yields per-replica batches,
@@ -35,7 +38,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +47,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
-from tpustrat._src import multistep
+from tpustrat._src import host_memory, multistep
+from tpustrat._src.host_memory import host_empty, owned_copy
 from tpustrat._src.values import PerReplica
 
 if TYPE_CHECKING:
@@ -314,6 +318,21 @@ def _flatten_batch(batch: Any, index: int, what: str) -> tuple[list[np.ndarray],
   return leaves, treedef, sizes.pop()
 
 
+# -- host memory: see tpustrat/_src/host_memory.py ------------------------------------------------
+#
+# A source may reuse its buffers (write batch i+1 where batch i was), and the prefetch thread reads it
+# ahead of the steps. So a batch that still lives in the source's memory is never handed to the devices
+# where it would be aliased (it is copied first), the source is not read again before the transfers
+# out of its memory have completed, and batches held across reads (stacked steps, per-replica
+# batches) are copied into library memory as they are read. The library's own arrays (padded, stacked)
+# are allocated aligned, so that on XLA:CPU they reach the devices without a second copy.
+
+
+def _detach(element: Any) -> Any:
+  """A raw element with its numpy arrays copied (it is kept while the source is read further)."""
+  return jax.tree.map(lambda x: owned_copy(x) if isinstance(x, np.ndarray) else x, element)
+
+
 # -- background prefetch --------------------------------------------------------------------------
 
 _LIVE_PREFETCHERS: weakref.WeakSet[_Prefetcher] = weakref.WeakSet()
@@ -434,6 +453,9 @@ class DistributedDataset:
       # One batch [N, ...] split over its leading axis; stacked steps [steps, N, ...] over the second.
       self._splits = (NamedSharding(mesh, P(mesh.axis_names[0])), NamedSharding(mesh, P(None, mesh.axis_names[0])))
     self._multi_process = len(self._local) != self._num_replicas
+    # XLA:CPU aliases aligned host memory on transfer (see "host memory"): None where it always copies.
+    device = jax.devices()[0] if mesh is None else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    self._alias_align = host_memory.alias_alignment(device)
     self._local_index = {r: i for i, r in enumerate(self._local)}  # replica -> its row in local arrays
     self._k = 0  # padded rows per replica (the first batch's); only grows
     self._batch_rows = 0  # rows of a full batch (global, or per replica for from_function)
@@ -461,7 +483,7 @@ class DistributedDataset:
         return live.element_spec
       if self._one_shot:
         first = self._read_ahead(self._source)
-        self._stash.extend(first)
+        self._stash.extend(_detach(e) for e in first)  # the source may reuse the memory of what it gave
       else:
         first = self._read_ahead(iter(self._source))
       if not first:
@@ -529,20 +551,64 @@ class DistributedDataset:
 
   # -- one step's batch: host arrays -> padded [N, k, ...] -> devices
 
-  def _next_raw(self, it: Iterator[Any]) -> list[Any]:
-    """The raw element(s) of the next step: one global batch, or one batch per local replica."""
+  def _next_raw(self, it: Iterator[Any], index: int) -> tuple[list[Any], tuple[int, list[np.ndarray]] | None]:
+    """The raw element(s) of the next step, element `index` of the dataset first: one global batch, or
+    one batch per local replica (see `_read_replicas`) with their stacked copy ``(k, leaves)``."""
     if not self._per_replica:
-      return [next(it)]
-    raw = list(itertools.islice(it, len(self._local)))
+      return [next(it)], None
+    raw, stacked = self._read_replicas(it, index)
     if not raw:
       raise StopIteration
-    return raw
+    return raw, stacked
 
-  def _prepare(self, raw: list[Any], index: int,
-               count_only: bool = False) -> tuple[Any, list[np.ndarray], np.ndarray] | None:
-    """Validates and pads one step's raw batch(es), the first being element `index` of the dataset.
-    Returns (treedef, [N_local, k, ...] leaves, counts), or None if the batch is partial and
-    `drop_remainder` is set. Sets the element spec."""
+  def _read_replicas(self, it: Iterator[Any], index: int) -> tuple[list[Any], tuple[int, list[np.ndarray]] | None]:
+    """Reads one step's per-replica batches one at a time, copying each into zero-padded
+    ``[N_local, k, ...]`` arrays before the next is read (a source may write the next batch into the
+    same buffer). Batches that cannot be stacked (other structure, shapes or dtypes) stop the copying
+    and are left to `_prepare`'s checks, which raise."""
+    n = len(self._local)
+    what = f"{self._what}: per-replica batch"
+    raw: list[Any] = []
+    stack: list[np.ndarray] | None = None
+    ok, k = True, self._k
+    first_tree, first = None, []
+    for j, element in enumerate(itertools.islice(it, n)):
+      raw.append(element)
+      if not ok:
+        continue
+      try:
+        leaves, treedef, rows = _flatten_batch(element, index + j, what)
+      except Exception:  # pylint: disable=broad-except  # raised again by _prepare, with its context
+        ok = False
+        continue
+      if stack is None:
+        first_tree, first, k = treedef, leaves, max(k, rows)
+        stack = [host_empty((n, k) + x.shape[1:], x.dtype) for x in leaves]
+      elif treedef != first_tree or any(a.shape[1:] != b.shape[1:] or a.dtype != b.dtype
+                                        for a, b in zip(leaves, first)):
+        ok = False
+        continue
+      elif rows > k:  # a larger batch than the step's first: grow the stack
+        grown = [host_empty((n, rows) + s.shape[2:], s.dtype) for s in stack]
+        for g, s in zip(grown, stack):
+          g[:j, :k] = s[:j]
+          g[:j, k:] = 0
+        stack, k = grown, rows
+      for s, x in zip(stack, leaves):
+        s[j, :rows] = x
+        s[j, rows:] = 0
+    if not ok or stack is None:
+      return raw, None
+    for s in stack:
+      s[len(raw):] = 0
+    return raw, (k, stack)
+
+  def _prepare(self, raw: list[Any], index: int, count_only: bool = False,
+               stacked: tuple[int, list[np.ndarray]] | None = None) -> _Prepared | None:
+    """Validates and pads one step's raw batch(es), the first being element `index` of the dataset
+    (`stacked`: the per-replica batches already stacked by `_read_replicas`). Returns the
+    `_Prepared` batch, or None if the batch is partial and `drop_remainder` is set. Sets the element
+    spec."""
     what = f"{self._what}: per-replica batch" if self._per_replica else f"{self._what}: batch"
     parts = [_flatten_batch(b, index + i, what) for i, b in enumerate(raw)]
     treedef = parts[0][1]
@@ -579,16 +645,21 @@ class DistributedDataset:
     if self._per_replica:
       counts = np.zeros(n_local, np.int32)
       counts[:len(parts)] = [p[2] for p in parts]
-      leaves = [_stack_padded([p[0][i] for p in parts], n_local, k) for i in range(len(parts[0][0]))]
-    else:
-      rows = parts[0][2]
-      n = self._num_replicas
-      counts = np.clip(rows - k * np.arange(n), 0, k).astype(np.int32)
-      leaves = [_pad_rows(x, n * k).reshape((n, k) + x.shape[1:]) for x in parts[0][0]]
-      if self._multi_process:
-        counts = counts[self._local]
-        leaves = [x[self._local] for x in leaves]
-    return treedef, leaves, counts
+      if stacked is not None and stacked[0] == k:
+        leaves = stacked[1]
+      else:  # stacked for another k (element_spec, read meanwhile, grew it): the batches are unchanged
+        leaves = [_stack_padded([p[0][i] for p in parts], n_local, k) for i in range(len(parts[0][0]))]
+      return _Prepared(treedef, leaves, counts, True)
+    rows = parts[0][2]
+    n = self._num_replicas
+    counts = np.clip(rows - k * np.arange(n), 0, k).astype(np.int32)
+    owned = rows != n * k  # padded: a copy; else the source's memory
+    leaves = [_pad_rows(x, n * k).reshape((n, k) + x.shape[1:]) for x in parts[0][0]]
+    if self._multi_process:
+      counts = counts[self._local]
+      leaves = [_take_rows(x, self._local) for x in leaves]
+      owned = True
+    return _Prepared(treedef, leaves, counts, owned)
 
   def _set_spec(self, treedef: Any, leaves: list[np.ndarray], k: int) -> None:
     self._spec_tree = treedef
@@ -606,12 +677,17 @@ class DistributedDataset:
     """The next chunk: ``(batch, None)``, one element ready for `run`, while the consumer takes one batch
     at a time, else ``(stacked, n)``: up to ``k`` batches stacked on a leading steps axis, ending where
     the consumer's groups of ``k`` end (fewer at the end, or when the next batch has other shapes: it
-    starts the next chunk). Raises StopIteration at the end. Runs in the prefetch thread."""
+    starts the next chunk). Raises StopIteration at the end. Runs in the prefetch thread.
+
+    The source is read again only once nothing still needs its memory (see "host memory" above): the
+    transfers out of it have completed, and batches of a group are copied into the group's stacked
+    arrays as they are read."""
     group, anchor = state.grid
     single = group == 1
     if not single:  # end groups where the consumer's next groups end, even after a change of group size
       group -= (state.produced - anchor) % group
-    prepared: list[tuple[Any, list[np.ndarray], np.ndarray]] = []
+    prepared: list[_Prepared] = []
+    stacks: list[np.ndarray] = []  # a group's stacked leaves [group, ...], filled as batches come
     while len(prepared) < group:
       if state.held is not None:
         p, state.held = state.held, None
@@ -620,10 +696,13 @@ class DistributedDataset:
           error, state.error = state.error, None
           raise error
         try:
+          if state.pending is not None:
+            jax.block_until_ready(state.pending)
+            state.pending = None
           first = state.read
-          raw = self._next_raw(it)
+          raw, stacked = self._next_raw(it, first)
           state.read += len(raw)
-          p = self._prepare(raw, first)
+          p = self._prepare(raw, first, stacked=stacked)
         except StopIteration:
           if prepared:
             break
@@ -637,42 +716,67 @@ class DistributedDataset:
           continue
         state.positions.append((state.read, None if state.source_state is None else state.source_state()))
       if prepared and not self._stackable(prepared[0], p):
-        state.held = p
+        state.held = p  # taken first by the next call, before the source is read again
         break
+      if not single:
+        if not stacks:
+          stacks = [host_empty((group,) + x.shape, x.dtype) for x in p.leaves]
+        for s, x in zip(stacks, p.leaves):
+          s[len(prepared)] = x
       prepared.append(p)
     state.produced += len(prepared)
-    return self._place(prepared, steps=not single), None if single else len(prepared)
+    if single:
+      return self._place(prepared, None, state), None
+    return self._place(prepared, [s[:len(prepared)] for s in stacks], state), len(prepared)
 
-  def _stackable(self, a: tuple[Any, list[np.ndarray], np.ndarray], b: tuple[Any, list[np.ndarray], np.ndarray]) -> bool:
+  def _stackable(self, a: _Prepared, b: _Prepared) -> bool:
     """Whether two prepared batches have one element shape (a larger later batch grows ``k``; the default
     strategy does not pad partial batches)."""
-    if [x.shape for x in a[1]] != [x.shape for x in b[1]]:
+    if [x.shape for x in a.leaves] != [x.shape for x in b.leaves]:
       return False
-    return self._mesh is not None or a[2][0] == b[2][0]
+    return self._mesh is not None or a.counts[0] == b.counts[0]
 
-  def _place(self, prepared: list[tuple[Any, list[np.ndarray], np.ndarray]], steps: bool) -> Any:
-    """Prepared batches as one element: the only batch, ready for `run`, or (with `steps`) batches of one
-    shape stacked on a leading steps axis, every array ``[steps, num_replicas, k, ...]`` split over the
-    replicas (its second axis) and the real-row counts ``[steps, num_replicas]``. One transfer per leaf."""
-    stack = np.stack if steps else (lambda xs: xs[0])
-    treedef, n_leaves = prepared[0][0], len(prepared[0][1])
+  def _place(self, prepared: list[_Prepared], stacks: list[np.ndarray] | None, state: _ProduceState) -> Any:
+    """Prepared batches as one element: the only batch, ready for `run`, or (with `stacks`, the batches'
+    leaves stacked on a leading steps axis) every array ``[steps, num_replicas, k, ...]`` split over the
+    replicas (its second axis) and the real-row counts ``[steps, num_replicas]``. One transfer per leaf;
+    a transfer out of the source's memory is left in `state.pending`."""
+    steps = stacks is not None
+    treedef = prepared[0].treedef
+    leaves, owned = (stacks, True) if steps else (prepared[0].leaves, prepared[0].owned)
     fetch = self._options.experimental_fetch_to_device
     if self._mesh is None:  # default strategy: the batches as they came, without padding
-      rows = int(prepared[0][2][0])
-      leaves = [stack([p[1][i][0, :rows] for p in prepared]) for i in range(n_leaves)]
-      return jax.tree.unflatten(treedef, jax.device_put(leaves) if fetch else leaves)
-    leaves = [stack([p[1][i] for p in prepared]) for i in range(n_leaves)]
-    counts = stack([p[2] for p in prepared])
+      rows = int(prepared[0].counts[0])
+      leaves = [x[:, 0, :rows] if steps else x[0, :rows] for x in leaves]
+      if not fetch:
+        return jax.tree.unflatten(treedef, leaves)
+      arrays = jax.device_put(self._unaliased(leaves, owned, 1))
+      if not owned:
+        state.pending = arrays
+      return jax.tree.unflatten(treedef, arrays)
+    counts = np.stack([p.counts for p in prepared]) if steps else prepared[0].counts
     valid = self._valid_array(counts)  # tiny and mostly the same every step: cached on the devices
     host_counts = None
     if self._multi_process:  # a global array needs every process's part: always placed
       arrays = [self._from_local(x, steps) for x in leaves]
+    elif fetch:
+      arrays = jax.device_put(self._unaliased(leaves, owned, self._num_replicas), self._splits[steps])
+      if not owned:
+        state.pending = arrays
     else:  # without fetch_to_device the arrays stay on the host; `run` transfers them
-      arrays = jax.device_put(leaves, self._splits[steps]) if fetch else leaves
-      host_counts = None if steps else counts.astype(np.int64)
+      arrays = leaves
+    if not steps:
+      host_counts = counts.astype(np.int64)
     # Each leaf is its own PerReplica (like `run`'s outputs), so that the batch keeps the user's pytree.
     return jax.tree.unflatten(treedef, [
-        PerReplica._wrap(x, valid, host_counts) for x in arrays])  # pylint: disable=protected-access
+        PerReplica._wrap(x, valid, host_counts if not self._multi_process else None) for x in arrays])  # pylint: disable=protected-access
+
+  def _unaliased(self, leaves: list[np.ndarray], owned: bool, parts: int) -> list[np.ndarray]:
+    """`leaves`, with those in the source's memory that a transfer would alias (XLA:CPU, aligned)
+    copied first."""
+    if owned or self._alias_align is None:
+      return leaves
+    return [owned_copy(x) if host_memory.may_alias(x, parts, self._alias_align) else x for x in leaves]
 
   def _valid_array(self, counts: np.ndarray) -> jax.Array:
     key = (counts.shape, counts.tobytes())
@@ -700,6 +804,14 @@ class DistributedDataset:
     return jax.make_array_from_callback(shape, self._splits[steps], part)
 
 
+class _Prepared(NamedTuple):
+  """One step's batch on the host, ready to be placed."""
+  treedef: Any
+  leaves: list[np.ndarray]  # [N_local, k, ...] each
+  counts: np.ndarray  # [N_local] real rows per replica
+  owned: bool  # the leaves are the library's copies (else they may be the source's memory)
+
+
 def _device_dtype(x: np.ndarray) -> np.dtype:
   """The dtype `x` has once on the devices (float64 becomes float32 unless `jax_enable_x64` is set)."""
   return jax.dtypes.canonicalize_dtype(x.dtype)
@@ -708,18 +820,26 @@ def _device_dtype(x: np.ndarray) -> np.dtype:
 def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
   if x.shape[0] == rows:
     return x
-  out = np.zeros((rows,) + x.shape[1:], x.dtype)
+  out = host_empty((rows,) + x.shape[1:], x.dtype)
   out[:x.shape[0]] = x
+  out[x.shape[0]:] = 0
+  return out
+
+
+def _take_rows(x: np.ndarray, rows: list[int]) -> np.ndarray:
+  """``x[rows]``, into library memory."""
+  out = host_empty((len(rows),) + x.shape[1:], x.dtype)
+  np.take(x, rows, axis=0, out=out)
   return out
 
 
 def _stack_padded(parts: list[np.ndarray], n: int, k: int) -> np.ndarray:
   """``[n, k, ...]`` from up to `n` per-replica batches of at most `k` rows, zero-padded."""
-  if len(parts) == n and all(p.shape[0] == k for p in parts):
-    return np.stack(parts)
-  out = np.zeros((n, k) + parts[0].shape[1:], parts[0].dtype)
+  out = host_empty((n, k) + parts[0].shape[1:], parts[0].dtype)
   for i, p in enumerate(parts):
     out[i, :p.shape[0]] = p
+    out[i, p.shape[0]:] = 0
+  out[len(parts):] = 0
   return out
 
 
@@ -1011,7 +1131,7 @@ def _same_step(a: tuple[Any, int | None], b: tuple[Any, int | None]) -> bool:
 class _ProduceState:
   """What the producer of a `DistributedIterator` keeps between elements."""
 
-  __slots__ = ("grid", "produced", "held", "error", "read", "positions", "source_state")
+  __slots__ = ("grid", "produced", "held", "error", "read", "positions", "source_state", "pending")
 
   def __init__(self, it: Iterator[Any], produced: int = 0, read: int = 0) -> None:
     # Set by the consumer: (1, 0) for one batch at a time, (k, i) for groups of k from batch i on.
@@ -1025,6 +1145,8 @@ class _ProduceState:
     self.positions: collections.deque[tuple[int, Any]] = collections.deque()
     get_state = getattr(it, "get_state", None)  # grain iterators: their own, exact, cheap position
     self.source_state: Callable[[], Any] | None = get_state if callable(get_state) else None
+    # Device arrays still being copied out of the source's memory: waited for before the next read.
+    self.pending: Any = None
 
 
 # -- entry points (called by Strategy) ------------------------------------------------------------

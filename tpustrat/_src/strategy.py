@@ -317,6 +317,7 @@ class Strategy:
     sharding = NamedSharding(self._mesh, P(REPLICA_AXIS))
     stacked = [jax.make_array_from_single_device_arrays((n,) + first.shape, sharding, parts)
                for first, parts in zip(leaves0, per_leaf)]
+    jax.block_until_ready(stacked)  # TF captures the values now: value_fn's arrays may change after the call
     return PerReplica._wrap(jax.tree.unflatten(treedef, stacked))  # pylint: disable=protected-access
 
   # -- input ----------------------------------------------------------------------------------------

@@ -1,0 +1,224 @@
+"""Sources that reuse their buffers, and which host memory reaches the devices.
+
+`jax.device_put` of a numpy array returns before the copy is done, and XLA:CPU does not copy a 64-byte
+aligned array at all: the device buffer *is* the numpy memory. A source that writes each batch into the
+same buffer (a common allocation-free loader) must still give every step its own batch, although the
+prefetch thread reads the source ahead of the steps. The batches are checked value by value.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tpustrat
+from tpustrat._src import host_memory
+
+ROWS, COLS, STEPS = 16, 1024, 6
+
+
+def _buffer(offset_bytes, rows=ROWS, cols=COLS):
+  """A float32 [rows, cols] buffer starting `offset_bytes` past a 4096-byte boundary."""
+  raw = np.empty(rows * cols * 4 + 8192, np.uint8)
+  start = -raw.ctypes.data % 4096 + offset_bytes
+  return raw[start:start + rows * cols * 4].view(np.float32).reshape(rows, cols)
+
+
+def _slow_sum(x):
+  """The sum of `x`, after enough work that the step is still running when `run` returns."""
+  for _ in range(4):
+    x = x @ jnp.eye(x.shape[-1], dtype=x.dtype)
+  return x.sum()
+
+
+def _reusing_source(buf, steps=STEPS, rows=ROWS):
+  """Writes batch i (every value i*1000 + row) into the same buffer each time."""
+  for i in range(steps):
+    buf[:rows] = (i * 1000 + np.arange(rows, dtype=np.float32))[:, None]
+    yield {"x": buf[:rows], "y": np.full((rows,), i, np.int32)}
+
+
+def _expected(i, rows=ROWS):
+  return i * 1000 + np.arange(rows, dtype=np.float32)
+
+
+def _rows_of(strategy, value):
+  """The real rows of a distributed component, in replica order, as one host array."""
+  return np.concatenate([np.asarray(r) for r in strategy.experimental_local_results(value)])
+
+
+@pytest.mark.parametrize("offset", [0, 16], ids=["aligned", "unaligned"])
+def test_reused_buffer_gives_every_step_its_own_batch(strategy, offset):
+  got = []
+  for batch in strategy.experimental_distribute_dataset(_reusing_source(_buffer(offset))):
+    got.append((_rows_of(strategy, batch["x"])[:, 0], _rows_of(strategy, batch["y"])))
+  assert len(got) == STEPS
+  for i, (x, y) in enumerate(got):
+    np.testing.assert_array_equal(x, _expected(i))
+    np.testing.assert_array_equal(y, np.full(ROWS, i))
+
+
+@pytest.mark.parametrize("offset", [0, 16], ids=["aligned", "unaligned"])
+def test_reused_buffer_through_run_matches_numpy(strategy, offset):
+  # The step runs while the prefetch thread reads (and the source rewrites) the next batches.
+  sums = [strategy.reduce("SUM", strategy.run(lambda b: b["x"].sum(axis=1), args=(b,)), axis=0)
+          for b in strategy.experimental_distribute_dataset(_reusing_source(_buffer(offset)))]
+  np.testing.assert_allclose([float(s) for s in sums], [_expected(i).sum() * COLS for i in range(STEPS)])
+
+
+def test_reused_buffer_with_a_partial_last_batch(strategy):
+  buf = _buffer(0)
+
+  def source():
+    yield from _reusing_source(buf, steps=3)
+    buf[:12] = 7000 + np.arange(12, dtype=np.float32)[:, None]
+    yield {"x": buf[:12], "y": np.full((12,), 7, np.int32)}
+
+  got = [_rows_of(strategy, b["x"])[:, 0] for b in strategy.experimental_distribute_dataset(source())]
+  for i in range(3):
+    np.testing.assert_array_equal(got[i], _expected(i))
+  np.testing.assert_array_equal(got[3], 7000 + np.arange(12))
+
+
+@pytest.mark.parametrize("offset", [0, 16], ids=["aligned", "unaligned"])
+def test_reused_buffer_with_take_steps(strategy, offset):
+  it = iter(strategy.experimental_distribute_dataset(_reusing_source(_buffer(offset))))
+  groups = [it.take_steps(4), it.take_steps(4)]
+  steps = [b for g in groups for b in tpustrat.unstack_steps(g)]
+  assert len(steps) == STEPS
+  for i, b in enumerate(steps):
+    np.testing.assert_array_equal(_rows_of(strategy, b["x"])[:, 0], _expected(i))
+
+
+@pytest.mark.parametrize("offset", [0, 16], ids=["aligned", "unaligned"])
+def test_reused_per_replica_buffer_from_function(strategy, offset):
+  # Each replica's batch of a step is read before the next one is written into the same buffer.
+  per_replica = 2
+  buf = _buffer(offset)
+
+  def dataset_fn(ctx):
+    def gen():
+      for j in range(ctx.num_replicas_in_sync * 3):
+        buf[:per_replica] = (j * 10 + np.arange(per_replica, dtype=np.float32))[:, None]
+        yield buf[:per_replica]
+    return gen()
+
+  dist = strategy.experimental_distribute_datasets_from_function(dataset_fn)
+  n = strategy.num_replicas_in_sync
+  for step, batch in enumerate(dist):
+    for r, rows in enumerate(strategy.experimental_local_results(batch)):
+      j = step * n + r
+      np.testing.assert_array_equal(np.asarray(rows)[:, 0], j * 10 + np.arange(per_replica))
+
+
+def test_element_spec_read_ahead_of_a_reusing_one_shot_source(strategy):
+  # element_spec reads the first batch ahead of the iteration; the source then rewrites its buffer.
+  dist = strategy.experimental_distribute_dataset(_reusing_source(_buffer(0)))
+  n = strategy.num_replicas_in_sync
+  assert jax.tree.leaves(dist.element_spec["x"])[0].shape == (n, ROWS // n, COLS)
+  got = [_rows_of(strategy, b["x"])[:, 0] for b in dist]
+  for i in range(STEPS):
+    np.testing.assert_array_equal(got[i], _expected(i))
+
+
+def test_default_strategy_reused_buffer():
+  dist = tpustrat.get_strategy().experimental_distribute_dataset(_reusing_source(_buffer(0)))
+  got = [np.asarray(b["x"])[:, 0] for b in dist]
+  for i in range(STEPS):
+    np.testing.assert_array_equal(got[i], _expected(i))
+
+
+def _device_pointers(array):
+  return {s.data.unsafe_buffer_pointer() for s in array.addressable_shards}
+
+
+def _host_range(x):
+  return x.ctypes.data, x.ctypes.data + x.nbytes
+
+
+def test_device_batches_never_alias_the_sources_memory(strategy):
+  buf = _buffer(0)  # aligned: XLA:CPU would alias it
+  batch = next(iter(strategy.experimental_distribute_dataset(_reusing_source(buf))))
+  lo, hi = _host_range(buf)
+  leaked = [p for p in _device_pointers(batch["x"]._value) if lo <= p < hi]
+  assert leaked == []
+
+
+def test_host_alias_alignment_probe_matches_device_put():
+  """The probe's answer agrees with what `jax.device_put` does with arrays at that alignment."""
+  device = jax.devices()[0]
+  align = host_memory.alias_alignment(device)
+  raw = np.zeros(3 * 8192, np.uint8)
+  base = -raw.ctypes.data % 8192
+  for a in (8, 16, 32, 64, 128, 4096):
+    view = raw[base + a:base + a + 1024]
+    put = jax.device_put(view, device)
+    put.block_until_ready()
+    aliased = put.unsafe_buffer_pointer() == view.ctypes.data
+    assert aliased == (align is not None and a >= align), (a, align)
+
+
+def test_library_built_batches_reach_cpu_devices_without_a_copy(strategy):
+  # A partial batch is padded by the library into memory it owns, aligned: on a backend whose
+  # device_put aliases aligned host memory, the padded batch is not copied a second time.
+  if host_memory.alias_alignment(jax.devices()[0]) is None:
+    pytest.skip("this backend copies host memory to the devices")
+  padded = host_memory.host_empty((8, 4, 16), np.float32)  # 256 bytes per replica: every part aligned
+  assert padded.ctypes.data % host_memory.ALIGN == 0
+  put = jax.device_put(padded, jax.sharding.NamedSharding(strategy.mesh, jax.sharding.PartitionSpec("replica")))
+  lo, hi = _host_range(padded)
+  assert all(lo <= p < hi for p in _device_pointers(put))
+
+
+def test_batch_that_ends_a_group_early_is_kept_intact():
+  # Under the default strategy a partial batch has another shape: it ends the group being filled and
+  # is held for the next group, which then reads the source (rewriting the buffer) after it.
+  buf = _buffer(0)
+  sizes = [ROWS, ROWS, 12, ROWS, ROWS]
+
+  def source():
+    for i, rows in enumerate(sizes):
+      buf[:rows] = (i * 1000 + np.arange(rows, dtype=np.float32))[:, None]
+      yield {"x": buf[:rows]}
+
+  it = iter(tpustrat.get_strategy().experimental_distribute_dataset(source()))
+  groups = [it.take_steps(3) for _ in range(3)]
+  steps = [np.asarray(b["x"])[:, 0] for g in groups for b in tpustrat.unstack_steps(g)]
+  assert [len(s) for s in steps] == sizes
+  for i, s in enumerate(steps):
+    np.testing.assert_array_equal(s, _expected(i, sizes[i]))
+
+
+@pytest.mark.parametrize("offset", [0, 16], ids=["aligned", "unaligned"])
+def test_run_captures_numpy_arguments_when_called(strategy, offset):
+  # TF converts run's numpy arguments when run is called; writing into the array afterwards (while the
+  # step may still be running) must not change the step's result.
+  rows, cols = 512, 512  # 1 MiB
+  buf = _buffer(offset, rows, cols)
+  for i in range(4):
+    buf[...] = i
+    out = strategy.run(_slow_sum, args=(buf,))  # a plain array: given whole to every replica
+    buf[...] = -1
+    got = [float(np.asarray(r)) for r in strategy.experimental_local_results(out)]
+    np.testing.assert_allclose(got, [i * rows * cols] * strategy.num_replicas_in_sync)
+
+
+@pytest.mark.parametrize("offset", [0, 16], ids=["aligned", "unaligned"])
+def test_reused_buffer_without_fetch_to_device(strategy, offset):
+  # The elements stay on the host and `run` transfers them; the loop's next `next()` rewrites the
+  # buffer while the step may still run.
+  options = tpustrat.InputOptions(experimental_fetch_to_device=False)
+  rows, cols = 512, 512  # 1 MiB
+  dist = strategy.experimental_distribute_dataset(_reusing_source(_buffer(offset, rows, cols), rows=rows),
+                                                  options=options)
+  sums = [strategy.reduce("SUM", strategy.run(lambda b: _slow_sum(b["x"]), args=(b,)), axis=None) for b in dist]
+  np.testing.assert_allclose([float(s) for s in sums], [_expected(i, rows).sum() * cols for i in range(STEPS)])
+
+
+def test_values_from_function_captures_values_when_called(strategy):
+  buf = _buffer(0)
+  buf[...] = 3.0
+  values = strategy.experimental_distribute_values_from_function(lambda ctx: buf)
+  buf[...] = -1.0
+  for r in strategy.experimental_local_results(values):
+    np.testing.assert_array_equal(np.asarray(r), np.full((ROWS, COLS), 3.0, np.float32))
