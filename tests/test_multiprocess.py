@@ -8,6 +8,7 @@ the bad-input cases are jobs that fail within a second or a few. The scripts liv
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import pathlib
@@ -320,3 +321,157 @@ def test_launcher_arguments():
       "TPUSTRAT_COORDINATOR_ADDRESS": "127.0.0.1:1234", "TPUSTRAT_COORDINATOR_BIND_ADDRESS": "127.0.0.1:1234",
       "TPUSTRAT_NUM_PROCESSES": "3", "TPUSTRAT_PROCESS_ID": "1", "TPUSTRAT_HEARTBEAT_TIMEOUT": "7",
       "JAX_NUM_CPU_DEVICES": "4", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", "JAX_PLATFORMS": "cpu"}
+
+
+# -- the launcher: a coordinator port taken before process 0 binds it, processes started safely ----------
+
+
+@pytest.fixture
+def in_process_launch(no_cluster_env):
+  """`launch.launch` in this process, its output captured: call(command, **kw) -> (status, stdout, stderr)."""
+  from tpustrat import launch
+
+  for name in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
+    no_cluster_env.delenv(name, raising=False)
+
+  def call(command, **kwargs):
+    out, err = io.BytesIO(), io.BytesIO()
+    kwargs = dict(num_processes=2, heartbeat_timeout=5, initialization_timeout=30, timeout=60) | kwargs
+    status = launch.launch(command, stdout=out, stderr=err, **kwargs)
+    return status, out.getvalue().decode(), err.getvalue().decode()
+
+  return call
+
+
+def _ports(monkeypatch, *first):
+  """Makes the launcher's port chooser return `first`, then free ports; returns the list of ports given."""
+  from tpustrat import launch
+
+  given, free, queued = [], launch._free_port, list(first)
+  monkeypatch.setattr(launch, "_free_port", lambda: given.append(queued.pop(0) if queued else free()) or given[-1])
+  return given
+
+
+_CONNECT = ("import os, tpustrat; s = tpustrat.TPUStrategy(); "
+            "print('connected', os.environ['TPUSTRAT_COORDINATOR_ADDRESS'], s.num_replicas_in_sync, flush=True)")
+
+
+def test_launcher_retries_on_a_fresh_port_when_the_coordinator_port_is_taken(in_process_launch, monkeypatch):
+  # Another program takes the free port the launcher chose before process 0 binds it (here: before the
+  # launcher even starts). The job used to fail; the launcher now starts it again on a fresh port.
+  with socket.socket() as thief:
+    thief.bind(("127.0.0.1", 0))
+    thief.listen()
+    taken = thief.getsockname()[1]
+    given = _ports(monkeypatch, taken)
+    status, out, err = in_process_launch([sys.executable, "-c", _CONNECT])
+  assert status == 0, err[-3000:]
+  assert len(given) == 2 and given[0] == taken and given[1] != taken, given
+  connected = sorted(line for line in out.splitlines() if " connected " in line)
+  assert connected == [f"[proc {i}] connected 127.0.0.1:{given[1]} 2" for i in (0, 1)], out[-3000:]
+  assert f"process 0 runs the coordinator, but 127.0.0.1:{taken} is already in use" in err, err[-3000:]
+  assert (f"tpustrat.launch: the coordinator port 127.0.0.1:{taken} was taken before process 0 could bind "
+          f"it; starting again on 127.0.0.1:{given[1]} (attempt 2 of 3)") in err, err[-3000:]
+
+
+def _fake_taken(who: int) -> str:
+  """A program whose process `who` fails as process 0 does when the coordinator's port is taken."""
+  return ("import os, sys, time\n"
+          f"if os.environ['TPUSTRAT_PROCESS_ID'] == '{who}':\n"
+          "  address = os.environ['TPUSTRAT_COORDINATOR_ADDRESS']\n"
+          "  sys.exit(f'RuntimeError: experimental_connect_to_cluster: process 0 runs the coordinator, but '\n"
+          "           f'{address} is already in use: another job is listening there.')\n"
+          "time.sleep(30)\n")
+
+
+def test_launcher_retries_a_taken_port_a_bounded_number_of_times_and_nothing_else(in_process_launch, monkeypatch):
+  from tpustrat import launch
+
+  # Taken every time: 3 attempts, then the failure is reported as usual.
+  given = _ports(monkeypatch)
+  status, _, err = in_process_launch([sys.executable, "-c", _fake_taken(0)], grace_period=0.5)
+  assert status == 1 and len(given) == launch._PORT_ATTEMPTS == 3, (given, err[-3000:])
+  assert err.count("tpustrat.launch: starting 2 processes") == 3
+  assert "process 0 failed first: it exited with status 1" in err and "is already in use" in err
+  # Not retried: a port given by the user; the same words from a process that does not run the
+  # coordinator; any other failure of process 0.
+  for command, kwargs, want in (
+      (_fake_taken(0), dict(port=given[0]), 1),
+      (_fake_taken(1), {}, 1),
+      ("import sys; sys.exit(3)", {}, 3),
+  ):
+    given = _ports(monkeypatch)
+    status, _, err = in_process_launch([sys.executable, "-c", command], grace_period=0.5, **kwargs)
+    assert status == want and err.count("tpustrat.launch: starting 2 processes") == 1, err[-3000:]
+    assert len(given) == (0 if "port" in kwargs else 1)
+
+
+def test_launcher_recognises_the_message_of_a_taken_coordinator_port():
+  from tpustrat import launch
+  from tpustrat._src import distributed
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    address = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(RuntimeError) as info:
+      distributed._check_port_free(address, 0)
+  line = f"RuntimeError: {info.value}"
+  assert launch._port_taken(line, address)
+  assert not launch._port_taken(line, "127.0.0.1:1")
+
+
+def test_launcher_starts_processes_without_preexec_fn(in_process_launch, monkeypatch):
+  # `preexec_fn` runs Python code between fork and exec, which can deadlock when the program calling
+  # launch() has threads (Python's subprocess docs); setting the parent-death signal moved into the child.
+  from tpustrat import launch
+
+  calls = []
+  popen = subprocess.Popen
+  monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **kw: calls.append(kw) or popen(*a, **kw))
+  status, out, err = in_process_launch([sys.executable, "-c", "import sys; print(sys.argv[1:])", "a b", "c"])
+  assert status == 0, err
+  assert len(calls) == 2 and all(kw.get("preexec_fn") is None and kw["start_new_session"] for kw in calls)
+  assert sorted(out.splitlines()) == ["[proc 0] ['a b', 'c']", "[proc 1] ['a b', 'c']"]
+  with pytest.raises(FileNotFoundError):
+    in_process_launch(["/nonexistent/program"])
+
+
+def _gone(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie nobody reaped yet is gone too
+  except FileNotFoundError:
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_processes_die_with_a_launcher_killed_by_sigkill():
+  # Nothing of the launcher runs then: each process asked Linux for SIGKILL when the launcher dies.
+  # (tests/test_topology_edge_cases.py covers SIGTERM and the processes' leftover children.)
+  script = "import os, time; print('ready pid=%d' % os.getpid(), flush=True); time.sleep(60)"
+  launcher = subprocess.Popen(LAUNCH[:3] + ["-n", "2", "--", "-c", script], env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+  pids = []
+  try:
+    for line in launcher.stdout:
+      if " ready pid=" in line:
+        pids.append(int(line.rsplit("=", 1)[1]))
+        if len(pids) == 2:
+          break
+    assert len(pids) == 2, "the launcher ended before its processes reported"
+    launcher.kill()
+    launcher.wait(timeout=30)
+    deadline = time.monotonic() + 10  # the kernel delivers the signals asynchronously
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
+  finally:
+    launcher.kill()
+    launcher.wait()
+    launcher.stdout.close()
+    for p in pids:
+      try:
+        os.kill(p, signal.SIGKILL)
+      except ProcessLookupError:
+        pass

@@ -7,7 +7,10 @@ devices, joined into one job by JAX's distributed runtime (`jax.distributed`):
   (``TPUSTRAT_COORDINATOR_ADDRESS=127.0.0.1:<port>``, ``TPUSTRAT_NUM_PROCESSES``,
   ``TPUSTRAT_PROCESS_ID``, the timeouts below), so the program needs no arguments: ``TPUStrategy()``
   (or ``TPUStrategy(TPUClusterResolver())``) spans all ``N * M`` devices. Process 0 runs the
-  coordinator service, bound to 127.0.0.1 only;
+  coordinator service, bound to 127.0.0.1 only. The port is free when chosen, but process 0 binds it
+  seconds later, once it has imported JAX; if another program took it in between (process 0 then fails
+  saying the address is in use), the launcher stops the job and starts it again on a fresh port, up to
+  3 attempts in all. A port given with ``--port`` is never replaced;
 * each process gets ``JAX_PLATFORMS=cpu``, ``M`` CPU devices (``JAX_NUM_CPU_DEVICES`` and
   ``XLA_FLAGS=--xla_force_host_platform_device_count``) and gloo CPU collectives
   (``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``), so `psum` and friends cross process boundaries over
@@ -15,7 +18,8 @@ devices, joined into one job by JAX's distributed runtime (`jax.distributed`):
 * their output is streamed line by line with a ``[proc i]`` prefix (stdout to stdout, stderr to stderr);
 * the launcher exits with 0 if every process does, else with the status of the process that failed
   first; stopped itself (Ctrl-C, SIGTERM, SIGHUP) it kills the processes and exits with 128 + the
-  signal. Whatever the processes started and left running is killed when the job ends.
+  signal. Whatever the processes started and left running is killed when the job ends; on Linux, the
+  processes are also killed if the launcher itself is killed (even by SIGKILL).
 
 Faults. Processes watch each other through JAX's distributed runtime: every process sends heartbeats to
 the coordinator, and when one stops (it died, or hangs so hard that it stopped heartbeating) for
@@ -44,8 +48,10 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import errno
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,6 +69,23 @@ _UNHEALTHY = "stopped sending heartbeats"
 # The coordinator (process 0) is gone, or does not answer heartbeats (it hangs).
 _LEADER_LOST = ("the leader task was preempted", "RPC: /xla.coordination.CoordinationService/Heartbeat")
 _IDS = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*,?\s*$")
+# How many times a job is started when the port the launcher chose is taken before process 0 binds it.
+_PORT_ATTEMPTS = 3
+# Each process starts as this small program, which asks Linux to SIGKILL it when the launcher dies (even
+# by SIGKILL; PR_SET_PDEATHSIG survives exec), exits if the launcher is already gone, then exec()s the
+# command (same pid). Not subprocess's `preexec_fn`: it runs Python between fork and exec, which can
+# deadlock when the program calling `launch` has threads.
+_BOOTSTRAP = f"""\
+import os, sys
+try:
+  import ctypes
+  ctypes.CDLL(None).prctl(1, {int(signal.SIGKILL)})  # PR_SET_PDEATHSIG
+except Exception:  # not Linux: the launcher's own handlers have to do
+  pass
+if os.getppid() != int(sys.argv[1]):
+  os._exit(1)
+os.execv(sys.argv[2], sys.argv[3:])
+"""
 
 
 def _positive(kind: type, what: str):
@@ -88,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("-d", "--devices-per-process", type=_positive(int, "--devices-per-process"), default=1,
                       help="emulated CPU devices in each process")
   parser.add_argument("--port", type=int, default=0,
-                      help="coordinator port on 127.0.0.1 (0: a free port)")
+                      help="coordinator port on 127.0.0.1 (0: a free port, replaced by another if it is taken "
+                           "before process 0 binds it)")
   parser.add_argument("--heartbeat-timeout", type=_positive(int, "--heartbeat-timeout"), default=10,
                       help="seconds without heartbeats after which JAX declares a process dead and stops "
                            "the others")
@@ -100,26 +124,34 @@ def _parser() -> argparse.ArgumentParser:
                       help="seconds the other processes get to stop on their own after one failed, before "
                            "the launcher kills them (default: heartbeat timeout + 10)")
   parser.add_argument("--timeout", type=_positive(float, "--timeout"), default=None,
-                      help="kill every process after this many seconds (default: no limit)")
+                      help="kill every process after this many seconds, start-up attempts included (default: no limit)")
   parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None, metavar="MODULE [ARGS]",
                       help="run a module (as python -m does) instead of a script")
   parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] (or the module's args)")
   return parser
 
 
-def _die_with_parent() -> None:
-  """In the child before exec (Linux): SIGKILL it when the launcher dies, even by SIGKILL."""
-  try:
-    import ctypes  # pylint: disable=import-outside-toplevel
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-  except Exception:  # noqa: BLE001  # not Linux: the launcher's own handlers have to do
-    pass
+def _bootstrapped(command: Sequence[str]) -> list[str]:
+  """The argv that runs `command` through `_BOOTSTRAP`; FileNotFoundError (as `subprocess.Popen` raises)
+  if its program cannot be found."""
+  program = shutil.which(command[0])
+  if program is None:
+    raise FileNotFoundError(errno.ENOENT, f"No such file or directory: {command[0]!r}", command[0])
+  if not sys.executable:  # an embedding interpreter that cannot start another one
+    return list(command)
+  return [sys.executable, "-I", "-S", "-c", _BOOTSTRAP, str(os.getpid()), program, *command]
 
 
 def _free_port() -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def _port_taken(line: str, address: str) -> bool:
+  """Whether `line` is process 0 failing because `address` is already in use: the error of
+  `tpustrat._src.distributed._check_port_free` (not imported here: it would import JAX)."""
+  return f"runs the coordinator, but {address} is already in use" in line
 
 
 def _with_device_count(xla_flags: str, count: int) -> str:
@@ -162,12 +194,17 @@ class _Proc:
   ended: float | None = None
   killed: bool = False  # by the launcher
   unhealthy: set = dataclasses.field(default_factory=set)  # processes JAX's errors say are dead
+  address: str | None = None  # the coordinator's, for process 0
+  port_taken: bool = False  # process 0 said the coordinator's address is already in use
+  readers: list = dataclasses.field(default_factory=list)  # the threads copying its output
   _reading_unhealthy: bool = False
 
   def note(self, line: str) -> None:
     """Remembers the processes that JAX's errors report as dead: those listed on the lines after "The
     following tasks are unhealthy (stopped sending heartbeats):", and process 0 (the coordinator) when the
-    other processes lose it."""
+    other processes lose it; and whether process 0 found the coordinator's port taken."""
+    if self.index == 0 and self.address and _port_taken(line, self.address):
+      self.port_taken = True
     if any(marker in line for marker in _LEADER_LOST):
       self.unhealthy.add(0)
     if _UNHEALTHY in line:
@@ -206,6 +243,7 @@ class _Output:
                                 name=f"tpustrat-launch-{name}-{proc.index}")
       thread.start()
       self._threads.append(thread)
+      proc.readers.append(thread)
 
   def _copy(self, proc: _Proc, pipe: IO[bytes], out: IO[bytes]) -> None:
     prefix = f"[proc {proc.index}] ".encode()
@@ -299,35 +337,62 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
            stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None) -> int:
   """Runs `command` (an argv list, e.g. ``[sys.executable, "train.py"]``) as `num_processes` processes.
 
+  With ``port=0`` the coordinator gets a free port of 127.0.0.1; if another program takes it before
+  process 0 binds it (process 0 fails saying the address is already in use), the job is stopped and
+  started again on a fresh port, at most 3 attempts in all. Other failures, and a taken `port` given
+  here, end the job.
+
   Returns the launcher's exit status: 0 if every process succeeded; else the status of the process that
   failed first (``128 + signal`` for a signal), 124 when `timeout` ran out, or ``128 + signal`` when the
   launcher itself was interrupted (130 for Ctrl-C). Whatever the processes started and left running is
-  killed when the job ends.
+  killed when the job ends, and on Linux the processes die with the launcher if it is killed. Safe to
+  call from a program with threads (no `preexec_fn`).
+
+  Raises:
+    FileNotFoundError: if the program ``command[0]`` cannot be found.
   """
   if grace_period is None:
     grace_period = heartbeat_timeout + 10.0
-  port = port or _free_port()
-  address = f"127.0.0.1:{port}"
+  argv = _bootstrapped(command)
   output = _Output(stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
-  procs: list[_Proc] = []
+  deadline = None if timeout is None else time.monotonic() + timeout
+  attempts = 1 if port else _PORT_ATTEMPTS
+  address = f"127.0.0.1:{port or _free_port()}"
   output.say(f"starting {num_processes} processes x {devices_per_process} CPU devices, coordinator "
              f"{address} (heartbeat timeout {heartbeat_timeout} s): {' '.join(command)}")
+  for attempt in range(1, attempts + 1):
+    envs = [process_env(os.environ, process_id=i, num_processes=num_processes,
+                        devices_per_process=devices_per_process, address=address,
+                        heartbeat_timeout=heartbeat_timeout, initialization_timeout=initialization_timeout,
+                        shutdown_timeout=shutdown_timeout) for i in range(num_processes)]
+    status = _run(argv, envs, address, output, grace_period=grace_period, timeout=timeout, deadline=deadline,
+                  retry_taken_port=attempt < attempts)
+    if status is not None:
+      return status
+    taken, address = address, f"127.0.0.1:{_free_port()}"
+    output.say(f"the coordinator port {taken} was taken before process 0 could bind it; starting again on "
+               f"{address} (attempt {attempt + 1} of {attempts}).")
+    output.say(f"starting {num_processes} processes x {devices_per_process} CPU devices, coordinator "
+               f"{address} (heartbeat timeout {heartbeat_timeout} s): {' '.join(command)}")
+  raise AssertionError("unreachable: the last attempt returns a status")
+
+
+def _run(argv: list[str], envs: list[dict[str, str]], address: str, output: _Output, *, grace_period: float,
+         timeout: float | None, deadline: float | None, retry_taken_port: bool) -> int | None:
+  """One start of the job: its exit status, or None when process 0 found the coordinator's port taken
+  (its first failure) and `retry_taken_port`; every process is then already stopped."""
+  procs: list[_Proc] = []
   start = time.monotonic()
   first: _Proc | None = None
   timed_out = False
   try:
-    for i in range(num_processes):
-      env = process_env(os.environ, process_id=i, num_processes=num_processes,
-                        devices_per_process=devices_per_process, address=address,
-                        heartbeat_timeout=heartbeat_timeout, initialization_timeout=initialization_timeout,
-                        shutdown_timeout=shutdown_timeout)
+    for i, env in enumerate(envs):
       # A session of its own: the launcher kills a process with everything it started (os.killpg), and
       # a Ctrl-C in the terminal reaches the launcher only, which then kills the processes.
-      popen = subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
-      procs.append(_Proc(i, popen, time.monotonic()))
-    for p in procs:  # reader threads only now: `preexec_fn` must not run while other threads do
-      output.follow(p)
+      popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, start_new_session=True)
+      procs.append(_Proc(i, popen, time.monotonic(), address=address if i == 0 else None))
+      output.follow(procs[-1])
     while True:
       now = time.monotonic()
       running = 0
@@ -340,6 +405,9 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
           p.returncode, p.ended = rc, now
           if rc != 0 and first is None and not p.killed:
             first = p
+            if retry_taken_port and p.index == 0 and _taken_port_failure(p):
+              _stop(procs)
+              return None
             output.say(f"process {p.index} {_describe(rc)} after {now - start:.1f} s; the other "
                        f"processes get {grace_period:g} s to stop before they are killed.")
       if not running:
@@ -348,7 +416,7 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
         for p in procs:
           if p.returncode is None and not p.killed:
             _kill(p)
-      if timeout is not None and now - start > timeout and not timed_out:
+      if deadline is not None and now > deadline and not timed_out:
         timed_out = True
         output.say(f"timeout: still running after {timeout:g} s (--timeout); killing every process.")
         for p in procs:
@@ -357,11 +425,7 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
       time.sleep(0.05)
   except KeyboardInterrupt as e:
     output.say("interrupted; killing every process.")
-    for p in procs:
-      if p.returncode is None:
-        _kill(p)
-    for p in procs:
-      p.popen.wait()
+    _stop(procs)
     return 128 + getattr(e, "signum", signal.SIGINT)
   finally:
     for p in procs:  # what the processes started and left running (it would also keep their pipes open)
@@ -374,6 +438,23 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
     return 0
   output.say(_report(procs, first, start, grace_period))
   return _exit_status(first.returncode)
+
+
+def _taken_port_failure(proc: _Proc) -> bool:
+  """Whether process 0's failure is the coordinator's port being taken, once its output is read."""
+  _kill_group(proc)  # whatever it started would keep its pipes open
+  for t in proc.readers:
+    t.join(5.0)
+  return proc.port_taken
+
+
+def _stop(procs: Sequence[_Proc]) -> None:
+  """Kills every process still running and waits for them."""
+  for p in procs:
+    if p.returncode is None:
+      _kill(p)
+  for p in procs:
+    p.popen.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -48,7 +48,9 @@ permute-based algorithms run in a nested ``shard_map(..., axis_names=frozenset()
 region whose result is typed replicated (true by construction: every device ends with bit-identical copies
 of one sum), wrapped in a `jax.custom_vjp` whose backward pass is the all-reduce's adjoint (each replica
 gets the cotangent), as for `lax.psum`. JAX refuses forward-mode autodiff (`jax.jvp`) through such a
-`custom_vjp`; `NcclAllReduce` has no such limit.
+`custom_vjp`; `NcclAllReduce` has no such limit. Inside `run`, `ReductionToOneDevice`'s reduce device
+must be one of the strategy's devices (`ValueError` otherwise): TF copies to any device, but one compiled
+program over the mesh cannot; the cross-replica methods still can, and do.
 """
 
 from __future__ import annotations
@@ -187,8 +189,11 @@ def _mesh_for(devices: tuple[Any, ...]) -> Mesh:
   return Mesh(np.asarray(devices, dtype=object), (_REPLICA,))
 
 
-def _device_from_string(spec: str) -> Any:
-  """The `jax.Device` a TF device string names: "/job:x/replica:0/task:0/device:GPU:1", "/cpu:0", "CPU:3"."""
+def _device_from_string(spec: str, what: str = "destinations") -> Any:
+  """The `jax.Device` a TF device string names: "/job:x/replica:0/task:0/device:GPU:1", "/cpu:0", "CPU:3".
+
+  `what` names the argument in error messages.
+  """
   task, kind, index = None, None, None
   for part in filter(None, spec.strip().split("/")):
     key, _, rest = part.partition(":")
@@ -208,7 +213,7 @@ def _device_from_string(spec: str) -> Any:
     break
   if kind is None:
     raise ValueError(
-        f"destinations: cannot parse the device string {spec!r}; expected a TF device name such as "
+        f"{what}: cannot parse the device string {spec!r}; expected a TF device name such as "
         "'/device:GPU:0', '/cpu:0' or '/job:worker/task:0/device:CPU:1'.")
   try:
     devices = jax.devices(kind)
@@ -218,7 +223,7 @@ def _device_from_string(spec: str) -> Any:
   local = sorted((d for d in devices if d.process_index == task), key=lambda d: d.id)
   if index >= len(local):
     raise ValueError(
-        f"destinations: the device string {spec!r} names {kind.upper()}:{index} of process {task}, "
+        f"{what}: the device string {spec!r} names {kind.upper()}:{index} of process {task}, "
         f"which has {len(local)} {kind.upper()} device(s).")
   return local[index]
 
@@ -558,10 +563,11 @@ class CrossDeviceOps:
     """
     op = ReduceOp.from_value(reduce_op)
     options = _check_options(options)
+    root = self._root_in_run(axis_name)  # validates the configuration before anything is traced
     leaves, treedef = jax.tree.flatten(value)
     leaves = [all_reduce.to_varying(all_reduce.summable(jnp.asarray(x)), axis_name) for x in leaves]
     n = lax.axis_size(axis_name)
-    out = self._all_reduce_local(op, leaves, axis_name, n, options, root=self._root_in_run(axis_name))
+    out = self._all_reduce_local(op, leaves, axis_name, n, options, root=root)
     return jax.tree.unflatten(treedef, out)
 
   # -- shared machinery of the built-in implementations ---------------------------------------------------
@@ -577,6 +583,7 @@ class CrossDeviceOps:
     return [lax.psum(p, axis) for p in pieces]
 
   def _root_in_run(self, axis_name: str) -> int:
+    """The replica (index along `axis_name`) that roots a reduction inside `strategy.run`."""
     del axis_name
     return 0
 
@@ -684,11 +691,23 @@ class ReductionToOneDevice(CrossDeviceOps):
   destinations on every replica's device a binomial tree of permutes broadcasts the result; for one
   destination device the result stays where it was computed (or is copied there).
 
+  Inside `strategy.run` (`ReplicaContext.all_reduce` on a strategy configured with these ops, or
+  `all_reduce_in_replica_context`) the reduction is part of the step's program over the strategy's mesh,
+  so the reduce device must be one of the mesh's devices; default: the first replica's device.
+
   Args:
     reduce_to_device: the device (a `jax.Device` or device string) that sums; default: the first
-      destination device. A device outside the value's devices sums outside the program (the components
-      are copied to it).
+      destination device. In the cross-replica context (`reduce`, `batch_reduce`,
+      `strategy.extended.reduce_to`), a device outside the value's devices sums outside the program (the
+      components are copied to it, as in TF). Inside `strategy.run` it must be a device of the
+      strategy's mesh.
     accumulation_fn: a function from a list of same-shaped arrays to their sum; default: `add_n`.
+
+  Raises:
+    TypeError: if `reduce_to_device` is not None, a `jax.Device` or a string, or `accumulation_fn` is
+      not callable.
+    ValueError: when it is used, if `reduce_to_device` names no device of this process, or, inside
+      `strategy.run`, a device outside the strategy's mesh (the message lists the mesh's devices).
 
   >>> strategy = tpustrat.TPUStrategy()
   >>> v = strategy.experimental_distribute_values_from_function(lambda ctx: float(ctx.replica_id_in_sync_group))
@@ -712,7 +731,7 @@ class ReductionToOneDevice(CrossDeviceOps):
 
   def _device(self) -> Any:
     d = self.reduce_to_device
-    return _device_from_string(d) if isinstance(d, str) else d
+    return _device_from_string(d, what=f"ReductionToOneDevice(reduce_to_device={d!r})") if isinstance(d, str) else d
 
   def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):  # noqa: D102
     return self._reduce_pairs(reduce_op, [(per_replica_value, destinations)], options)[0]
@@ -777,13 +796,31 @@ class ReductionToOneDevice(CrossDeviceOps):
                                lambda ps: [all_reduce.reduce_to_root(p, axis, n, root, fn) for p in ps])
 
   def _root_in_run(self, axis_name: str) -> int:
-    device = self._device()
-    ctx = context_lib.get_replica_context()
-    mesh = getattr(getattr(ctx, "strategy", None), "mesh", None)
-    if device is None or mesh is None:
+    """The index of `reduce_to_device` along `axis_name` of the current strategy's mesh.
+
+    A program over the mesh can only sum on one of its devices: any other device is an error (TF's
+    replica-context all-reduce, a cross-replica call, could copy to it; one compiled program cannot).
+    """
+    if self.reduce_to_device is None:
       return 0
+    device = self._device()
+    mesh = getattr(context_lib.get_strategy(), "mesh", None)
+    if mesh is None or mesh.shape.get(axis_name) != lax.axis_size(axis_name):
+      raise ValueError(
+          f"{self!r}: inside a program, reduce_to_device must be a device of the mesh the reduction runs "
+          f"over, but no current strategy has a mesh with the axis {axis_name!r} of size "
+          f"{lax.axis_size(axis_name)}, so that device cannot be found. Call it inside strategy.run "
+          "(ReplicaContext.all_reduce), or use ReductionToOneDevice() without reduce_to_device.")
     where = np.argwhere(mesh.devices == device)
-    return int(where[0][mesh.axis_names.index(axis_name)]) if len(where) else 0
+    if not len(where):
+      devices = ", ".join(str(d) for d in mesh.devices.flat)
+      raise ValueError(
+          f"{self!r}: reduce_to_device {device} is not one of the {mesh.size} devices of the strategy's "
+          f"mesh ({devices}). Inside strategy.run the reduction is one program over those devices, so "
+          "it can only sum on one of them: pass one of them as reduce_to_device, or None (the first "
+          "replica's device). To sum on another device, reduce in the cross-replica context "
+          "(strategy.extended.reduce_to), which copies the components to it.")
+    return int(where[0][mesh.axis_names.index(axis_name)])
 
 
 def _components(x: jax.Array, layout: _Layout) -> list[jax.Array]:
