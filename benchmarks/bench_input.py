@@ -6,7 +6,10 @@ One training step, ``strategy.run(step, args=(params, batch))``: SGD (lr 0.1) on
 ``3072 -> 10`` (CIFAR-sized float32 images, ``[B, 32*32*3]``, int32 labels), global batch ``B = 512``
 (64 per replica with 8), parameters `Mirrored` and fed back, loss ``psum``-ed. The model is kept small on
 purpose so that the step is *input-bound*: every step consumes 6 MiB of fresh input, and the compute
-per byte is low. Three loops run the same number of steps over the same data, side by side:
+per byte is low. ``--hidden H`` puts a ReLU layer of width H in between (``3072 -> H -> 10``) to raise the
+compute per byte: transfers can only be hidden behind steps that take longer than they do, so on an
+accelerator pick H such that the printed step time on device exceeds the printed transfer time.
+The loops run the same number of steps over the same data, side by side:
 
 * ``on device`` (the baseline): the batches were put on the devices before the clock starts (a list
   of `PerReplica` batches, cycled); the loop only calls `run`.
@@ -19,7 +22,9 @@ per byte is low. Three loops run the same number of steps over the same data, si
   ``InputOptions(experimental_fetch_to_device=False)``: `run` transfers each batch when it is called.
 * ``bare device_put`` (with ``--extra-rows``): no library input code at all: the loop itself reshapes
   each host batch and calls ``jax.device_put(..., NamedSharding(mesh, P('replica')))`` before `run`.
-  This is the cost of the transfer alone on the machine: the floor for any input pipeline.
+  This is the cost of the transfer alone on the machine: the floor for any input pipeline. (It lets
+  XLA:CPU alias the 64-byte-aligned host batches instead of copying them, which the library does not do:
+  a source may rewrite its buffers. See the README's "Input" section.)
 
 Methodology (as ``bench_run.py``)
 ---------------------------------
@@ -70,6 +75,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--distinct", type=int, default=8, help="distinct batches, cycled")
   parser.add_argument("--buffer", type=int, default=None,
                       help="InputOptions.experimental_per_replica_buffer_size (default: the library's)")
+  parser.add_argument("--hidden", type=int, default=0,
+                      help="width of a hidden ReLU layer (0: softmax regression, the input-bound default)")
   parser.add_argument("--extra-rows", action="store_true",
                       help="also time the iterator without prefetch, and a bare jax.device_put loop")
 
@@ -85,10 +92,21 @@ LR = 0.1
 TARGET = 0.9
 
 
+def make_params(features: int, hidden: int) -> dict[str, np.ndarray]:
+  """Zero weights for ``features -> 10``; with `hidden`, ``features -> hidden -> 10`` (small random first layer)."""
+  if not hidden:
+    return {"w": np.zeros((features, CLASSES), np.float32), "b": np.zeros((CLASSES,), np.float32)}
+  rng = np.random.default_rng(1)
+  return {"w1": (rng.standard_normal((features, hidden)) / np.sqrt(features)).astype(np.float32),
+          "b1": np.zeros((hidden,), np.float32),
+          "w": np.zeros((hidden, CLASSES), np.float32), "b": np.zeros((CLASSES,), np.float32)}
+
+
 def make_step(global_batch: int) -> Callable[..., Any]:
   def step(params, batch):
     def loss_fn(p):
-      logits = batch["x"] @ p["w"] + p["b"]
+      h = batch["x"] if "w1" not in p else jax.nn.relu(batch["x"] @ p["w1"] + p["b1"])
+      logits = h @ p["w"] + p["b"]
       nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], axis=1)[:, 0]
       return jnp.sum(jnp.where(tpustrat.valid_mask(batch["y"]), nll, 0.0)) / global_batch
 
@@ -118,6 +136,12 @@ class Loop:
     return time.perf_counter() - t0, params
 
 
+def _seconds(fn: Callable[[], Any]) -> float:
+  t0 = time.perf_counter()
+  fn()
+  return time.perf_counter() - t0
+
+
 def main(args: argparse.Namespace) -> int:
   strategy = tpustrat.TPUStrategy()
   n = strategy.num_replicas_in_sync
@@ -126,7 +150,7 @@ def main(args: argparse.Namespace) -> int:
   host = [{"x": rng.standard_normal((args.batch, args.features)).astype(np.float32),
            "y": rng.integers(0, CLASSES, args.batch).astype(np.int32)} for _ in range(args.distinct)]
   mib = host[0]["x"].nbytes / 2**20
-  params0 = {"w": np.zeros((args.features, CLASSES), np.float32), "b": np.zeros((CLASSES,), np.float32)}
+  params0 = make_params(args.features, args.hidden)
   step = make_step(args.batch)
   options = tpustrat.InputOptions() if args.buffer is None else tpustrat.InputOptions(
       experimental_per_replica_buffer_size=args.buffer)
@@ -168,6 +192,12 @@ def main(args: argparse.Namespace) -> int:
 
   for loop in loops:
     loop.run(args.steps)  # warm-up
+  split = NamedSharding(strategy.mesh, P("replica"))
+  x0 = host[1]["x"].reshape(n, -1, args.features)
+  transfer = statistics.median(_seconds(lambda: jax.device_put(x0, split).block_until_ready()) for _ in range(50))
+  step_time = statistics.median(loops[0].run(args.steps)[0] / args.steps for _ in range(3))
+  print(f"# alone: one batch's transfer (device_put + wait) {transfer * 1e6:.0f} us; one step on device "
+        f"{step_time * 1e6:.0f} us (ratio {step_time / transfer:.1f}; a transfer can hide behind a longer step)")
   order = h.permutation_schedule(loops)
   t_start = time.perf_counter()
   times = h.time_rounds(loops, args.trials, order, lambda loop: loop.run(args.steps)[0] / args.steps * 1e6)
