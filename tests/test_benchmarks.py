@@ -1,0 +1,158 @@
+"""Smoke test of `benchmarks/`: every script runs, its variants agree, and it reports one row per variant.
+
+Each script is run as `make bench` / the README run it: a fresh process from the repository root on 8
+emulated CPU devices (``--cpu-devices 8``, `benchmarks/_harness.py`), here with the flags that add every
+variant the README's commands time (``--noise-floor``, ``--mechanisms``, ``--algorithms``,
+``--extra-rows``, ``--buffer``, ``--hidden``, ``--only``) and the fewest steps, trials and bytes the
+flags allow. Before timing, every script asserts that its variants compute the same results (allclose)
+and prints a line saying so; a failed check exits non-zero. The test checks the exit status, that line,
+and the names of the rows of the printed markdown table, never the timings or ratios in it (timed tests
+are not allowed: the machines running them are shared and noisy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+TIMEOUT_S = 300  # a hang fails the test instead of blocking the run
+
+TINY = "tiny step (dispatch-bound)"
+MLP = "MLP 784-1024-1024-10, batch 512"
+
+_COLLECTIVE_VARIANTS = ["pmap native (copy 2)", "tpustrat", "op without run", "scatter_gather", "doubling",
+                        "stacked"]
+_CDO_VARIANTS = [
+    "per tensor", "per tensor (copy 2)", "per tensor, combiner off",
+    "num_packs=1", "num_packs=2", "num_packs=4", "num_packs=8",
+    "bytes_per_pack=1 MiB", "bytes_per_pack=4 MiB", "bytes_per_pack=16 MiB",
+    "agg small <=16 KiB x10", "agg small <=32 KiB x10", "agg small <=32 KiB x32", "agg small <=256 KiB x32",
+    "hierarchical copy, num_packs=1", "ring, num_packs=1", "to one device, 4 MiB packs",
+]
+_INPUT_LOOPS = ["on device", "iterator", "iterator, no prefetch", "bare device_put"]
+_KS = (1, 2, 10)  # 10: the k the tiny step's target row is reported for
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One run of a script: its flags, the "results agree" lines it must print, and its table's rows.
+
+  `key` names the table columns that identify a row; `rows` lists each expected row as the values of
+  those columns, in printing order.
+  """
+
+  script: str
+  flags: tuple[str, ...]
+  agree: tuple[str, ...]
+  key: tuple[str, ...]
+  rows: tuple[tuple[str, ...], ...]
+
+
+CASES = {
+    # README: `bench_run.py --noise-floor` (both steps, the hand-written second copy).
+    "run": Case(
+        "bench_run.py", ("--noise-floor", "--steps", "2", "--trials", "2"),
+        ("# tiny: results allclose;", "# mlp: results allclose;"),
+        ("step", "variant", "steps x trials"),
+        tuple((label, variant, "2 x 2") for label in (TINY, MLP) for variant in ("tpustrat", "hand-written (copy 2)"))),
+    # README: `bench_run.py --only tiny ...` (one benchmark, no noise floor: one hand-written copy).
+    "run-only-tiny": Case(
+        "bench_run.py", ("--only", "tiny", "--steps", "3", "--trials", "1"),
+        ("# tiny: results allclose;",),
+        ("step", "variant", "steps x trials"),
+        ((TINY, "tpustrat", "3 x 1"),)),
+    # README: `bench_collectives.py --mechanisms --noise-floor` with both default group shapes, at 1/4 MiB.
+    "collectives": Case(
+        "bench_collectives.py",
+        ("--mechanisms", "--noise-floor", "--sizes-mib", "0.25", "--groups", "2x4,4x2", "--trials", "2", "--calls", "1"),
+        ("# 2 groups of 4, 0.25 MiB/replica: results allclose;", "# 4 groups of 2, 0.25 MiB/replica: results allclose;"),
+        ("groups, size", "variant", "trials x calls"),
+        tuple((f"{groups}, 0.25 MiB/replica", variant, "2 x 1")
+              for groups in ("2 groups of 4", "4 groups of 2") for variant in _COLLECTIVE_VARIANTS)),
+    # README: `bench_input.py --steps 40 --trials 21 --buffer 2 --extra-rows`, on small batches.
+    "input": Case(
+        "bench_input.py",
+        ("--extra-rows", "--buffer", "2", "--steps", "2", "--trials", "2", "--batch", "64", "--features", "48",
+         "--distinct", "2"),
+        ("# results allclose; batch 64 x 48 float32",),
+        ("loop",),
+        tuple((loop,) for loop in _INPUT_LOOPS)),
+    # README: `--hidden 256` (a ReLU layer: the other model), the library's default buffer.
+    "input-hidden": Case(
+        "bench_input.py",
+        ("--extra-rows", "--hidden", "16", "--steps", "2", "--trials", "2", "--batch", "64", "--features", "48",
+         "--distinct", "2"),
+        ("# results allclose; batch 64 x 48 float32",),
+        ("loop",),
+        tuple((loop,) for loop in _INPUT_LOOPS)),
+    # README: `bench_cross_device_ops.py --algorithms --noise-floor`; the 161 tensors at width 1/16 (0.9 MiB).
+    "cross-device-ops": Case(
+        "bench_cross_device_ops.py",
+        ("--algorithms", "--noise-floor", "--width", "0.0625", "--trials", "2", "--calls", "1"),
+        ("# results allclose to per tensor;",),
+        ("variant",),
+        tuple((v,) for v in _CDO_VARIANTS)),
+    # README: `bench_cross_device_ops.py --only "num_packs=1,agg small <=32"` (a subset, plus the baseline).
+    "cross-device-ops-only": Case(
+        "bench_cross_device_ops.py",
+        ("--only", "num_packs=1,agg small <=32", "--width", "0.0625", "--trials", "1", "--calls", "1"),
+        ("# results allclose to per tensor;",),
+        ("variant",),
+        (("per tensor",), ("num_packs=1",), ("agg small <=32 KiB x10",), ("agg small <=32 KiB x32",))),
+    # README: `bench_multistep.py` (tiny with the input family, and mlp), with k = 1, 2, 10.
+    "multistep": Case(
+        "bench_multistep.py", ("--ks", *map(str, _KS), "--steps", "10", "--trials", "1"),
+        ("# tiny: final states allclose;", "# mlp: final states allclose;"),
+        ("step", "variant", "steps per program (k)", "steps x trials"),
+        tuple((TINY, family, str(k), "10 x 1") for family in ("tpustrat", "plain JAX", "tpustrat + input")
+              for k in _KS)
+        + tuple((MLP, family, str(k), "10 x 1") for family in ("tpustrat", "plain JAX") for k in _KS)),
+}
+
+
+def run_script(script: str, *flags: str) -> str:
+  """Runs ``benchmarks/SCRIPT FLAGS --cpu-devices 8`` from the repository root; returns stdout + stderr."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script configures the devices itself
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *flags, "--cpu-devices", "8"], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0, f"{script} {' '.join(flags)} exited with {proc.returncode}:\n{out[-8000:]}"
+  return proc.stdout
+
+
+def markdown_table(text: str) -> list[dict[str, str]]:
+  """The rows of the one markdown table in `text`, each as {column name: cell}."""
+  lines = [line for line in text.splitlines() if line.startswith("|")]
+  assert len(lines) >= 2, f"no markdown table in:\n{text}"
+  def cells(line: str) -> list[str]:
+    assert line.endswith("|"), line
+    return [c.strip() for c in line[1:-1].split("|")]
+
+  header, rule, *rows = (cells(line) for line in lines)
+  assert all(set(c) <= set("-:") and c for c in rule) and len(rule) == len(header), lines[1]
+  assert all(len(r) == len(header) for r in rows), lines
+  return [dict(zip(header, r)) for r in rows]
+
+
+def test_markdown_table_parser():
+  text = "# a comment\n\n| a | b c |\n|---|---:|\n| x, y | 1.0 [0.9, 1.1] |\n| z |  |\n\nfooter\n"
+  assert markdown_table(text) == [{"a": "x, y", "b c": "1.0 [0.9, 1.1]"}, {"a": "z", "b c": ""}]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_benchmark_runs_and_its_variants_agree(name):
+  case = CASES[name]
+  out = run_script(case.script, *case.flags)
+  assert out.startswith("# jax "), out[:500]  # the machine line
+  for line in case.agree:
+    assert sum(x.startswith(line) for x in out.splitlines()) == 1, f"missing {line!r} in:\n{out}"
+  rows = markdown_table(out)
+  assert [tuple(r[c] for c in case.key) for r in rows] == list(case.rows), out
