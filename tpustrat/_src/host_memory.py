@@ -42,6 +42,12 @@ def owned_copy(x: np.ndarray) -> np.ndarray:
   return out
 
 
+def owned_copies(tree: Any) -> Any:
+  """`tree` with its numpy arrays copied into library memory: captured now, for a transfer that happens
+  later (inside a `jax.jit` call) and may read them in place."""
+  return jax.tree.map(lambda x: owned_copy(x) if isinstance(x, np.ndarray) else x, tree)
+
+
 @functools.cache
 def alias_alignment(device: jax.Device) -> int | None:
   """The smallest alignment (bytes) at which `jax.device_put` of a numpy array onto `device` aliases the
@@ -65,8 +71,9 @@ def alias_alignment(device: jax.Device) -> int | None:
 
 
 def may_alias(x: np.ndarray, parts: int, align: int) -> bool:
-  """Whether putting `x` split into `parts` along its first axis (``parts=1``: whole, or replicated) may
-  leave a device buffer on `x`'s memory: some part starts `align`-aligned."""
+  """Whether putting `x` split into `parts` along its first axis (``parts=1``: whole, or replicated;
+  else ``parts == x.shape[0]``, one part per index) may leave a device buffer on `x`'s memory: some part
+  starts `align`-aligned."""
   addr = x.ctypes.data
   step = x.strides[0] if x.ndim else 0
   if step % align == 0:

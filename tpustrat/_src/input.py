@@ -329,8 +329,16 @@ def _flatten_batch(batch: Any, index: int, what: str) -> tuple[list[np.ndarray],
 
 
 def _detach(element: Any) -> Any:
-  """A raw element with its numpy arrays copied (it is kept while the source is read further)."""
-  return jax.tree.map(lambda x: owned_copy(x) if isinstance(x, np.ndarray) else x, element)
+  """A raw element with its arrays copied (it is kept while the source is read further): numpy arrays,
+  and array-likes that `np.asarray` would read in place (a torch tensor may share the source's buffer
+  just as well)."""
+  def copy(x: Any) -> Any:
+    if isinstance(x, np.ndarray):
+      return owned_copy(x)
+    if hasattr(x, "__array__") and not isinstance(x, (jax.Array, np.generic)):  # those are immutable
+      return np.array(np.asarray(x))  # copied by numpy: `__array__` may hand out its memory even so
+    return x
+  return jax.tree.map(copy, element)
 
 
 # -- background prefetch --------------------------------------------------------------------------
@@ -481,9 +489,9 @@ class DistributedDataset:
       live = self._open_iterator()
       if live is not None:  # it reads the source (maybe in its prefetch thread): ask it, not the source
         return live.element_spec
-      if self._one_shot:
-        first = self._read_ahead(self._source)
-        self._stash.extend(_detach(e) for e in first)  # the source may reuse the memory of what it gave
+      if self._one_shot:  # kept for the iteration; the source may reuse the memory of what it gave
+        first = self._read_ahead(self._source, detach=True)
+        self._stash.extend(first)
       else:
         first = self._read_ahead(iter(self._source))
       if not first:
@@ -491,9 +499,11 @@ class DistributedDataset:
       self._prepare(first, 0, count_only=True)
     return self._spec
 
-  def _read_ahead(self, it: Iterator[Any]) -> list[Any]:
+  def _read_ahead(self, it: Iterator[Any], detach: bool = False) -> list[Any]:
+    """The first step's raw element(s); with `detach`, each copied before the next is read (a per-replica
+    source may write the next replica's batch where the last one was)."""
     n = len(self._local) if self._per_replica else 1
-    return list(itertools.islice(it, n))
+    return [_detach(e) if detach else e for e in itertools.islice(it, n)]
 
   def __iter__(self) -> DistributedIterator:
     live = self._open_iterator()
@@ -645,9 +655,10 @@ class DistributedDataset:
     if self._per_replica:
       counts = np.zeros(n_local, np.int32)
       counts[:len(parts)] = [p[2] for p in parts]
-      if stacked is not None and stacked[0] == k:
-        leaves = stacked[1]
-      else:  # stacked for another k (element_spec, read meanwhile, grew it): the batches are unchanged
+      if stacked is not None:  # another iterator of this dataset may have grown k meanwhile: pad to it
+        # (not from `raw`: the source may have written later batches where the earlier ones were)
+        leaves = stacked[1] if stacked[0] == k else [_pad_rows_per_replica(x, k) for x in stacked[1]]
+      else:
         leaves = [_stack_padded([p[0][i] for p in parts], n_local, k) for i in range(len(parts[0][0]))]
       return _Prepared(treedef, leaves, counts, True)
     rows = parts[0][2]
@@ -721,8 +732,12 @@ class DistributedDataset:
       if not single:
         if not stacks:
           stacks = [host_empty((group,) + x.shape, x.dtype) for x in p.leaves]
-        for s, x in zip(stacks, p.leaves):
-          s[len(prepared)] = x
+        for i, x in enumerate(p.leaves):
+          if x.dtype != stacks[i].dtype:  # promoted, as np.stack would: no batch's values are cast away
+            promoted = host_empty(stacks[i].shape, np.result_type(stacks[i].dtype, x.dtype))
+            promoted[:len(prepared)] = stacks[i][:len(prepared)]
+            stacks[i] = promoted
+          stacks[i][len(prepared)] = x
       prepared.append(p)
     state.produced += len(prepared)
     if single:
@@ -823,6 +838,14 @@ def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
   out = host_empty((rows,) + x.shape[1:], x.dtype)
   out[:x.shape[0]] = x
   out[x.shape[0]:] = 0
+  return out
+
+
+def _pad_rows_per_replica(x: np.ndarray, k: int) -> np.ndarray:
+  """``[n, k, ...]`` from ``[n, k0, ...]`` (k0 <= k), zero-padded."""
+  out = host_empty((x.shape[0], k) + x.shape[2:], x.dtype)
+  out[:, :x.shape[1]] = x
+  out[:, x.shape[1]:] = 0
   return out
 
 
@@ -1062,7 +1085,9 @@ class DistributedIterator:
     self._produce = functools.partial(self._dataset._produce, it, self._state)  # pylint: disable=protected-access
 
   def _stop_prefetch(self, what: str) -> None:
-    """Stops the prefetch thread and waits for it, so that it no longer reads the source."""
+    """Stops the prefetch thread and waits for it, so that it no longer reads the source, and for the
+    transfer out of the source's memory it may have left (the batch handed out last, which the thread
+    would have waited for before reading on): the source may be read again after this."""
     if self._prefetcher is None:
       return
     self._prefetcher.close()
@@ -1070,6 +1095,9 @@ class DistributedIterator:
     if self._dataset._one_shot and self._prefetcher.is_alive():  # pylint: disable=protected-access
       raise RuntimeError(f"{what}: the prefetch thread is still reading from the (one-shot) dataset.")
     self._prefetcher = None
+    pending, self._state.pending = self._state.pending, None
+    if pending is not None:
+      jax.block_until_ready(pending)
 
   def close(self) -> None:
     """Stops the background prefetch thread; later `next` calls raise `StopIteration`.

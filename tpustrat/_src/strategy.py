@@ -9,7 +9,7 @@ that hold distributed values (`tpustrat._src.reduce`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -18,9 +18,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
+from tpustrat._src import host_memory, multistep
 from tpustrat._src import input as input_lib
 from tpustrat._src import logical as logical_lib
-from tpustrat._src import multistep
 from tpustrat._src import reduce as reduce_lib
 from tpustrat._src import topology as topology_lib
 from tpustrat._src.cross_device_ops import CrossDeviceExtendedMixin
@@ -129,7 +129,10 @@ class Strategy:
       fn: the step function. It is traced once per argument signature (structure, shapes, dtypes) and
         the compiled program is reused; keep the same function object across steps.
       args: positional arguments (a tuple or list). `PerReplica` leaves give each replica its own
-        component; `Mirrored` values, arrays and Python scalars are given whole to every replica.
+        component; `Mirrored` values, arrays and Python scalars are given whole to every replica. A numpy
+        array is captured when `run` is called, as in TF: `run` returns after its transfer has completed
+        (on XLA:CPU, where the transfer of a 64-byte-aligned array would alias it, after a copy), so the
+        caller may write into the array as soon as `run` returns.
       kwargs: keyword arguments, treated like `args`.
       options: a `RunOptions`.
 
@@ -208,7 +211,11 @@ class Strategy:
         changes shape or dtype or becomes per-replica.
       TypeError: `fn` does not return a pair, or returns values that cannot be stacked (not arrays).
     """
-    return multistep.run_steps(self, fn, iterator, steps, init, options)
+    # TF captures numpy values when they are handed over, as `run` does its arguments: the program reads
+    # `init` and stacked batches after this returns (on XLA:CPU, in place), so they are copied first.
+    if not isinstance(iterator, Iterator):
+      iterator = host_memory.owned_copies(iterator)
+    return multistep.run_steps(self, fn, iterator, steps, host_memory.owned_copies(init), options)
 
   def experimental_mirror(self, value: Any) -> Any:
     """Returns `value` laid out as `run` returns replicated values: every array a `Mirrored` on every device.
