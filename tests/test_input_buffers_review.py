@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import tpustrat
+from tpustrat._src import host_memory
 
 ROWS, COLS, STEPS = 16, 64, 5
 
@@ -170,3 +171,36 @@ def test_run_steps_captures_numpy_stacked_batches_when_called(strategy, offset):
     batches[...] = -1
     for r in strategy.experimental_local_results(total):
       assert float(r) == i * batches.size
+
+
+def test_may_alias_only_for_arrays_the_transfer_would_alias():
+  """`host_memory.may_alias` is checked against what `jax.device_put` does: arrays JAX converts
+  (float64 without x64) or re-lays out (transposed, strided) reach the device through new memory."""
+  device = jax.devices()[0]
+  align = host_memory.alias_alignment(device)
+  if align is None:
+    pytest.skip("this backend copies host memory to the devices")
+  base = host_memory.host_empty((64, 128), np.float32)
+  cases = {"contiguous": host_memory.host_empty((64, 64), np.float32),
+           "transposed": host_memory.host_empty((64, 64), np.float32).T,
+           "strided": base[:, ::2],
+           "float64": host_memory.host_empty((64, 64), np.float64)}
+  for name, x in cases.items():
+    x[...] = 1
+    put = jax.device_put(x, device)
+    put.block_until_ready()
+    aliased = put.unsafe_buffer_pointer() == x.ctypes.data
+    assert host_memory.may_alias(x, 1, align) == aliased, name
+    assert aliased == (name == "contiguous"), name
+
+
+def test_run_with_an_object_array_raises_jax_error(strategy):
+  # Whatever its address (a 64-byte-aligned one would otherwise be copied first), the capture path
+  # leaves an object array to JAX's own, clear, error.
+  arrays = [np.empty(8, object) for _ in range(200)]
+  aligned = [x for x in arrays if x.ctypes.data % 64 == 0][:1]
+  other = [x for x in arrays if x.ctypes.data % 64][:1]
+  assert aligned and other
+  for x in aligned + other:
+    with pytest.raises(TypeError, match="not a valid JAX array type"):
+      strategy.run(lambda v: v, args=(x,))

@@ -73,7 +73,12 @@ def alias_alignment(device: jax.Device) -> int | None:
 def may_alias(x: np.ndarray, parts: int, align: int) -> bool:
   """Whether putting `x` split into `parts` along its first axis (``parts=1``: whole, or replicated;
   else ``parts == x.shape[0]``, one part per index) may leave a device buffer on `x`'s memory: some part
-  starts `align`-aligned."""
+  starts `align`-aligned. Never for arrays JAX first converts (a dtype it canonicalizes, such as float64
+  without x64) or lays out anew (not C-contiguous): those reach the devices through new memory."""
+  if x.dtype.hasobject or x.dtype.kind in "OSUMm":  # not an array dtype: JAX raises its own error
+    return False
+  if not x.flags.c_contiguous or jax.dtypes.canonicalize_dtype(x.dtype) != x.dtype:
+    return False
   addr = x.ctypes.data
   step = x.strides[0] if x.ndim else 0
   if step % align == 0:

@@ -462,8 +462,8 @@ class DistributedDataset:
       self._splits = (NamedSharding(mesh, P(mesh.axis_names[0])), NamedSharding(mesh, P(None, mesh.axis_names[0])))
     self._multi_process = len(self._local) != self._num_replicas
     # XLA:CPU aliases aligned host memory on transfer (see "host memory"): None where it always copies.
-    device = jax.devices()[0] if mesh is None else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-    self._alias_align = host_memory.alias_alignment(device)
+    local = jax.devices()[:1] if mesh is None else [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    self._alias_align = host_memory.alias_alignment(local[0]) if local else None
     self._local_index = {r: i for i, r in enumerate(self._local)}  # replica -> its row in local arrays
     self._k = 0  # padded rows per replica (the first batch's); only grows
     self._batch_rows = 0  # rows of a full batch (global, or per replica for from_function)
