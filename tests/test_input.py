@@ -234,6 +234,42 @@ def test_tf_data_dataset(strategy):
   np.testing.assert_array_equal(np.concatenate(got), X)
 
 
+def test_tf_data_partial_batch_tuples_and_epochs(strategy):
+  # TF's own usage: (features, labels) tuples, a last batch of 40 % 16 = 8 rows, one pass per epoch.
+  tf = pytest.importorskip("tensorflow")
+  ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
+  dist = strategy.experimental_distribute_dataset(ds)
+  for _ in range(2):  # a tf.data.Dataset is re-iterable: each iter() is a new epoch
+    sums, rows = [], []
+    for x, y in dist:
+      sums.append(float(strategy.reduce("SUM", strategy.run(lambda a: a.sum(axis=1), args=(x,)), axis=0)))
+      rows.append(np.asarray(strategy.gather(y, axis=0)))
+    np.testing.assert_allclose(sums, [X[i:i + 16].sum() for i in range(0, 40, 16)])
+    np.testing.assert_array_equal(np.concatenate(rows), Y)
+
+
+def test_tf_data_from_function_shards_per_input_pipeline(strategy):
+  # TF's pattern for datasets_from_function: shard by input pipeline, batch per replica.
+  tf = pytest.importorskip("tensorflow")
+  n = strategy.num_replicas_in_sync
+  contexts = []
+
+  def dataset_fn(ctx):
+    contexts.append(ctx)
+    per_replica = ctx.get_per_replica_batch_size(2 * n)
+    return (tf.data.Dataset.range(6 * n).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            .map(lambda i: tf.cast(i, tf.int32)).batch(per_replica))
+
+  dist = strategy.experimental_distribute_datasets_from_function(dataset_fn)
+  steps = [[np.asarray(r) for r in strategy.experimental_local_results(b)] for b in dist]
+  assert len(contexts) == 1 and contexts[0].num_input_pipelines == 1
+  assert len(steps) == 3
+  for s, step in enumerate(steps):  # each replica dequeues the next per-replica batch of 2
+    for r, rows in enumerate(step):
+      first = (s * n + r) * 2
+      np.testing.assert_array_equal(rows, [first, first + 1])
+
+
 # -- iterator protocol, element_spec, options ----------------------------------------------------------
 
 
