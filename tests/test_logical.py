@@ -263,12 +263,75 @@ def test_assign_with_gradients(s42, rng):
   np.testing.assert_allclose(g.values[0], want, rtol=1e-5, atol=1e-6)
 
 
-def test_assign_inside_a_nested_jit_is_an_error_not_a_no_op(s42):
-  def step(x):
-    return jax.jit(lambda y: s42.experimental_assign_to_logical_device(y * 2.0, 1))(x)
+def test_assign_inside_a_nested_jit_or_checkpoint_is_placed(s42, rng):
+  x = rng.normal(size=(4, 6)).astype(np.float32)
 
-  with pytest.raises(NotImplementedError, match="inside a nested jax.jit"):
-    s42.run(step, args=(1.0,))
+  def step_jit(v):
+    return jax.jit(lambda y: s42.experimental_assign_to_logical_device(jnp.cos(y) * 2.0, 1))(v)
+
+  def step_checkpoint(v):
+    return jax.checkpoint(lambda y: s42.experimental_assign_to_logical_device(jnp.cos(y) * 2.0, 1))(v)
+
+  args = (per_replica(s42, x),)
+  for step in (step_jit, step_checkpoint):
+    out = s42.run(step, args=args)
+    np.testing.assert_allclose(np.stack(out.values), np.cos(x) * 2.0, rtol=1e-6)
+    comps = computations(compiled_hlo(s42, step, args))
+    assert not ops_in(comps, reachable(comps, "ENTRY", through_branches=False), "cosine"), step.__name__
+    assert ops_in(comps, reachable(comps, "ENTRY", through_branches=True), "cosine"), step.__name__
+
+
+def test_assign_inside_a_scan_is_placed_every_iteration(s42, rng):
+  x = rng.normal(size=(4, 6)).astype(np.float32)
+  ts = np.arange(1.0, 4.0, dtype=np.float32)
+
+  def step(v):
+    def body(c, t):
+      z = s42.experimental_assign_to_logical_device(jnp.tanh(c * t), 1)
+      return z + 1.0, z.sum()
+    return lax.scan(body, v, ts)
+
+  args = (per_replica(s42, x),)
+  carry, ys = s42.run(step, args=args)
+  want_c, want_y = x.copy(), []
+  for t in ts:
+    z = np.tanh(want_c * t)
+    want_y.append(z.sum(axis=1))
+    want_c = z + 1.0
+  np.testing.assert_allclose(np.stack(carry.values), want_c, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.stack(ys.values), np.stack(want_y, axis=1), rtol=1e-5, atol=1e-5)
+  comps = computations(compiled_hlo(s42, step, args))
+  assert "while(" in comps["ENTRY"] or any("while(" in c for c in comps.values())  # still a loop
+  assert not ops_in(comps, reachable(comps, "ENTRY", through_branches=False), "tanh")  # only in a branch
+  assert ops_in(comps, reachable(comps, "ENTRY", through_branches=True), "tanh")
+
+
+def test_gradient_through_a_scan_with_assign(s42, rng):
+  x = rng.normal(size=(4, 6)).astype(np.float32)
+
+  def step(v):
+    def loss(v):
+      def body(c, t):
+        return s42.experimental_assign_to_logical_device(jnp.tanh(c * t), 0), None
+      c, _ = lax.scan(body, v, jnp.arange(1.0, 3.0))
+      return c.sum()
+    return jax.grad(loss)(v)
+
+  g = s42.run(step, args=(per_replica(s42, x),))
+  a = np.tanh(x * 1.0)  # d/dv sum(tanh(2 tanh(v))) = (1 - tanh(2a)^2) * 2 * (1 - a^2)
+  np.testing.assert_allclose(np.stack(g.values), (1 - np.tanh(2 * a) ** 2) * 2 * (1 - a ** 2), rtol=1e-5, atol=1e-6)
+
+
+def test_assign_inside_cond_or_while_is_an_error_not_a_no_op(s42):
+  def step_cond(x):
+    return lax.cond(x > 0, lambda y: s42.experimental_assign_to_logical_device(y * 2.0, 1), lambda y: y, x)
+
+  def step_while(x):
+    return lax.while_loop(lambda c: c < 10.0, lambda c: s42.experimental_assign_to_logical_device(c * 2.0, 1), x)
+
+  for step in (step_cond, step_while):
+    with pytest.raises(NotImplementedError, match="lax.cond, lax.while_loop"):
+      s42.run(step, args=(1.0,))
 
 
 def test_assign_of_a_control_flow_result_is_an_error(s42):

@@ -37,9 +37,12 @@ steered by these annotations:
     entered the step whole on every core of the replica, and the annotation returns it unchanged;
   - operations with side effects (callbacks, prints) and sharding annotations stay outside the placed
     computation, as do its inputs: values split across cores are gathered to every core first;
-  - the annotation must be at the top level of the step function (plain Python, `jax.grad` and
-    `jax.vmap` are fine). Inside a nested `jax.jit`, `lax.scan`, `lax.cond`, `jax.checkpoint` ...
-    compiling the step raises an error that says so;
+  - the annotation may be at the top level of the step function (plain Python, `jax.grad` and
+    `jax.vmap` are fine), inside a nested `jax.jit`, `jax.checkpoint` or custom-derivative call (the
+    call is evaluated inline, its body placed like the step's own; a checkpoint's rematerialisation is
+    not kept for it), or inside a `lax.scan` body (the scan is re-emitted with each iteration's body
+    placed). Inside `lax.cond`, `lax.while_loop` or another sub-program, compiling the step raises an
+    error that says so;
   - gradients: only the forward computation is placed (tangents and cotangents pass unannotated).
 
 With one core per replica the mesh has no core axes, `run` is manual over every axis as before, split
@@ -240,11 +243,11 @@ def _assign_batch(args: Sequence[Any], dims: Sequence[Any], *, logical_device_id
 def _assign_lowering(ctx: Any, x: Any, *, logical_device_id: int) -> Any:
   del ctx, x
   raise NotImplementedError(
-      f"strategy.experimental_assign_to_logical_device(..., {logical_device_id}) was used inside a nested "
-      "jax.jit, lax.scan, lax.cond, lax.while_loop, jax.checkpoint (or another transformation with its own "
-      "sub-program) within the step function. tpustrat places the tensor's computation on one logical "
-      "device by rewriting the step function's own operations; call the annotation at the top level of "
-      "the function given to strategy.run (jax.grad and jax.vmap there are fine).")
+      f"strategy.experimental_assign_to_logical_device(..., {logical_device_id}) was used inside lax.cond, "
+      "lax.while_loop, or another transformation with its own sub-program, within the step function. "
+      "tpustrat places the tensor's computation on one logical device by rewriting the step function's "
+      "operations: call the annotation at the top level of the function given to strategy.run, inside a "
+      "nested jax.jit or jax.checkpoint, or inside a lax.scan body (jax.grad and jax.vmap are fine).")
 
 
 ad.primitive_jvps[_assign_p] = _assign_jvp
@@ -275,6 +278,13 @@ def _varying(aval: Any) -> tuple[str, ...]:
   return tuple(sorted(getattr(aval, "vma", ())))
 
 
+def _has_assign(eqn: Any) -> bool:
+  """Whether `eqn` is, or contains in a sub-program, an `assign_to_logical_device` marker."""
+  if eqn.primitive is _assign_p:
+    return True
+  return any(_has_assign(e) for sub in jex_core.jaxprs_in_params(eqn.params) for e in sub.eqns)
+
+
 def _has_annotations(eqn: Any) -> bool:
   """Whether `eqn` is (or contains) a sharding annotation or a placement marker."""
   if eqn.primitive is _assign_p or eqn.primitive.name == "sharding_constraint":
@@ -285,10 +295,11 @@ def _has_annotations(eqn: Any) -> bool:
   return False
 
 
-# Calls whose body is re-bound inline when placed (see `_bind_jaxpr`); other primitives with
-# sub-programs (lax.cond / while_loop / scan, nested shard_map, ...) cannot be placed.
+# Calls whose body is re-bound inline when placed (see `_bind_jaxpr`), or evaluated inline when it holds
+# a placement (`_evaluate`); other primitives with sub-programs (lax.cond / while_loop / scan, nested
+# shard_map, ...) cannot be placed on one core (a scan body with placements is re-emitted, `_placed_scan`).
 _INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                     "custom_vjp_call_jaxpr", "checkpoint", "remat"})
+                     "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2"})
 _BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
@@ -523,6 +534,16 @@ def _evaluate(closed: Any, args: Sequence[Any], core_axes: tuple[str, ...], num_
     elif eqn.primitive is _assign_p:
       flush()
       env[eqn.outvars[0]] = read(eqn.invars[0])
+    elif _has_assign(eqn) and eqn.primitive.name in _INLINE and _body(eqn) is not None:
+      # A nested jit / checkpoint / custom-derivative call with a placement inside: evaluated inline, its
+      # body placed like the step's own (a checkpoint's rematerialisation is not kept).
+      flush()
+      body, consts = _body(eqn)
+      env.update(zip(eqn.outvars, _evaluate(jex_core.ClosedJaxpr(body, consts), [read(v) for v in eqn.invars],
+                                            core_axes, num_replicas)))
+    elif _has_assign(eqn) and eqn.primitive.name == "scan":
+      flush()
+      env.update(zip(eqn.outvars, _placed_scan(eqn, [read(v) for v in eqn.invars], core_axes, num_replicas)))
     elif num_replicas == 1 and _is_replica_collective(eqn):
       # XLA's SPMD partitioner rejects a collective over a manual axis of size 1 once sharding propagation
       # has split it over the core axes ("Cross-partition allreduce must be in (partial) manual
@@ -536,6 +557,22 @@ def _evaluate(closed: Any, args: Sequence[Any], core_axes: tuple[str, ...], num_
       segment.append(eqn)
   flush()
   return [read(v) for v in jaxpr.outvars]
+
+
+def _placed_scan(eqn: Any, args: list[Any], core_axes: tuple[str, ...], num_replicas: int) -> list[Any]:
+  """A `lax.scan` equation whose body places computations on logical cores: the same scan, with each
+  iteration's body evaluated by `_evaluate`."""
+  params = eqn.params
+  num_consts, num_carry = params["num_consts"], params["num_carry"]
+  consts, init, xs = args[:num_consts], args[num_consts:num_consts + num_carry], args[num_consts + num_carry:]
+
+  def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+    outs = _evaluate(params["jaxpr"], [*consts, *carry, *x], core_axes, num_replicas)
+    return outs[:num_carry], outs[num_carry:]
+
+  carry, ys = lax.scan(body, list(init), list(xs), length=params["length"], reverse=params["reverse"],
+                       unroll=params["unroll"])
+  return [*carry, *ys]
 
 
 def _is_array_like(x: Any) -> bool:

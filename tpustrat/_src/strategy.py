@@ -540,8 +540,9 @@ class TPUStrategy(Strategy):
     for exactly what is placed.
 
     Args:
-      tensor: an array (or pytree) computed inside the function given to `run`, at its top level (not
-        inside a nested `jax.jit`, `lax.scan`, ...).
+      tensor: an array (or pytree) computed inside the function given to `run`: at its top level, or
+        inside a nested `jax.jit` or `jax.checkpoint` (evaluated inline) or a `lax.scan` body (placed in
+        every iteration); not inside `lax.cond` or `lax.while_loop` (a compile-time error).
       logical_device_id: which logical device, ``0 <= id < num_cores_per_replica``.
 
     Returns:
