@@ -167,8 +167,7 @@ class Engine:
     self._split = NamedSharding(mesh, P(axis_name))
     self._core_axes = tuple(a for a in mesh.axis_names if a != axis_name)  # logical cores of a replica
     self.max_steps_in_flight = _DEFAULT_STEPS_IN_FLIGHT
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    self._alias_align = host_memory.alias_alignment(local[0]) if local else None
+    self._alias_align = host_memory.mesh_alias_alignment(mesh)
 
   def run(self, fn: Callable[..., Any], args: Any, kwargs: Any, options: RunOptions | None) -> Any:
     kwargs = check_run_call(fn, args, kwargs)
@@ -257,10 +256,10 @@ class Engine:
       return jax.device_put(x, target)
     # TF captures a numpy argument when `run` is called; JAX's transfer may read it later (host_memory).
     parts = self._strategy.num_replicas_in_sync if target is self._split else 1
-    if self._alias_align is not None and host_memory.may_alias(x, parts, self._alias_align):
-      return jax.device_put(host_memory.owned_copy(x), target)
-    placed = jax.device_put(x, target)
-    placed.block_until_ready()
+    captured = host_memory.unaliased(x, parts, self._alias_align)
+    placed = jax.device_put(captured, target)
+    if captured is x:  # the caller's memory: wait until the transfer has read it
+      placed.block_until_ready()
     return placed
 
   def wait(self) -> None:

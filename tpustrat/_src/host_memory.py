@@ -42,6 +42,21 @@ def owned_copy(x: np.ndarray) -> np.ndarray:
   return out
 
 
+def unaliased(x: np.ndarray, parts: int, align: int | None) -> np.ndarray:
+  """`x`, or a copy of it in library memory if putting it split into `parts` (see `may_alias`) onto a
+  backend that aliases `align`-aligned host memory (`alias_alignment`; None: it always copies) would
+  leave a device buffer on `x`'s memory."""
+  return owned_copy(x) if align is not None and may_alias(x, parts, align) else x
+
+
+def mesh_alias_alignment(mesh: jax.sharding.Mesh | None) -> int | None:
+  """`alias_alignment` of this process's first device of `mesh` (None: the default device); None if
+  the mesh has no device in this process."""
+  local = jax.devices()[:1] if mesh is None else [d for d in mesh.devices.flat
+                                                  if d.process_index == jax.process_index()]
+  return alias_alignment(local[0]) if local else None
+
+
 def owned_copies(tree: Any) -> Any:
   """`tree` with its numpy arrays copied into library memory: captured now, for a transfer that happens
   later (inside a `jax.jit` call) and may read them in place."""

@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
 from tpustrat._src import host_memory, multistep
-from tpustrat._src.host_memory import host_empty, owned_copy
+from tpustrat._src.host_memory import host_empty
 from tpustrat._src.values import PerReplica
 
 if TYPE_CHECKING:
@@ -332,13 +332,11 @@ def _detach(element: Any) -> Any:
   """A raw element with its arrays copied (it is kept while the source is read further): numpy arrays,
   and array-likes that `np.asarray` would read in place (a torch tensor may share the source's buffer
   just as well)."""
-  def copy(x: Any) -> Any:
-    if isinstance(x, np.ndarray):
-      return owned_copy(x)
-    if hasattr(x, "__array__") and not isinstance(x, (jax.Array, np.generic)):  # those are immutable
-      return np.array(np.asarray(x))  # copied by numpy: `__array__` may hand out its memory even so
+  def as_numpy(x: Any) -> Any:  # jax arrays and numpy scalars are immutable: kept as they are
+    if hasattr(x, "__array__") and not isinstance(x, (np.ndarray, jax.Array, np.generic)):
+      return np.asarray(x)  # a view of its memory, copied next
     return x
-  return jax.tree.map(copy, element)
+  return host_memory.owned_copies(jax.tree.map(as_numpy, element))
 
 
 # -- background prefetch --------------------------------------------------------------------------
@@ -462,8 +460,7 @@ class DistributedDataset:
       self._splits = (NamedSharding(mesh, P(mesh.axis_names[0])), NamedSharding(mesh, P(None, mesh.axis_names[0])))
     self._multi_process = len(self._local) != self._num_replicas
     # XLA:CPU aliases aligned host memory on transfer (see "host memory"): None where it always copies.
-    local = jax.devices()[:1] if mesh is None else [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    self._alias_align = host_memory.alias_alignment(local[0]) if local else None
+    self._alias_align = host_memory.mesh_alias_alignment(mesh)
     self._local_index = {r: i for i, r in enumerate(self._local)}  # replica -> its row in local arrays
     self._k = 0  # padded rows per replica (the first batch's); only grows
     self._batch_rows = 0  # rows of a full batch (global, or per replica for from_function)
@@ -599,11 +596,7 @@ class DistributedDataset:
         ok = False
         continue
       elif rows > k:  # a larger batch than the step's first: grow the stack
-        grown = [host_empty((n, rows) + s.shape[2:], s.dtype) for s in stack]
-        for g, s in zip(grown, stack):
-          g[:j, :k] = s[:j]
-          g[:j, k:] = 0
-        stack, k = grown, rows
+        stack, k = [_pad_rows_per_replica(s, rows) for s in stack], rows
       for s, x in zip(stack, leaves):
         s[j, :rows] = x
         s[j, rows:] = 0
@@ -789,9 +782,7 @@ class DistributedDataset:
   def _unaliased(self, leaves: list[np.ndarray], owned: bool, parts: int) -> list[np.ndarray]:
     """`leaves`, with those in the source's memory that a transfer would alias (XLA:CPU, aligned)
     copied first."""
-    if owned or self._alias_align is None:
-      return leaves
-    return [owned_copy(x) if host_memory.may_alias(x, parts, self._alias_align) else x for x in leaves]
+    return leaves if owned else [host_memory.unaliased(x, parts, self._alias_align) for x in leaves]
 
   def _valid_array(self, counts: np.ndarray) -> jax.Array:
     key = (counts.shape, counts.tobytes())

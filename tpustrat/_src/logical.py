@@ -534,16 +534,18 @@ def _evaluate(closed: Any, args: Sequence[Any], core_axes: tuple[str, ...], num_
     elif eqn.primitive is _assign_p:
       flush()
       env[eqn.outvars[0]] = read(eqn.invars[0])
-    elif _has_assign(eqn) and eqn.primitive.name in _INLINE and _body(eqn) is not None:
-      # A nested jit / checkpoint / custom-derivative call with a placement inside: evaluated inline, its
-      # body placed like the step's own (a checkpoint's rematerialisation is not kept).
+    elif _has_assign(eqn) and (eqn.primitive.name == "scan" or
+                               (eqn.primitive.name in _INLINE and _body(eqn) is not None)):
       flush()
-      body, consts = _body(eqn)
-      env.update(zip(eqn.outvars, _evaluate(jex_core.ClosedJaxpr(body, consts), [read(v) for v in eqn.invars],
-                                            core_axes, num_replicas)))
-    elif _has_assign(eqn) and eqn.primitive.name == "scan":
-      flush()
-      env.update(zip(eqn.outvars, _placed_scan(eqn, [read(v) for v in eqn.invars], core_axes, num_replicas)))
+      args = [read(v) for v in eqn.invars]
+      if eqn.primitive.name == "scan":
+        outs = _placed_scan(eqn, args, core_axes, num_replicas)
+      else:
+        # A nested jit / checkpoint / custom-derivative call with a placement inside: evaluated inline,
+        # its body placed like the step's own (a checkpoint's rematerialisation is not kept).
+        body, consts = _body(eqn)
+        outs = _evaluate(jex_core.ClosedJaxpr(body, consts), args, core_axes, num_replicas)
+      env.update(zip(eqn.outvars, outs))
     elif num_replicas == 1 and _is_replica_collective(eqn):
       # XLA's SPMD partitioner rejects a collective over a manual axis of size 1 once sharding propagation
       # has split it over the core axes ("Cross-partition allreduce must be in (partial) manual
