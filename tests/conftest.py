@@ -51,3 +51,22 @@ def _load_example(name: str):
 def load_example():
   """A function that imports an example script by name (``load_example("classifier")``)."""
   return _load_example
+
+
+def assert_close(actual, expected, *, rtol: float = 1e-5, scale=None, err_msg: str = "") -> None:
+  """`np.testing.assert_allclose` with ``atol = rtol * scale``, for float results of a reduction.
+
+  A sum, mean, matmul, all-reduce, gradient or optimizer step rounds relative to the magnitude of what it
+  adds up, not of its result, and the backend may add in any order: an element that cancels to near zero
+  can differ by ~1e-7 of its operands on another CPU. `scale` is that magnitude (a number or an array,
+  whose largest absolute value is used, e.g. ``np.abs(x).sum(0)``); by default max |expected|, which is
+  wrong when the whole result cancels (a gradient that is zero in theory): pass `scale` then. A sum of n
+  values added in any order, each addition rounded, is within ``(n - 1) * eps / 2 * sum|x|``: the default
+  rtol covers float32 sums of up to ~160 terms; pass ``rtol=n * float(jnp.finfo(dtype).eps) / 2`` for
+  bfloat16 / float16.
+  """
+  actual = np.asarray(actual, np.float64)
+  expected = np.asarray(expected, np.float64)
+  scale = np.abs(expected) if scale is None else np.abs(np.asarray(scale, np.float64))
+  atol = rtol * float(scale.max(initial=0.0))
+  np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=err_msg)

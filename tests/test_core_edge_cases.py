@@ -94,7 +94,7 @@ def test_grouped_all_reduce_rejects_options(strategy):
   with pytest.raises(ValueError, match="grouped reductions use the XLA collective directly"):
     strategy.run(fn)
   grouped = strategy.run(
-      lambda: tpustrat.get_replica_context().all_reduce("SUM", jnp.ones(()), group_assignment=[[0, 1, 2, 3], [4, 5, 6, 7]]))
+      lambda: tpustrat.get_replica_context().all_reduce("SUM", 1.0, group_assignment=[[0, 1, 2, 3], [4, 5, 6, 7]]))
   assert [float(v) for v in strategy.experimental_local_results(grouped)] == [4.0] * N
 
 

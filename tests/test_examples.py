@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_close
 from flax import nnx
 
 import tpustrat
@@ -102,10 +103,13 @@ def test_one_step_matches_single_device_computation(classifier, strategy):
   np.testing.assert_allclose(got["opt_state"][0].count, expected_opt_state[0].count)
   # Adam's first moment after one step is (1 - b1) * grad: it pins the gradient's scale, which the
   # sign-like first Adam update would not (a gradient summed twice would still pass a params check).
+  # Gradients are sums over the batch, added in another order on 8 replicas: each leaf's tolerance scales
+  # with its largest element. Parameters: with Adam's step too (learning rate 1e-2), lr * g / (|g| + eps),
+  # which a gradient that cancels to near zero makes sensitive to rounding.
   for name, expected in (("mu", expected_opt_state[0].mu), ("nu", expected_opt_state[0].nu)):
-    jax.tree.map(lambda g, e, name=name: np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-9, err_msg=name),
+    jax.tree.map(lambda g, e, name=name: assert_close(g, e, rtol=1e-4, err_msg=name),
                  host(nnx.to_pure_dict(getattr(got["opt_state"][0], name))), host(expected))
-  jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6),
+  jax.tree.map(lambda g, e: assert_close(g, e, rtol=1e-4, scale=np.abs(e) + 1e-2),
                host(nnx.to_pure_dict(got["params"])), host(expected_params))
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_close
 
 import tpustrat
 
@@ -158,13 +159,16 @@ def test_batchnorm_step_matches_one_device(bn, strategy):
       params, jax.tree.map(jnp.asarray, batch))
   got = strategy.experimental_local_results(new_state)[0]
   np.testing.assert_allclose(strategy.experimental_local_results(metrics["loss"])[0], loss, rtol=1e-5)
+  # A gradient is a sum over examples: it rounds relative to the gradients' magnitude, not its own (b1's,
+  # zero in theory as batch norm removes a bias, is only rounding).
+  grad_scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))
   for name in params:
-    np.testing.assert_allclose(got["params"][name], params[name] - grads[name], rtol=1e-4, atol=1e-6,
-                               err_msg=name)
+    assert_close(got["params"][name], params[name] - grads[name], rtol=1e-4,
+                 scale=np.abs(params[name]) + grad_scale, err_msg=name)
   # Moving averages: momentum towards the mean of the groups' statistics.
   stats = bn.numpy_group_statistics(state["params"], batch["x"], groups, 8)
   mean_of_groups = np.mean([m for m, _ in stats], axis=0)
-  np.testing.assert_allclose(got["batch_stats"]["mean"], 0.1 * mean_of_groups, rtol=1e-4, atol=1e-6)
+  assert_close(got["batch_stats"]["mean"], 0.1 * mean_of_groups, rtol=1e-4)
 
 
 def test_batchnorm_trains(bn):

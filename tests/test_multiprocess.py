@@ -115,6 +115,51 @@ def test_classifier_on_two_processes_gives_the_losses_of_one_process(job, across
   assert want[-1] < want[0]
 
 
+_NO_REPLICA = """
+import json
+import jax
+import numpy as np
+import tpustrat
+
+tpustrat.experimental_connect_to_cluster()  # before jax.devices()
+me = jax.process_index()
+strategy = tpustrat.TPUStrategy(device_assignment=[d for d in jax.devices() if d.process_index == 0])
+calls = []
+
+def value_fn(ctx):
+  calls.append(ctx.replica_id_in_sync_group)
+  return {"x": np.full([2], ctx.replica_id_in_sync_group, np.float32), "n": ctx.replica_id_in_sync_group}
+
+v = strategy.experimental_distribute_values_from_function(value_fn)
+doubled = strategy.run(lambda v: v["x"] * 2 + v["n"], args=(v,))
+total = strategy.reduce("SUM", doubled, axis=None)
+print("RESULT", json.dumps(dict(
+    calls=calls, workers=len(strategy.extended.worker_devices),
+    shapes=[list(a.shape) for a in jax.tree.leaves(v._value)],
+    dtypes=[str(a.dtype) for a in jax.tree.leaves(v._value)],
+    shards=[len(a.addressable_shards) for a in jax.tree.leaves(v._value)],
+    total=np.asarray(total).tolist() if me == 0 else None)), flush=True)
+"""
+
+
+def test_a_process_that_holds_no_replica_builds_values_from_function_too():
+  # A strategy on process 0's 4 devices only: process 1 holds none of its replicas. It contributes no
+  # data, but gets the same global value (no shards of its own) and follows run / reduce like process 0;
+  # value_fn ran there once, for replica 0, only for the value's structure, shapes and dtypes.
+  out = _launch("--timeout", "90", "--", "-c", _NO_REPLICA, timeout=120)
+  assert out.returncode == 0, out.stderr[-4000:]
+  results = {}
+  for line in out.stdout.splitlines():
+    prefix, _, payload = line.partition(" RESULT ")
+    if payload:
+      results[int(prefix.removeprefix("[proc ").rstrip("]"))] = json.loads(payload)
+  assert sorted(results) == [0, 1], out.stdout[-4000:]
+  want = dict(shapes=[[4], [4, 2]], dtypes=["int32", "float32"])  # leaves in key order: n, x
+  # total: the sum over replicas r = 0..3 of 2 * r + r
+  assert results[0] == dict(want, calls=[0, 1, 2, 3], workers=4, shards=[4, 4], total=[18.0, 18.0])
+  assert results[1] == dict(want, calls=[0], workers=0, shards=[0, 0], total=None)
+
+
 # -- faults -----------------------------------------------------------------------------------------
 
 

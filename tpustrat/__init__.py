@@ -1,16 +1,22 @@
 """tpustrat: TensorFlow's `tf.distribute` programming model (`TPUStrategy`, `run`, `reduce`, ...) on JAX.
 
-Every public name is re-exported here once; the code lives in `tpustrat._src`.
+Every public name is re-exported here once; the code lives in `tpustrat._src`. The public submodules
+(`tpustrat.ops`, `tpustrat.cluster_resolver`, `tpustrat.checkpoint`) are imported too, so that
+``import tpustrat`` is enough to use them, as with ``tf.raw_ops`` or ``jax.lax``. `tpustrat.launch` is a
+command-line entry point (``python -m tpustrat.launch``) and is imported on its own.
 """
 
 from tpustrat import checkpoint as checkpoint  # orbax itself is imported on first use
 from tpustrat import cluster_resolver as cluster_resolver
+from tpustrat import ops as ops
+from tpustrat._src.collectives import AlreadyReplicatedWarning as AlreadyReplicatedWarning
 from tpustrat._src.context import ReplicaContext as ReplicaContext
 from tpustrat._src.context import ValueContext as ValueContext
 from tpustrat._src.context import get_replica_context as get_replica_context
 from tpustrat._src.context import get_strategy as get_strategy
 from tpustrat._src.context import has_strategy as has_strategy
 from tpustrat._src.context import in_cross_replica_context as in_cross_replica_context
+from tpustrat._src.context import local_copy as local_copy
 from tpustrat._src.cross_device_ops import AllReduceCrossDeviceOps as AllReduceCrossDeviceOps
 from tpustrat._src.cross_device_ops import CommunicationImplementation as CommunicationImplementation
 from tpustrat._src.cross_device_ops import CommunicationOptions as CommunicationOptions
@@ -24,6 +30,7 @@ from tpustrat._src.input import DistributedIterator as DistributedIterator
 from tpustrat._src.input import InputContext as InputContext
 from tpustrat._src.input import InputOptions as InputOptions
 from tpustrat._src.input import num_valid_examples as num_valid_examples
+from tpustrat._src.input import per_example as per_example
 from tpustrat._src.input import valid_mask as valid_mask
 from tpustrat._src.mirrored_strategy import MirroredStrategy as MirroredStrategy
 from tpustrat._src.multistep import stack_steps as stack_steps
@@ -44,6 +51,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllReduceCrossDeviceOps",
+    "AlreadyReplicatedWarning",
     "CommunicationImplementation",
     "CommunicationOptions",
     "CrossDeviceOps",
@@ -75,7 +83,10 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize_tpu_system",
+    "local_copy",
     "num_valid_examples",
+    "ops",
+    "per_example",
     "stack_steps",
     "unstack_steps",
     "valid_mask",

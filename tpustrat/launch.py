@@ -25,8 +25,11 @@ Faults. Processes watch each other through JAX's distributed runtime: every proc
 the coordinator, and when one stops (it died, or hangs so hard that it stopped heartbeating) for
 ``--heartbeat-timeout`` seconds, the coordinator stops the others with an error naming it; if the
 coordinator's process dies or hangs, the others lose its heartbeat replies and stop the same way. A
-process that ends with an uncaught exception exits at once (`tpustrat.experimental_connect_to_cluster`
-sees to it) rather than waiting at JAX's shutdown barrier. The launcher is the last line of defence:
+process that ends with an uncaught exception exits at once rather than waiting at JAX's shutdown barrier:
+the launcher sets ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION=1`` for its processes, so that
+`tpustrat.experimental_connect_to_cluster` installs a `sys.excepthook` that prints the traceback and ends
+the process with status 1 (`tpustrat._src.distributed`); set the variable to ``0`` in the launcher's
+environment to leave `sys.excepthook` alone. The launcher is the last line of defence:
 once a process has failed, the others get ``--grace-period`` seconds (default: the heartbeat timeout
 plus 10 s) to stop on their own, then are killed (SIGKILL), and the launcher reports which process
 failed first and how; a process that hangs is named from JAX's errors, since it is not the first to
@@ -69,6 +72,9 @@ _UNHEALTHY = "stopped sending heartbeats"
 # The coordinator (process 0) is gone, or does not answer heartbeats (it hangs).
 _LEADER_LOST = ("the leader task was preempted", "RPC: /xla.coordination.CoordinationService/Heartbeat")
 _IDS = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*,?\s*$")
+# Turns on the exception hook of `tpustrat._src.distributed.initialize` in the processes (that module's
+# ENV_EXIT_ON_UNCAUGHT; not imported here, it would import JAX).
+_EXIT_ON_UNCAUGHT = "TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION"
 # How many times a job is started when the port the launcher chose is taken before process 0 binds it.
 _PORT_ATTEMPTS = 3
 # Each process starts as this small program, which asks Linux to SIGKILL it when the launcher dies (even
@@ -162,7 +168,8 @@ def _with_device_count(xla_flags: str, count: int) -> str:
 def process_env(base: dict[str, str], *, process_id: int, num_processes: int, devices_per_process: int,
                 address: str, heartbeat_timeout: int, initialization_timeout: int,
                 shutdown_timeout: int) -> dict[str, str]:
-  """The environment of process `process_id`: `base` plus what the resolver and JAX read."""
+  """The environment of process `process_id`: `base` plus what the resolver and JAX read, and
+  ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION=1`` unless `base` sets it (to ``0``: no exception hook)."""
   env = dict(base)
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_ID", "JAX_NUM_PROCESSES", "JAX_LOCAL_DEVICE_IDS",
                "TPUSTRAT_LOCAL_DEVICE_IDS"):
@@ -181,6 +188,8 @@ def process_env(base: dict[str, str], *, process_id: int, num_processes: int, de
       "XLA_FLAGS": _with_device_count(env.get("XLA_FLAGS", ""), devices_per_process),
       "PYTHONUNBUFFERED": "1",
   })
+  if not env.get(_EXIT_ON_UNCAUGHT, "").strip():
+    env[_EXIT_ON_UNCAUGHT] = "1"
   return env
 
 

@@ -2,7 +2,9 @@
 
 The counterparts of TF's raw TPU ops `CrossReplicaSum`, `AllToAll`, `CollectivePermute`, all-gather and
 reduce-scatter. See `tpustrat._src.collectives` for how each maps onto `jax.lax` and how grouped sums
-are computed.
+are computed. `cross_replica_sum` and `reduce_scatter` (SUM) of a traced value that is already the same on
+every replica (for example gradients w.r.t. `Mirrored` parameters, which `jax.grad` has already summed
+over replicas) multiply it by the group size and emit a `tpustrat.AlreadyReplicatedWarning` at trace time.
 """
 
 from tpustrat._src.collectives import all_gather as all_gather

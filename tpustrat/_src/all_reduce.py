@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from tpustrat._src.engine import varying_axes
+from tpustrat._src.jax_compat import varying_axes
 
 __all__ = [
     "Bucket", "accumulate", "accumulate_on_device", "add_n", "as_replicated", "divide_by", "hierarchical_sum",

@@ -104,7 +104,7 @@ def _orbax() -> types.SimpleNamespace:
 
 
 def _check_saveable(v: Any, where: str) -> None:
-  if isinstance(v, PerReplica) and v._valid is not None:  # pylint: disable=protected-access
+  if isinstance(v, PerReplica) and v.padding_is_marked:
     raise ValueError(
         f"CheckpointManager.{where}: the state holds a padded batch from the input pipeline ({v!r}); save "
         "the iterator's position (`iterator=`) instead of batches.")

@@ -57,13 +57,46 @@ relative to `jax.pmap`'s native grouped `psum` on the same data (1 MiB and 64 Mi
   strategy's mesh to be reshaped before `run` traces the step; not possible inside the 1-D replica mesh.
 
 `benchmarks/bench_collectives.py` reproduces these figures.
+
+Which of the two a process uses is a fact about the installed JAX, decided once, before any user
+program is traced: the first grouped sum of varying values traces a small probe program (the native
+grouped sum and its gradient inside a checked `shard_map` over an abstract 4-replica mesh) on a fresh
+thread, so that no trace or mesh context of the caller leaks into it. If the probe traces, every grouped
+sum uses the native mechanism; if JAX rejects it, every grouped sum uses reduce-scatter + all-gather
+(logged once). An error raised while tracing a user's program (for example `jax.hessian` through a
+grouped sum, refused as forward-mode autodiff of a `custom_vjp`) propagates to the user and changes
+nothing for later programs.
+
+Sums of values that are already the same on every replica
+----------------------------------------------------------
+A value JAX knows to be invariant over the replica axis (the same on every replica) is multiplied by
+the number of replicas summed over (``N`` for `cross_replica_sum` over all replicas and for
+``ReplicaContext.all_reduce(SUM, ...)``, the group size with a `group_assignment`). That is TF's answer
+for such a value, but in JAX it is also what happens to the most common value of that kind: gradients
+taken with `jax.grad` w.r.t. `Mirrored` (replicated) parameters inside `strategy.run` come back already
+summed over replicas (the transpose of the parameter's implicit broadcast is a sum), so TF's loop
+``grads = ctx.all_reduce("sum", grads)`` gives ``N`` times the gradient. Every SUM over the replica axis
+(`ReplicaContext.all_reduce`, `cross_replica_sum`, `reduce_scatter`,
+`CrossDeviceOps.all_reduce_in_replica_context`) therefore emits an `AlreadyReplicatedWarning` while the
+program is traced (once per call in the traced function, counting the invariant leaves) when it gets
+such a traced value. Python numbers and concrete arrays closed over as constants do not warn (they
+cannot be gradients, and ``all_reduce("sum", 1)`` is TF's idiom to count replicas). `MEAN` of an
+invariant value returns it unchanged and does not warn. The fixes: drop the `all_reduce` (the gradients
+are already the sum over replicas), or differentiate w.r.t. `tpustrat.local_copy(params)` to get TF's
+per-replica gradients and keep TF's loop as it is; for a deliberate ``N * x`` write the product.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import operator
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -73,10 +106,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
-from tpustrat._src.engine import varying_axes
+from tpustrat._src.jax_compat import varying_axes
 from tpustrat._src.reduce_op import ReduceOp
 
-__all__ = ["all_gather", "all_to_all", "collective_permute", "cross_replica_sum", "reduce_scatter"]
+__all__ = ["AlreadyReplicatedWarning", "all_gather", "all_to_all", "collective_permute", "cross_replica_sum",
+           "reduce_scatter"]
 
 _log = logging.getLogger(__name__)
 
@@ -87,9 +121,92 @@ Groups = tuple[tuple[int, ...], ...]
 _SUM_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, np.float16, np.float32, np.float64, np.int32,
                                           np.uint32))
 
-# How a grouped sum of varying values is computed: "auto" tries the unchecked region and falls back to
-# "scatter_gather" if this JAX version rejects it; tests force either one.
+# How a grouped sum of varying values is computed: "auto" asks `_native_grouped_sum_supported` (a probe
+# traced once per process); tests force "native" or "scatter_gather". Only read, never written, here.
 _GROUPED_SUM_IMPL = "auto"
+
+
+# -- sums of values that are already the same on every replica ----------------------------------------
+
+
+class AlreadyReplicatedWarning(UserWarning):
+  """A SUM over replicas got a value that is already the same on every replica (invariant over the replica
+  axis), so the result is ``N`` times it.
+
+  Emitted at trace time by `ReplicaContext.all_reduce` (SUM), `tpustrat.ops.cross_replica_sum`,
+  `tpustrat.ops.reduce_scatter` (SUM) and `CrossDeviceOps.all_reduce_in_replica_context` (SUM), once per
+  call, when a traced leaf of the value is invariant over the replica axis. The usual cause is TF's loop
+  ``grads = ctx.all_reduce("sum", grads)`` after `jax.grad` w.r.t. `Mirrored` parameters inside
+  `strategy.run`: JAX has already summed those gradients over replicas. Drop the `all_reduce`, or
+  differentiate w.r.t. `tpustrat.local_copy(params)` to get TF's per-replica gradients. A deliberate
+  ``N * x`` is better written as the product (``x * ctx.num_replicas_in_sync``); the warning can also be
+  silenced with ``warnings.filterwarnings("ignore", category=tpustrat.AlreadyReplicatedWarning)``.
+  """
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../tpustrat/
+_REPORTED_AS = threading.local()  # `name`: the API the user called, while it dispatches to the ones below
+
+
+@contextlib.contextmanager
+def reported_as(api: str) -> Iterator[None]:
+  """Inside, `warn_if_already_replicated` names `api` (the method the user called, for example
+  ``ReplicaContext.all_reduce`` routing to cross-device ops) instead of the function that sums."""
+  outer = getattr(_REPORTED_AS, "name", None)
+  _REPORTED_AS.name = outer or api
+  try:
+    yield
+  finally:
+    _REPORTED_AS.name = outer
+
+
+def warn_if_already_replicated(api: str, leaves: Sequence[Any], axis: str, factor: int, scope: str,
+                               reduce_op: str = "SUM") -> None:
+  """Warns once if a SUM or MEAN over `axis` gets traced leaves that are invariant over it (see the module
+  docstring). SUM multiplies such a value by `factor`; MEAN returns it unchanged, which for a gradient
+  w.r.t. Mirrored parameters (already the sum over replicas) is `factor` times TF's mean.
+
+  Args:
+    api: the name the user called, e.g. ``"tpustrat.ops.cross_replica_sum"`` (an enclosing `reported_as`
+      takes precedence). Call this after the arguments are validated, where the sum is made, so that
+      each call warns at most once and errors come first.
+    leaves: the leaves of the value as the user passed them (before any conversion: a Python number or
+      concrete array is a constant, never a traced gradient, and does not warn).
+    axis: the replica axis.
+    factor: how many times SUM counts each invariant value (`N` or the group size); 1 never warns.
+    scope: what `factor` is, for the message: ``"num_replicas_in_sync"`` or ``"the group size"``.
+  """
+  if factor <= 1:
+    return
+  count = sum(1 for x in leaves if isinstance(x, jax.core.Tracer) and axis not in varying_axes(x))
+  if not count:
+    return
+  api = getattr(_REPORTED_AS, "name", None) or api
+  which = "the value" if len(leaves) == 1 else f"{count} of the {len(leaves)} leaves of the value"
+  short = api.rsplit(".", 1)[-1]
+  if reduce_op == "MEAN":
+    message = (
+        f"{api}(MEAN): {which} is already the same on every replica (invariant over the replica axis "
+        f"{axis!r}), so MEAN returns it unchanged. Gradients taken with jax.grad w.r.t. Mirrored (replicated) "
+        "parameters inside strategy.run are such values: JAX has already summed them over replicas, so "
+        f"this 'mean' is the SUM, N={factor} ({scope}) times the mean TF's loop computes. Fix: divide by "
+        f"N (or scale the loss by 1/global_batch_size and drop the {short}); or, to keep TF's loop "
+        "unchanged (per-replica gradients, then all_reduce MEAN), differentiate w.r.t. "
+        "tpustrat.local_copy(params). If the value is meant to pass unchanged, drop the call.")
+  else:
+    message = (
+        f"{api}(SUM): {which} is already the same on every replica (invariant over the replica axis "
+        f"{axis!r}), so SUM multiplies it by N={factor} ({scope}). Gradients taken with jax.grad w.r.t. "
+        "Mirrored (replicated) parameters inside strategy.run are such values: JAX has already summed them "
+        f"over replicas, and summing them again gives N times the gradient. Fix: drop the {short} and use "
+        "the gradients as they are (they are the sum over replicas; MEAN would return them unchanged, still "
+        "the sum); or, to keep TF's loop unchanged (per-replica gradients, then all_reduce SUM), "
+        "differentiate w.r.t. tpustrat.local_copy(params). If N times the value is what you mean, write "
+        "the product (x * N).")
+  frame, level = sys._getframe(1), 2  # point at the user's line that called into tpustrat
+  while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    frame, level = frame.f_back, level + 1
+  warnings.warn(message, AlreadyReplicatedWarning, stacklevel=level)
 
 
 # -- where we are: the replica axis of the current `strategy.run` -------------------------------------
@@ -287,19 +404,57 @@ def _grouped_psum_scatter_gather(x: jax.Array, axis: str, groups: Groups) -> jax
   return (full[:size] if pad else full).reshape(shape)
 
 
-def _grouped_psum_varying(x: jax.Array, axis: str, groups: Groups) -> jax.Array:
-  global _GROUPED_SUM_IMPL  # pylint: disable=global-statement
-  if _GROUPED_SUM_IMPL == "scatter_gather":
-    return _grouped_psum_scatter_gather(x, axis, groups)
-  if _GROUPED_SUM_IMPL == "native":
-    return _grouped_psum_native(x, axis, groups)
+def _probe_native_grouped_sum() -> BaseException | None:
+  """Traces the native grouped sum and its gradient in a checked `shard_map` over an abstract 4-replica
+  mesh; returns the exception if this JAX rejects it. Runs on a fresh thread (see `_native_grouped_sum_supported`)."""
+  # Auto axes, as the strategy's meshes have: newer JAX (0.12) defaults an AbstractMesh to Explicit axes,
+  # whose in_specs assert the input's sharding and reject this abstract input.
+  mesh = jax.sharding.AbstractMesh((4,), ("probe",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  def body(x: jax.Array) -> jax.Array:
+    y, vjp = jax.vjp(lambda v: _grouped_psum_native(v, "probe", ((0, 1), (2, 3))), x)
+    return y + vjp(y)[0]
+
+  program = jax.shard_map(body, mesh=mesh, in_specs=P("probe"), out_specs=P("probe"), check_vma=True)
   try:
+    jax.make_jaxpr(program)(jax.ShapeDtypeStruct((4, 3), jnp.float32))
+  except Exception as e:  # pylint: disable=broad-exception-caught  # any failure: not usable here
+    return e
+  return None
+
+
+_PROBE_LOCK = threading.Lock()
+
+
+@functools.cache
+def _probe_result() -> bool:
+  # On a fresh thread: the caller is usually tracing a user's program, whose trace and mesh context
+  # (for example the manual replica mesh of `strategy.run`) must not leak into the probe.
+  failure: list[BaseException | None] = []
+  thread = threading.Thread(target=lambda: failure.append(_probe_native_grouped_sum()),
+                            name="tpustrat-grouped-sum-probe")
+  thread.start()
+  thread.join()
+  error = failure[0] if failure else RuntimeError("the probe thread did not finish")
+  if error is not None:
+    _log.warning("tpustrat: this JAX rejects the native grouped sum (%s: %s); grouped sums use "
+                 "reduce-scatter + all-gather.", type(error).__name__, error)
+  return error is None
+
+
+def _native_grouped_sum_supported() -> bool:
+  """Whether this JAX accepts the native grouped sum (probed once per process, thread-safely)."""
+  with _PROBE_LOCK:  # one probe, even when several threads trace grouped sums at once
+    return _probe_result()
+
+
+def _grouped_psum_varying(x: jax.Array, axis: str, groups: Groups) -> jax.Array:
+  impl = _GROUPED_SUM_IMPL
+  if impl == "auto":
+    impl = "native" if _native_grouped_sum_supported() else "scatter_gather"
+  if impl == "native":
     return _grouped_psum_native(x, axis, groups)
-  except (NotImplementedError, ValueError, TypeError) as e:  # a JAX that rejects the unchecked region
-    _log.warning("tpustrat: grouped sums fall back to reduce-scatter + all-gather (%s: %s).",
-                 type(e).__name__, e)
-    _GROUPED_SUM_IMPL = "scatter_gather"
-    return _grouped_psum_scatter_gather(x, axis, groups)
+  return _grouped_psum_scatter_gather(x, axis, groups)
 
 
 def _grouped_sum(x: jax.Array, axis: str, groups: Groups | None) -> jax.Array:
@@ -324,10 +479,16 @@ def _check_sum_dtype(x: jax.Array, op: str) -> None:
 
 def all_reduce_in_groups(reduce_op: ReduceOp | str, value: Any, group_assignment: Any, *,
                          axis_name: str | None, num_replicas: int, op: str = "ReplicaContext.all_reduce") -> Any:
-  """Sums or averages every leaf of `value` within its replica group (`ReplicaContext.all_reduce`)."""
+  """Sums or averages every leaf of `value` within its replica group (`ReplicaContext.all_reduce`).
+
+  A SUM of traced leaves that are already the same on every replica warns (`AlreadyReplicatedWarning`).
+  """
   reduce_op = ReduceOp.from_value(reduce_op)
   groups = normalize_group_assignment(group_assignment, num_replicas, op)
   size = _group_size(groups, num_replicas)
+  if axis_name is not None:
+    warn_if_already_replicated(op, jax.tree.leaves(value), axis_name, size,
+                               "num_replicas_in_sync" if size == num_replicas else "the group size", reduce_op.name)
 
   def one(x: Any) -> jax.Array:
     x = jnp.asarray(x)
@@ -356,7 +517,10 @@ def cross_replica_sum(input: jax.typing.ArrayLike, group_assignment: Any = None,
 
   Returns:
     An array like `input`. With one group it is the same on every replica (`strategy.run` returns it
-    as `Mirrored`); with several groups it differs between groups (`PerReplica`). Differentiable in
+    as `Mirrored`); with several groups it differs between groups (`PerReplica`). An `input` that is
+    already the same on every replica is multiplied by the group size; when it is traced (for example
+    a gradient w.r.t. `Mirrored` parameters, already summed over replicas by `jax.grad`) an
+    `AlreadyReplicatedWarning` is emitted at trace time. Differentiable in
     reverse mode to any order (`jax.grad`, `jax.vjp`): the gradient of a grouped sum is the grouped
     sum of the cotangents. Forward mode (`jax.jvp`, `jax.jacfwd`) through a grouped sum of values
     that differ between replicas is not supported (JAX raises a `TypeError` for `custom_vjp`).
@@ -383,7 +547,10 @@ def cross_replica_sum(input: jax.typing.ArrayLike, group_assignment: Any = None,
   groups = normalize_group_assignment(group_assignment, n, "cross_replica_sum")
   if axis is None:
     return x
+  size = _group_size(groups, n)
   with _named("cross_replica_sum", name):
+    warn_if_already_replicated("tpustrat.ops.cross_replica_sum", [input], axis, size,
+                               "num_replicas_in_sync" if size == n else "the group size")
     return _grouped_sum(x, axis, groups)
 
 
@@ -525,7 +692,9 @@ def reduce_scatter(input: jax.typing.ArrayLike, group_assignment: Any = None,
     name: a name for the operation (an XLA name scope).
 
   Returns:
-    This replica's block (varying over replicas: `PerReplica` from `run`).
+    This replica's block (varying over replicas: `PerReplica` from `run`). A SUM of a traced `input`
+    that is already the same on every replica warns (`AlreadyReplicatedWarning`), as for
+    `cross_replica_sum`.
 
   >>> from tpustrat import ops
   >>> strategy = tpustrat.TPUStrategy()
@@ -551,6 +720,9 @@ def reduce_scatter(input: jax.typing.ArrayLike, group_assignment: Any = None,
   if axis is None:
     return x
   with _named("reduce_scatter", name):
+    if op is ReduceOp.SUM:
+      warn_if_already_replicated("tpustrat.ops.reduce_scatter", [input], axis, size,
+                                 "num_replicas_in_sync" if size == n else "the group size")
     out = lax.psum_scatter(x, axis, scatter_dimension=dim, axis_index_groups=_lax_groups(groups, n),
                            tiled=True)
     return out / size if op is ReduceOp.MEAN else out

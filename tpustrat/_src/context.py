@@ -32,6 +32,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "local_copy",
 ]
 
 
@@ -141,15 +142,22 @@ class ReplicaContext:
 
   Differentiation follows JAX's `shard_map`: an `all_reduce` result is one value (identical on every
   replica), and gradients with respect to `Mirrored` inputs come back already summed over replicas (the
-  aggregation TF's `optimizer.apply_gradients` performs). Do not `all_reduce` such gradients again.
+  aggregation TF's `optimizer.apply_gradients` performs). Do not `all_reduce` such gradients again: a SUM
+  of them is ``N`` times the gradient, and `all_reduce` warns (`AlreadyReplicatedWarning`) when it sums
+  a traced value that is already the same on every replica. To get TF's per-replica gradients (and keep
+  TF's ``grads = ctx.all_reduce("sum", grads)``), differentiate w.r.t. `tpustrat.local_copy(params)`.
   """
 
   def __init__(self, strategy: Strategy, replica_id_in_sync_group: Any = 0, *,
-               axis_name: str | None = None) -> None:
+               axis_name: str | None = None, real_rows: tuple[tuple[int, Any], ...] = ()) -> None:
     self._strategy = strategy
     self._replica_id = replica_id_in_sync_group
     self._axis_name = axis_name
     self._active = axis_name is None  # the default context is always usable
+    self.real_rows = tuple(real_rows)
+    """(padded size ``k``, this replica's real rows) of each padded batch among `run`'s arguments."""
+    self.per_example_marks: list[tuple[Any, int]] = []
+    """(array, index into `real_rows`) for each array `tpustrat.per_example` marked in this step."""
 
   @property
   def strategy(self) -> Strategy:
@@ -192,6 +200,14 @@ class ReplicaContext:
     Returns:
       A pytree like `value`, identical on every replica (so `run` returns it as `Mirrored`). With
       several groups the result differs between groups and `run` returns it as `PerReplica`.
+
+    Warns:
+      AlreadyReplicatedWarning: at trace time, once per call, when a SUM gets traced leaves that are
+        already the same on every replica (invariant over the replica axis): SUM multiplies them by
+        ``N`` (the group size with `group_assignment`). Typically gradients from `jax.grad` w.r.t.
+        `Mirrored` parameters, which JAX has already summed over replicas: drop the `all_reduce`, or
+        differentiate w.r.t. `tpustrat.local_copy(params)` for TF's per-replica gradients. `MEAN` of
+        such a value returns it unchanged and does not warn.
     """
     op = ReduceOp.from_value(reduce_op)
     self._check_active("all_reduce")
@@ -207,9 +223,14 @@ class ReplicaContext:
           op, value, group_assignment, axis_name=self._axis_name, num_replicas=self.num_replicas_in_sync)
     if self._axis_name is None:
       return value  # the default strategy has one replica
+    from tpustrat._src import collectives  # pylint: disable=import-outside-toplevel
+
     route = getattr(self._strategy.extended, "_replica_all_reduce", None)
     if route is not None:  # the strategy's CrossDeviceOps (a plain psum when none is configured and no options)
-      return route(op, value, options, self._axis_name)
+      with collectives.reported_as("ReplicaContext.all_reduce"):  # they warn under this name
+        return route(op, value, options, self._axis_name)
+    collectives.warn_if_already_replicated("ReplicaContext.all_reduce", jax.tree.leaves(value), self._axis_name,
+                                           self.num_replicas_in_sync, "num_replicas_in_sync", op.name)
     reducer = lax.psum if op is ReduceOp.SUM else lax.pmean
     return jax.tree.map(lambda x: reducer(jnp.asarray(x), self._axis_name), value)
 
@@ -244,6 +265,57 @@ class ReplicaContext:
 
   def __repr__(self) -> str:
     return f"ReplicaContext(strategy={self._strategy!r})"
+
+
+def local_copy(value: Any) -> Any:
+  """This replica's own copy of `value` (an array or pytree): gradients w.r.t. it are per replica, as in TF.
+
+  Inside `strategy.run` a `Mirrored` parameter (or any value given whole to every replica) is one value
+  shared by all replicas, so `jax.grad` w.r.t. it is the gradient of the *sum* of the replicas' losses:
+  already summed over replicas and the same on every replica. TF's ``tape.gradient`` instead gives each
+  replica the gradient of its own loss, and TF's loops add them with ``ctx.all_reduce("sum", grads)``
+  (which, on JAX's already summed gradients, would give ``N`` times the gradient). Differentiating w.r.t.
+  ``local_copy(params)`` gives TF's semantics, so TF's loop ports unchanged::
+
+    grads = jax.grad(loss_fn)(tpustrat.local_copy(params), batch)   # this replica's own gradients
+    grads = ctx.all_reduce("sum", grads)                            # TF's numbers, Mirrored again
+
+  The copy holds the same numbers (no communication, no copy in the compiled program); JAX types it as
+  varying over the replica axis (``lax.pcast(x, 'replica', to='varying')``), so what is computed from it
+  is per replica (`PerReplica` if returned) until it is all-reduced. Leaves that already vary are
+  returned as they are; Python numbers become arrays. With no strategy (one replica) `value` is returned
+  unchanged. The name follows TF: inside a replica function a mirrored variable reads as this replica's
+  local copy, and that copy is what ``tape.gradient`` differentiates.
+
+  Raises:
+    RuntimeError: in the cross-replica context (inside `strategy.scope()`, outside `run`).
+
+  >>> strategy = tpustrat.TPUStrategy()
+  >>> def step(w):
+  ...   ctx = tpustrat.get_replica_context()
+  ...   loss = lambda w: w * ctx.replica_id_in_sync_group   # replica r's loss: r * w
+  ...   local = jax.grad(loss)(local_copy(w))               # r on replica r, as TF's tape.gradient
+  ...   return local, ctx.all_reduce("sum", local), jax.grad(loss)(w)
+  >>> local, total, summed = strategy.run(step, args=(np.float32(2.0),))
+  >>> print(np.asarray(local.values), total.values[0], summed.values[0])
+  [0. 1. 2. 3. 4. 5. 6. 7.] 28.0 28.0
+  """
+  ctx = get_replica_context()
+  if ctx is None:
+    raise RuntimeError(
+        f"tpustrat.local_copy was called in the cross-replica context of {get_strategy()!r} (inside "
+        "strategy.scope(), outside strategy.run): there is no replica to copy to. Call it inside the "
+        "function given to strategy.run.")
+  axis = ctx._axis_name  # pylint: disable=protected-access
+  if axis is None:
+    return value  # one replica: every gradient is already its own
+  from tpustrat._src.jax_compat import varying_axes  # pylint: disable=import-outside-toplevel
+
+  def one(x: Any) -> jax.Array:
+    x = jnp.asarray(x)
+    return x if axis in varying_axes(x) else lax.pcast(x, axis, to="varying")
+
+  return jax.tree.map(one, value)
 
 
 def _all_gather_invariant(x: jax.Array, axis_name: str, *, axis: int, tiled: bool) -> jax.Array:

@@ -50,7 +50,16 @@ of one sum), wrapped in a `jax.custom_vjp` whose backward pass is the all-reduce
 gets the cotangent), as for `lax.psum`. JAX refuses forward-mode autodiff (`jax.jvp`) through such a
 `custom_vjp`; `NcclAllReduce` has no such limit. Inside `run`, `ReductionToOneDevice`'s reduce device
 must be one of the strategy's devices (`ValueError` otherwise): TF copies to any device, but one compiled
-program over the mesh cannot; the cross-replica methods still can, and do.
+program over the mesh cannot; the cross-replica methods still can, and do. A SUM inside `run` of a traced
+value that is already the same on every replica (typically gradients w.r.t. `Mirrored` parameters, which
+`jax.grad` has already summed over replicas) warns at trace time (`AlreadyReplicatedWarning`, see
+`tpustrat._src.collectives`).
+
+Reductions in the cross-replica context are dispatched asynchronously, at most two in flight (as for
+`strategy.run`, unbounded queues of collective programs can time out XLA:CPU's rendezvous): the next one
+waits for the one two before it, on that program's smallest output of at most 64 KiB (the choice
+`strategy.run` makes), or on a one-byte token output added when every result is larger. Waiting on a
+large result would keep its buffer alive longer than the caller does.
 """
 
 from __future__ import annotations
@@ -69,8 +78,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpustrat._src import all_reduce
+from tpustrat._src import all_reduce, collectives
 from tpustrat._src import context as context_lib
+from tpustrat._src.engine import _wait_leaf
 from tpustrat._src.reduce_op import ReduceOp
 from tpustrat._src.values import DistributedValues, Mirrored, PerReplica, is_distributed
 
@@ -87,7 +97,8 @@ __all__ = [
 
 _REPLICA = "replica"
 # Reductions dispatched but not finished. Unbounded queues of collective programs can abort XLA:CPU
-# (a rendezvous timeout), as for `strategy.run`; the next reduction waits for the one 2 before it.
+# (a rendezvous timeout), as for `strategy.run`; the next reduction waits for the one 2 before it, on
+# its smallest output as `run` does (`_wait_on`).
 _STEPS_IN_FLIGHT = 2
 _IN_FLIGHT: collections.deque[jax.Array] = collections.deque()
 
@@ -315,7 +326,7 @@ def _layout(value: DistributedValues, what: str = "per_replica_value") -> _Layou
   leaves, treedef = jax.tree.flatten(value._value)  # pylint: disable=protected-access
   if not leaves:
     raise ValueError(f"{what}: {value!r} holds no arrays.")
-  if getattr(value, "_valid", None) is not None:
+  if isinstance(value, PerReplica) and value.padding_is_marked:
     raise ValueError(
         f"{what}: a padded PerReplica batch (from the input pipeline) cannot go through CrossDeviceOps, "
         "whose reductions are over replicas: use strategy.reduce, which leaves padding rows out.")
@@ -417,13 +428,39 @@ def _deliver(tree: Any, dest: _Destination) -> Any:
   return Mirrored._wrap(out)  # pylint: disable=protected-access
 
 
-def _dispatch(program: Callable[..., Any], *args: Any) -> Any:
+def _with_wait_token(program: Callable[[list[jax.Array]], list[jax.Array]]) -> Callable[..., Any]:
+  """`program` returning ``(outputs, token)``: `token` is ``()``, or a one-byte array when no output is
+  small enough to wait on (`engine._wait_leaf`: at most 64 KiB), as `strategy.run` adds one."""
+
+  def with_token(xs: list[jax.Array]) -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
+    out = list(program(xs))
+    return out, (() if _wait_leaf(out, xs) is not None else (jnp.zeros((), jnp.int8),))
+
+  return with_token
+
+
+def _wait_on(out: list[jax.Array], token: tuple[jax.Array, ...], inputs: list[jax.Array]) -> jax.Array | None:
+  """What the next reductions wait for: the smallest output (the choice `engine._wait_leaf` makes for
+  `run`, from shapes and dtypes only, so it matches the trace-time choice of `_with_wait_token`), else
+  the token. Waiting on a large output would keep its buffer alive two reductions longer."""
+  if token:
+    return token[0]
+  i = _wait_leaf(out, inputs)
+  return None if i is None else out[i]
+
+
+def _dispatch(program: Callable[..., Any], flat: list[jax.Array]) -> list[jax.Array]:
+  """Runs a reduction program built with `_with_wait_token`, at most `_STEPS_IN_FLIGHT` in flight."""
   while len(_IN_FLIGHT) >= _STEPS_IN_FLIGHT:
-    _IN_FLIGHT.popleft().block_until_ready()
-  out = program(*args)
-  leaves = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
-  if leaves:
-    _IN_FLIGHT.append(leaves[0])
+    try:
+      oldest = _IN_FLIGHT.popleft()
+    except IndexError:  # another thread took it
+      break
+    oldest.block_until_ready()
+  out, token = program(flat)
+  wait = _wait_on(out, token, flat)
+  if wait is not None and not isinstance(wait, jax.core.Tracer):
+    _IN_FLIGHT.append(wait)
   return out
 
 
@@ -553,6 +590,10 @@ class CrossDeviceOps:
 
     This is what `ReplicaContext.all_reduce(reduce_op, value, options)` runs on a strategy configured with
     these cross-device ops. The result is identical on every replica (`run` returns it as `Mirrored`).
+    Every leaf counts once per replica: a SUM of a value that is already the same on every replica is
+    ``N`` times it, and warns at trace time (`AlreadyReplicatedWarning`, as `ReplicaContext.all_reduce`)
+    when the value is traced, for example gradients w.r.t. `Mirrored` parameters, which `jax.grad` has
+    already summed over replicas.
 
     >>> strategy = tpustrat.TPUStrategy()
     >>> ring = CommunicationOptions(implementation="ring")
@@ -565,8 +606,10 @@ class CrossDeviceOps:
     options = _check_options(options)
     root = self._root_in_run(axis_name)  # validates the configuration before anything is traced
     leaves, treedef = jax.tree.flatten(value)
-    leaves = [all_reduce.to_varying(all_reduce.summable(jnp.asarray(x)), axis_name) for x in leaves]
     n = lax.axis_size(axis_name)
+    collectives.warn_if_already_replicated(f"{type(self).__name__}.all_reduce_in_replica_context", leaves,
+                                           axis_name, n, "num_replicas_in_sync", op.name)
+    leaves = [all_reduce.to_varying(all_reduce.summable(jnp.asarray(x)), axis_name) for x in leaves]
     out = self._all_reduce_local(op, leaves, axis_name, n, options, root=root)
     return jax.tree.unflatten(treedef, out)
 
@@ -642,8 +685,8 @@ class CrossDeviceOps:
     programs = self.__dict__.setdefault("_programs", {})  # subclasses may skip CrossDeviceOps.__init__
     program = programs.get(key)
     if program is None:
-      program = programs[key] = jax.jit(self._make_program(op, mesh, axis, kinds, route, options))
-    return list(_dispatch(program, flat))
+      program = programs[key] = jax.jit(_with_wait_token(self._make_program(op, mesh, axis, kinds, route, options)))
+    return _dispatch(program, flat)
 
   def _make_program(self, op: ReduceOp, mesh: Mesh, axis: str, kinds: tuple[str, ...], route: tuple[Any, ...],
                     options: CommunicationOptions) -> Callable[[list[jax.Array]], Any]:
@@ -1089,10 +1132,13 @@ class CrossDeviceExtendedMixin:
   def _replica_all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any, axis_name: str) -> Any:
     """`ReplicaContext.all_reduce` inside `run`: through the configured cross-device ops.
 
-    With none configured and no options, a plain `lax.psum` / `lax.pmean` per leaf.
+    With none configured and no options, a plain `lax.psum` / `lax.pmean` per leaf. Either way a SUM of
+    traced leaves that are already the same on every replica warns (`AlreadyReplicatedWarning`).
     """
     op = ReduceOp.from_value(reduce_op)
     if self._cross_device_ops is None and options is None:
+      collectives.warn_if_already_replicated("ReplicaContext.all_reduce", jax.tree.leaves(value), axis_name,
+                                             lax.axis_size(axis_name), "num_replicas_in_sync", op.name)
       reducer = lax.psum if op is ReduceOp.SUM else lax.pmean
       return jax.tree.map(lambda x: reducer(jnp.asarray(x), axis_name), value)
     return self._get_cross_device_ops().all_reduce_in_replica_context(op, value, options, axis_name=axis_name)

@@ -24,10 +24,33 @@ leaves out. Measured with jax 0.10.2 (2 processes x 4 CPU devices on loopback):
   following tasks are unhealthy (stopped sending heartbeats)"). If process 0 dies, the others lose the
   coordinator and stop the same way.
 * A process that ends with an uncaught exception would wait at JAX's shutdown barrier (for
-  `shutdown_timeout`) while the others wait for it inside a collective. Here, once connected, it exits
-  at once with status 1 after printing the traceback (a `sys.excepthook`, not in an interactive
-  session), so the others stop within the heartbeat timeout and a launcher sees which process failed
-  first.
+  `shutdown_timeout`) while the others wait for it inside a collective. If asked (see below), once
+  connected, it exits at once with status 1 after printing the traceback, so the others stop within the
+  heartbeat timeout and a launcher sees which process failed first.
+
+What this module does to the process as a whole:
+
+* The exception hook (opt-in). `sys.excepthook` is process-global, so it is replaced only when asked:
+  ``initialize(..., exit_on_uncaught=True)``, or, with the argument left at None (as
+  `tpustrat.experimental_connect_to_cluster` leaves it), when the environment variable
+  ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION`` is ``1`` (``true``, ``yes``, ``on``; ``0``, ``false``, ``no``,
+  ``off`` or unset: not installed). `python -m tpustrat.launch` sets it to ``1`` for the processes it
+  starts, unless it is set already (``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION=0 python -m tpustrat.launch
+  ...`` turns the hook off); on a cluster, set it in each process's environment to turn it on. Installed
+  once the process has connected, once per process. On an uncaught exception it first calls the hook
+  it replaced (Python's prints the traceback; a hook of your own installed before runs as usual), then
+  prints one line saying why the process ends and calls ``os._exit(1)`` (130 after a
+  `KeyboardInterrupt`): `atexit` handlers do not run, and files other than `sys.stdout` / `sys.stderr`
+  are not flushed. Interactive sessions (``python -i``, the REPL) keep running. Without the hook, a
+  process ending with an uncaught exception waits at the shutdown barrier for up to `shutdown_timeout`
+  while the others wait for it in their next collective, until JAX's own timeouts end the job.
+* The watchdog (always). While connecting, and while the connected processes compare their views of the
+  job and start JAX's backends, a timer thread ends the process with ``os._exit(1)`` and a message
+  saying what is missing if that does not finish within `initialization_timeout`. Where it fires the job
+  cannot start anyway: the main thread is blocked inside JAX and cannot raise, and while connecting JAX
+  would end the process itself, 15 s later, with a C++ fatal error (``DEADLINE_EXCEEDED``) that names
+  neither the address nor the cause. The timer is cancelled as each phase completes; nothing of it is
+  left once `initialize` returns.
 """
 
 from __future__ import annotations
@@ -164,7 +187,29 @@ def _check_device_counts(count: int) -> None:
         "--xla_force_host_platform_device_count (the launcher's --devices-per-process) or local_device_ids.")
 
 
+# Whether `initialize` installs the exception hook, when its `exit_on_uncaught` argument is None. Set to
+# "1" by tpustrat.launch (which names it itself, not to import JAX: keep the two equal).
+ENV_EXIT_ON_UNCAUGHT = "TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
 _hooked = False
+
+
+def _exit_on_uncaught_wanted(exit_on_uncaught: bool | None) -> bool:
+  """`initialize`'s `exit_on_uncaught`: the argument if given, else what the variable says."""
+  if exit_on_uncaught is not None:
+    if not isinstance(exit_on_uncaught, bool):
+      raise TypeError(f"exit_on_uncaught must be True, False or None, got {exit_on_uncaught!r}.")
+    return exit_on_uncaught
+  text = os.environ.get(ENV_EXIT_ON_UNCAUGHT, "")
+  if text.strip().lower() in _TRUE:
+    return True
+  if text.strip().lower() in _FALSE:
+    return False
+  raise ValueError(
+      f"{ENV_EXIT_ON_UNCAUGHT}={text!r} must be one of {', '.join(_TRUE)} (exit at once after an uncaught "
+      f"exception) or {', '.join(v for v in _FALSE if v)} (do not), or unset.")
 
 
 def _exit_on_uncaught_exception(index: int, count: int, heartbeat_timeout: int) -> None:
@@ -198,8 +243,26 @@ def _exit_on_uncaught_exception(index: int, count: int, heartbeat_timeout: int) 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int,
                local_device_ids: Sequence[int] | None, *, coordinator_bind_address: str | None,
-               initialization_timeout: int, heartbeat_timeout: int, shutdown_timeout: int) -> None:
-  """`jax.distributed.initialize` with the checks described in the module docstring; starts the backends."""
+               initialization_timeout: int, heartbeat_timeout: int, shutdown_timeout: int,
+               exit_on_uncaught: bool | None = None) -> None:
+  """`jax.distributed.initialize` with the checks described in the module docstring; starts the backends.
+
+  Args:
+    coordinator_address, num_processes, process_id, local_device_ids, coordinator_bind_address,
+      initialization_timeout, heartbeat_timeout, shutdown_timeout: as for `jax.distributed.initialize`
+      (the timeouts in seconds).
+    exit_on_uncaught: whether to replace `sys.excepthook`, once connected, with a hook that ends the
+      process at once (``os._exit(1)``, after printing the traceback) on an uncaught exception, so that
+      the other processes of the job stop within the heartbeat timeout instead of waiting for it (see the
+      module docstring). None (the default): as ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION`` says, which
+      `python -m tpustrat.launch` sets to ``1``; unset, the hook is not installed.
+
+  Raises:
+    ValueError: ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION`` is neither a true nor a false word (before
+      connecting), or the processes disagree about the job (see the module docstring).
+    TypeError: `exit_on_uncaught` is not a bool or None.
+  """
+  exit_at_once = _exit_on_uncaught_wanted(exit_on_uncaught)
   index, count, timeout = process_id, num_processes, initialization_timeout
   start = time.monotonic()
   deadline = start + timeout
@@ -221,7 +284,8 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int,
         coordinator_bind_address=coordinator_bind_address)
   finally:
     watchdog.cancel()
-  _exit_on_uncaught_exception(index, count, heartbeat_timeout)
+  if exit_at_once:
+    _exit_on_uncaught_exception(index, count, heartbeat_timeout)
   # Connected. The checks and the backends' start (which exchanges every process's devices) get a
   # window of their own: the last process may have connected just before the deadline.
   deadline = time.monotonic() + timeout

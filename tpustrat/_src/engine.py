@@ -11,10 +11,13 @@
   array, never stacked. Varying leaves get a leading axis and `P('replica')` and are returned as
   `PerReplica`. The split is made inside one trace: the body returns ``(invariant, varying)`` and
   `out_specs=(P(), P('replica'))` is a prefix of it, so `fn` is traced once per input signature.
-* Padded batches (from the input pipeline): their per-replica real-row counts enter as one more
-  `P('replica')` input, so full and partial batches share a program; inside `fn` they back
-  `tpustrat.valid_mask` / `num_valid_examples`. A varying output whose leading axis has a padded
-  batch's size is per-example and leaves `run` carrying that batch's counts.
+* Padded batches (from the input pipeline, or outputs marked per-example): their per-replica real-row
+  counts enter as one more `P('replica')` input, so full and partial batches share a program; inside
+  `fn` they back `tpustrat.valid_mask` / `num_valid_examples`. An output that `fn` marked with
+  `tpustrat.per_example` leaves `run` as a padded batch (its padding is skipped everywhere). An unmarked
+  varying output whose leading axis has a padded batch's size leaves carrying that batch's counts as
+  *batch rows*, used only by ``reduce(op, v, axis=0)`` and ``gather(v, axis=0)``: the caller's word
+  that axis 0 is the batch. Nothing else about an output is inferred from its shape.
 * Caching: one `jax.jit` per `(fn, argument structure)`; it takes the flattened argument leaves and
   returns the flattened result, so `jax.jit`'s C++ fast path sees plain arrays in and out, and the host
   work per step is one flatten, one dict lookup, one sharding check per leaf and one unflatten. `jax.jit`
@@ -40,6 +43,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import types
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +57,7 @@ from jax.sharding import PartitionSpec as P
 from tpustrat._src import context as context_lib
 from tpustrat._src import host_memory
 from tpustrat._src import logical as logical_lib
+from tpustrat._src.jax_compat import varying_axes
 from tpustrat._src.values import Mirrored, PerReplica, check_components, is_distributed, stacked_steps
 
 if TYPE_CHECKING:
@@ -86,15 +92,6 @@ class RunOptions:
     k = self.max_steps_in_flight
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
       raise ValueError(f"RunOptions.max_steps_in_flight must be an int >= 1 or None, got {k!r}.")
-
-
-def varying_axes(x: Any) -> frozenset[str]:
-  """The mesh axes over which a value traced inside `shard_map` varies (JAX's `vma`)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
-  if mat is not None and hasattr(mat, "varying"):
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))  # jax versions that name it `vma`
 
 
 def check_run_call(fn: Any, args: Any, kwargs: Any) -> dict[str, Any]:
@@ -180,15 +177,18 @@ class Engine:
       raise TypeError(f"strategy.run expects `options` to be a tpustrat.RunOptions or None, got {options!r}.")
     limit = (options.max_steps_in_flight if options is not None else None) or self.max_steps_in_flight
     leaves, in_tree = jax.tree.flatten((tuple(args), kwargs))
-    key = (fn, in_tree)
+    fn_key = weak_key(fn)
+    key = (fn_key, in_tree)
+    entries = self._entries
     try:
-      program, targets = self._entries[key]
+      program, targets = entries[key]
+      entries.move_to_end(key)  # least recently used first out
     except KeyError:
-      program, targets = self._entries[key] = self._entry(fn, in_tree)
-      if len(self._entries) > _CACHE_SIZE:
-        self._entries.popitem(last=False)
+      program, targets = entries[key] = self._entry(fn, fn_key, in_tree)
+      if len(entries) > _CACHE_SIZE:
+        entries.popitem(last=False)
     except TypeError:  # an unhashable callable (or tree): compile without caching
-      program, targets = self._entry(fn, in_tree)
+      program, targets = self._entry(fn, fn_key, in_tree)
     array_types = self._array_types
     for i, x in enumerate(leaves):  # arrays already where the program wants them pass untouched
       if type(x) not in array_types or x.sharding != targets[i]:
@@ -198,7 +198,7 @@ class Engine:
     self._in_flight.after_dispatch(token)
     return result
 
-  def _entry(self, fn: Callable[..., Any], in_tree: Any) -> tuple[_FlatProgram, list[NamedSharding]]:
+  def _entry(self, fn: Callable[..., Any], fn_key: Any, in_tree: Any) -> tuple[_FlatProgram, list[NamedSharding]]:
     """The program for `fn` called with arguments of structure `in_tree` (`PerReplica` and `Mirrored`
     nodes included), and the sharding each flattened argument leaf must have.
 
@@ -219,13 +219,15 @@ class Engine:
       else:
         nodes.append(node)
     seen_tree = jax.tree.structure(jax.tree.unflatten(outer, nodes))
-    key = (fn, seen_tree)
+    key = (fn_key, seen_tree)
+    programs = self._programs
     try:
-      program = self._programs[key]
+      program = programs[key]
+      programs.move_to_end(key)
     except KeyError:
-      program = self._programs[key] = _FlatProgram(self._make_program(fn), seen_tree)
-      if len(self._programs) > _CACHE_SIZE:
-        self._programs.popitem(last=False)
+      program = programs[key] = _FlatProgram(self._make_program(fn), seen_tree)
+      if len(programs) > _CACHE_SIZE:
+        programs.popitem(last=False)
     except TypeError:
       program = _FlatProgram(self._make_program(fn), seen_tree)
     return program, targets
@@ -267,11 +269,11 @@ class Engine:
     self._in_flight.drain()
 
   def _make_program(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    name = getattr(fn, "__name__", "fn")
+    fn = weak_callable(fn)  # the cache must not keep the user's function (and its closure) alive
     strategy, mesh, axis = self._strategy, self._mesh, self._axis
     n = strategy.num_replicas_in_sync
     core_axes = self._core_axes
-    # With logical cores, `fn` is traced to a jaxpr once and evaluated with its placements honoured.
-    call = logical_lib.place_on_logical_devices(fn, core_axes, n) if core_axes else fn
     manual = {"axis_names": frozenset({axis})} if core_axes else {}  # core axes: left to XLA
 
     def program(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -284,8 +286,10 @@ class Engine:
           leaves, inner = jax.tree.flatten(node._value)  # pylint: disable=protected-access
           for x in leaves:
             check_components(x, n, f"strategy.run: the PerReplica value at {path}")
-          valid = node._valid  # pylint: disable=protected-access
-          if valid is not None:  # a padded batch: its real-row counts enter as one more input
+          # A padded batch: its real-row counts enter as one more input (an unmarked output's batch
+          # rows do not make it a padded batch of this step).
+          valid = node._valid if node.padding_is_marked else None  # pylint: disable=protected-access
+          if valid is not None:
             _check_padded(leaves, path)
             padded.append(len(flat) + len(leaves))
             leaves = leaves + [valid]
@@ -304,6 +308,18 @@ class Engine:
 
       record: dict[str, Any] = {}
 
+      def marking(*args: Any, **kwargs: Any) -> Any:
+        # `tpustrat.per_example` marks arrays by identity; resolved to output positions here, where `fn`'s
+        # own results are seen (before a logical-core re-evaluation makes new ones).
+        out = fn(*args, **kwargs)
+        marks = context_lib.get_replica_context().per_example_marks
+        leaves = jax.tree.leaves(out, is_leaf=is_distributed)
+        record["marked"] = {i: j for i, x in enumerate(leaves) for m, j in marks if x is m}
+        return out
+
+      # With logical cores, `fn` is traced to a jaxpr once and evaluated with its placements honoured.
+      call = logical_lib.place_on_logical_devices(marking, core_axes, n) if core_axes else marking
+
       def body(*flat_in: Any) -> Any:
         it = iter(flat_in)
         nodes = []
@@ -321,22 +337,24 @@ class Engine:
           else:
             nodes.append(leaves[0])
         call_args, call_kwargs = jax.tree.unflatten(outer, nodes)
-        ctx = context_lib.ReplicaContext(strategy, axis_name=axis)
-        ctx._real_rows = tuple(real_rows)  # pylint: disable=protected-access  # read by tpustrat.valid_mask
+        ctx = context_lib.ReplicaContext(strategy, axis_name=axis, real_rows=real_rows)
         with context_lib._enter_replica_context(ctx):  # pylint: disable=protected-access
           out = call(*call_args, **call_kwargs)
         # Distributed values stay whole (trace time only), so that returning one is reported by name.
         out_leaves, out_tree = jax.tree.flatten(out, is_leaf=is_distributed)
         paths = _leaf_paths(out_tree)
+        marked = record.pop("marked")
         out_leaves = [_as_output_array(x, p) for x, p in zip(out_leaves, paths)]
         is_varying = [axis in varying_axes(x) for x in out_leaves]
         record["tree"], record["varying"] = out_tree, is_varying
-        # A varying output whose leading axis has a padded batch's size is per-example: it keeps that
-        # batch's real-row counts (the first such batch's), so reduce/gather/local results skip padding.
+        # Padding follows an output only as the user said: (batch, True) for a marked per-example output;
+        # (batch, False), batch rows for `axis=0`, for an unmarked one whose leading axis has a padded
+        # batch's size (the first such batch's, as for `valid_mask`).
         sizes = [k for k, _ in real_rows]
         record["padded"] = [
-            sizes.index(x.shape[0]) if v and x.ndim and x.shape[0] in sizes else None
-            for x, v in zip(out_leaves, is_varying)]
+            (marked[i], True) if i in marked
+            else (sizes.index(x.shape[0]), False) if v and x.ndim and x.shape[0] in sizes else None
+            for i, (x, v) in enumerate(zip(out_leaves, is_varying))]
         invariant = tuple(x for x, v in zip(out_leaves, is_varying) if not v)
         varying = tuple(x[None] for x, v in zip(out_leaves, is_varying) if v)
         return invariant, varying
@@ -344,14 +362,66 @@ class Engine:
       invariant, varying = jax.shard_map(
           body, mesh=mesh, in_specs=tuple(specs), out_specs=(P(), P(axis)), check_vma=True, **manual)(*flat)
       inv, var = iter(invariant), iter(varying)
-      outs = [PerReplica._wrap(next(var), None if j is None else flat[padded[j]]) if v  # pylint: disable=protected-access
+      outs = [PerReplica._wrap(next(var)) if v and p is None  # pylint: disable=protected-access
+              else PerReplica._wrap(next(var), flat[padded[p[0]]], per_example=p[1]) if v  # pylint: disable=protected-access
               else Mirrored._wrap(next(inv))  # pylint: disable=protected-access
-              for v, j in zip(record["varying"], record["padded"])]
+              for v, p in zip(record["varying"], record["padded"])]
       return jax.tree.unflatten(record["tree"], outs)
 
-    program.__name__ = f"run_{getattr(fn, '__name__', 'fn')}"
+    program.__name__ = f"run_{name}"
     program.__qualname__ = program.__name__
     return program
+
+
+def weak_key(fn: Callable[..., Any]) -> Any:
+  """A cache key for `fn` that does not keep it alive: equal for the same function (or the same bound
+  method: ``obj.step`` is a new object on every access), never equal once it is gone. Callables that
+  cannot be referenced weakly are their own key."""
+  if type(fn) is types.MethodType:
+    return _MethodKey(weakref.ref(fn.__self__), fn.__func__)
+  try:
+    return weakref.ref(fn)  # CPython hands out the same ref object while `fn` lives: cheap per step
+  except TypeError:
+    return fn
+
+
+class _MethodKey:
+  """A bound method's identity (its object, held weakly, and its function), as a cache key."""
+
+  __slots__ = ("_obj", "_func", "_hash")
+
+  def __init__(self, obj: weakref.ref, func: Callable[..., Any]) -> None:
+    self._obj, self._func = obj, func
+    self._hash = hash((id(obj), id(func)))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: object) -> bool:
+    if not isinstance(other, _MethodKey) or self._func is not other._func:
+      return False
+    obj = self._obj()
+    return obj is not None and obj is other._obj()
+
+
+def weak_callable(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn`, called through a weak reference where it can be (a compiled program retraces `fn` only while
+  the caller still holds it, so the cache may hold the program without holding `fn`)."""
+  if type(fn) is types.MethodType:
+    ref: Callable[[], Any] = weakref.WeakMethod(fn)
+  else:
+    try:
+      ref = weakref.ref(fn)
+    except TypeError:
+      return fn
+
+  def call(*args: Any, **kwargs: Any) -> Any:
+    target = ref()
+    if target is None:
+      raise RuntimeError("strategy.run: the step function of this cached program no longer exists.")
+    return target(*args, **kwargs)
+
+  return call
 
 
 class _FlatProgram:

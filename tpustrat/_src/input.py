@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 from tpustrat._src import context as context_lib
 from tpustrat._src import host_memory, multistep
 from tpustrat._src.host_memory import host_empty
+from tpustrat._src.jax_compat import varying_axes
 from tpustrat._src.values import PerReplica
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ __all__ = [
     "InputOptions",
     "make_numpy_dataset",
     "num_valid_examples",
+    "per_example",
     "valid_mask",
 ]
 
@@ -187,7 +189,7 @@ def _first_leaf_rows(x: Any, fn: str) -> int:
 def _real_rows(x: Any, fn: str) -> tuple[int, Any]:
   """(padded batch size, this replica's number of real rows) for batch `x` in the current replica."""
   ctx = context_lib.get_replica_context()
-  known = getattr(ctx, "_real_rows", ())
+  known = ctx.real_rows
   if x is None:
     sizes = {k for k, _ in known}
     if len(sizes) != 1:
@@ -229,8 +231,8 @@ def valid_mask(x: Any = None) -> jax.Array:
 
   Use it to keep padding out of losses and metrics on partial batches, for example
   ``jnp.sum(jnp.where(tpustrat.valid_mask(x), per_example_loss, 0)) / global_batch_size``. The
-  library's own `strategy.reduce` / `gather` / `experimental_local_results` already skip padding in
-  per-example outputs of `run`.
+  library's own `strategy.reduce` / `gather` skip padding along ``axis=0`` of `run`'s outputs, and
+  everywhere in outputs marked with `per_example`.
 
   Args:
     x: as for `num_valid_examples`.
@@ -240,6 +242,62 @@ def valid_mask(x: Any = None) -> jax.Array:
   """
   k, count = _real_rows(x, "valid_mask")
   return jnp.arange(k) < count
+
+
+def per_example(tree: Any) -> Any:
+  """Marks arrays returned by a `strategy.run` step as per-example: their rows are the batch's rows.
+
+  A partial global batch reaches the replicas padded to the usual per-replica size ``k``. Returning
+  ``tpustrat.per_example(x)`` says that the rows of ``x`` are that batch's examples, so its padding rows
+  are skipped wherever the value goes: `experimental_local_results` shows only the real rows,
+  `strategy.reduce` leaves padding out along every ``axis`` (``None`` included), `strategy.gather`
+  returns only the real rows, and the value enters the next `run` as a padded batch (`valid_mask`
+  works on it). Unmarked outputs are kept whole, as the replicas returned them, except where the caller
+  says that axis 0 is the batch (``reduce(op, v, axis=0)``, ``gather(v, axis=0)``).
+
+  Args:
+    tree: an array or a pytree of arrays computed inside the step; every leaf has the padded batch's
+      per-replica size ``k`` on its leading axis and differs between replicas. Mark the arrays that the
+      step returns (the mark belongs to the array object: an array computed from a marked one is not
+      marked).
+
+  Returns:
+    `tree` itself. Outside `run`, and in a step with no padded batch among its arguments, nothing is
+    marked (every row is real there).
+
+  Raises:
+    ValueError: a leaf is a scalar, has another leading size than the step's padded batches (with
+      several padded batches of that size, the first one's counts are used, as for `valid_mask`), or is
+      the same on every replica (it cannot hold one replica's examples).
+
+  >>> tree = {"logits": np.zeros((4, 10))}
+  >>> tpustrat.per_example(tree) is tree   # outside run: nothing to mark
+  True
+  """
+  ctx = context_lib.get_replica_context()
+  known = ctx.real_rows
+  if not known:
+    return tree
+  sizes = [k for k, _ in known]
+  axis = ctx._axis_name  # pylint: disable=protected-access
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    where = jax.tree_util.keystr(path) or "<root>"
+    if jnp.ndim(x) == 0:
+      raise ValueError(f"tpustrat.per_example: the value at {where} is a scalar; a per-example array has the "
+                       f"batch on its leading axis (per-replica size {sizes[0]}).")
+    k = jnp.shape(x)[0]
+    if k not in sizes:
+      raise ValueError(
+          f"tpustrat.per_example: the array at {where} has leading size {k}, but the padded batches of this "
+          f"step have per-replica sizes {sorted(set(sizes))}; only arrays whose rows are a batch's rows "
+          "can be marked.")
+    if axis is not None and axis not in varying_axes(x):
+      raise ValueError(
+          f"tpustrat.per_example: the array at {where} is the same on every replica (it does not vary over "
+          f"the replica axis {axis!r}), so its rows cannot be one replica's examples. Mark the per-replica "
+          "array before it is combined across replicas.")
+    ctx.per_example_marks.append((x, sizes.index(k)))
+  return tree
 
 
 # -- reading batches ------------------------------------------------------------------------------

@@ -67,12 +67,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jex_core
-from jax.interpreters import ad, batching, mlir
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
+from tpustrat._src import jax_compat as compat
 
 if TYPE_CHECKING:
   from tpustrat._src.strategy import Strategy
@@ -227,22 +226,8 @@ def replicate_to_logical_devices(strategy: Strategy, tensor: Any) -> Any:
 
 # -- assign: a marker, then the step's jaxpr is rewritten by `place_on_logical_devices` ---------------
 
-_assign_p = jex_core.Primitive("tpustrat_assign_to_logical_device")
-_assign_p.def_impl(lambda x, *, logical_device_id: x)
-_assign_p.def_abstract_eval(lambda x, *, logical_device_id: x)
-
-
-def _assign_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, logical_device_id: int) -> tuple[Any, Any]:
-  return _assign_p.bind(primals[0], logical_device_id=logical_device_id), tangents[0]
-
-
-def _assign_batch(args: Sequence[Any], dims: Sequence[Any], *, logical_device_id: int) -> tuple[Any, Any]:
-  return _assign_p.bind(args[0], logical_device_id=logical_device_id), dims[0]
-
-
-def _assign_lowering(ctx: Any, x: Any, *, logical_device_id: int) -> Any:
-  del ctx, x
-  raise NotImplementedError(
+def _assign_lowering_error(*, logical_device_id: int) -> Exception:
+  return NotImplementedError(
       f"strategy.experimental_assign_to_logical_device(..., {logical_device_id}) was used inside lax.cond, "
       "lax.while_loop, or another transformation with its own sub-program, within the step function. "
       "tpustrat places the tensor's computation on one logical device by rewriting the step function's "
@@ -250,9 +235,9 @@ def _assign_lowering(ctx: Any, x: Any, *, logical_device_id: int) -> Any:
       "nested jax.jit or jax.checkpoint, or inside a lax.scan body (jax.grad and jax.vmap are fine).")
 
 
-ad.primitive_jvps[_assign_p] = _assign_jvp
-batching.primitive_batchers[_assign_p] = _assign_batch
-mlir.register_lowering(_assign_p, _assign_lowering)
+# An identity on its operand, found by `place_on_logical_devices`; compiling one it did not remove (inside
+# lax.cond, while_loop, ...) raises `_assign_lowering_error`.
+_assign_p = compat.identity_primitive("tpustrat_assign_to_logical_device", _assign_lowering_error)
 
 
 def assign_to_logical_device(strategy: Strategy, tensor: Any, logical_device_id: int) -> Any:
@@ -271,47 +256,31 @@ def assign_to_logical_device(strategy: Strategy, tensor: Any, logical_device_id:
 
 
 def _varying(aval: Any) -> tuple[str, ...]:
-  """The manual mesh axes a value varies over (JAX's vma), from an aval or a tracer."""
-  mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
-  if mat is not None and hasattr(mat, "varying"):
-    return tuple(sorted(mat.varying))
-  return tuple(sorted(getattr(aval, "vma", ())))
+  """The manual mesh axes a value of type `aval` varies over (JAX's vma), sorted."""
+  return tuple(sorted(compat.aval_varying_axes(aval)))
 
 
 def _has_assign(eqn: Any) -> bool:
   """Whether `eqn` is, or contains in a sub-program, an `assign_to_logical_device` marker."""
   if eqn.primitive is _assign_p:
     return True
-  return any(_has_assign(e) for sub in jex_core.jaxprs_in_params(eqn.params) for e in sub.eqns)
+  return any(_has_assign(e) for sub in compat.sub_jaxprs(eqn) for e in sub.eqns)
 
 
 def _has_annotations(eqn: Any) -> bool:
   """Whether `eqn` is (or contains) a sharding annotation or a placement marker."""
-  if eqn.primitive is _assign_p or eqn.primitive.name == "sharding_constraint":
+  if eqn.primitive is _assign_p or compat.is_sharding_constraint(eqn):
     return True
-  for sub in jex_core.jaxprs_in_params(eqn.params):
+  for sub in compat.sub_jaxprs(eqn):
     if any(_has_annotations(e) for e in sub.eqns):
       return True
   return False
 
 
-# Calls whose body is re-bound inline when placed (see `_bind_jaxpr`), or evaluated inline when it holds
-# a placement (`_evaluate`); other primitives with sub-programs (lax.cond / while_loop / scan, nested
-# shard_map, ...) cannot be placed on one core (a scan body with placements is re-emitted, `_placed_scan`).
-_INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                     "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2"})
-_BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-
-
-def _body(eqn: Any) -> tuple[Any, list[Any]] | None:
-  """(jaxpr, consts) of an inlinable call, whose invars are the equation's own inputs."""
-  for key in _BODY_PARAMS:
-    body = eqn.params.get(key)
-    if isinstance(body, jex_core.ClosedJaxpr):
-      return body.jaxpr, list(body.consts)
-    if isinstance(body, jex_core.Jaxpr):
-      return body, []
-  return None
+# Plain calls (`compat.call_body`: jit, checkpoint, custom_jvp / custom_vjp) are re-bound inline when
+# placed (see `_bind_jaxpr`), or evaluated inline when they hold a placement (`_evaluate`); other primitives
+# with sub-programs (lax.cond / while_loop / scan, nested shard_map, ...) cannot be placed on one core (a
+# scan body with placements is re-emitted, `_placed_scan`).
 
 
 def _placeable(eqn: Any) -> bool:
@@ -319,16 +288,16 @@ def _placeable(eqn: Any) -> bool:
   no sub-program other than a plain call (jit, custom_jvp / custom_vjp, checkpoint) of placeable ones."""
   if eqn.effects or _has_annotations(eqn):
     return False
-  if not list(jex_core.jaxprs_in_params(eqn.params)):
+  if not compat.sub_jaxprs(eqn):
     return True
-  body = _body(eqn) if eqn.primitive.name in _INLINE else None
+  body = compat.call_body(eqn)
   return body is not None and len(body[0].invars) == len(eqn.invars) and all(_placeable(e) for e in body[0].eqns)
 
 
 def _bind_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
   """Evaluates `jaxpr` in the current trace, binding each primitive afresh.
 
-  Unlike `jax.core.eval_jaxpr` it does not re-enter each equation's recorded context (which pins the
+  Unlike `compat.eval_jaxpr` it does not re-enter each equation's recorded context (which pins the
   abstract mesh the step was traced under: inside the nested `shard_map` the core axes are manual), and
   it inlines plain calls, whose recorded bodies and context mesh would be stale there too. Only for
   equations that `_placeable` accepts.
@@ -337,24 +306,19 @@ def _bind_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[
   env.update(zip(jaxpr.invars, args))
 
   def read(v: Any) -> Any:
-    if isinstance(v, jex_core.Literal):  # a plain array: the literal's recorded type names the old mesh
-      return np.asarray(v.val, dtype=v.aval.dtype)
+    if compat.is_literal(v):  # a plain array: the literal's recorded type names the old mesh
+      return np.asarray(compat.literal_value(v), dtype=v.aval.dtype)
     return env[v]
 
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
-    if eqn.primitive.name in _INLINE:
-      inner, inner_consts = _body(eqn)
-      outs = _bind_jaxpr(inner, inner_consts, invals)
+    body = compat.call_body(eqn)
+    if body is not None:
+      outs = _bind_jaxpr(body[0], body[1], invals)
     else:
-      params = eqn.primitive.get_bind_params(eqn.params)
-      if isinstance(params, tuple):  # JAX < 0.10: (sub-functions, params)
-        subfuns, params = params
-        invals = [*subfuns, *invals]
-      ans = eqn.primitive.bind(*invals, **params)
-      outs = ans if eqn.primitive.multiple_results else [ans]
+      outs = compat.bind_equation(eqn, invals)
     for v, x in zip(eqn.outvars, outs):
-      if not isinstance(v, jex_core.DropVar):
+      if not compat.is_drop_var(v):
         env[v] = x
   return [read(v) for v in jaxpr.outvars]
 
@@ -369,9 +333,9 @@ def _groups(jaxpr: Any) -> dict[int, tuple[list[int], int]]:
     for v in eqn.outvars:
       producer[v] = i
     for v in eqn.invars:
-      if isinstance(v, jex_core.Var):
+      if compat.is_var(v):
         users.setdefault(v, []).append(i)
-  outputs = {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
+  outputs = {v for v in jaxpr.outvars if compat.is_var(v)}
   groups: dict[int, tuple[list[int], int]] = {}
   owner: dict[int, int] = {}  # equation -> anchor of the group it belongs to
   for eqn in eqns:
@@ -379,7 +343,7 @@ def _groups(jaxpr: Any) -> dict[int, tuple[list[int], int]]:
       continue
     k = eqn.params["logical_device_id"]
     x = eqn.invars[0]
-    p = producer.get(x) if isinstance(x, jex_core.Var) else None
+    p = producer.get(x) if compat.is_var(x) else None
     if p is None or eqns[p].primitive is _assign_p:
       continue  # an argument, a constant, or an already annotated tensor: nothing to place
     if p in owner:
@@ -395,7 +359,7 @@ def _groups(jaxpr: Any) -> dict[int, tuple[list[int], int]]:
           "effects, contains sharding annotations, or is a control-flow primitive (lax.cond, while_loop, "
           "scan) or nested shard_map. Assign a tensor computed from it instead.")
     members = {p}
-    heap = [-q for q in {producer[v] for v in eqns[p].invars if isinstance(v, jex_core.Var) and v in producer}]
+    heap = [-q for q in {producer[v] for v in eqns[p].invars if compat.is_var(v) and v in producer}]
     heapq.heapify(heap)
     seen: set[int] = set()
     while heap:  # latest equation first: all of its users have been decided
@@ -409,18 +373,12 @@ def _groups(jaxpr: Any) -> dict[int, tuple[list[int], int]]:
       if all(u in members for v in e.outvars for u in users.get(v, ())):
         members.add(q)
         for v in e.invars:
-          if isinstance(v, jex_core.Var) and v in producer:
+          if compat.is_var(v) and v in producer:
             heapq.heappush(heap, -producer[v])
     for q in members:
       owner[q] = p
     groups[p] = (sorted(members), k)
   return groups
-
-
-def _sub_jaxpr(eqns: list[Any], invars: list[Any], outvars: list[Any], debug_info: Any) -> Any:
-  """A jaxpr of some of the step's equations (`debug_info`: the step's, without argument names)."""
-  effects = set().union(*(e.effects for e in eqns)) if eqns else set()
-  return jex_core.Jaxpr([], invars, outvars, eqns, effects, debug_info)
 
 
 def _free_and_defined(eqns: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -430,10 +388,10 @@ def _free_and_defined(eqns: list[Any]) -> tuple[list[Any], list[Any]]:
   free: dict[Any, None] = {}
   for e in eqns:
     for v in e.invars:
-      if isinstance(v, jex_core.Var) and v not in defined_set:
+      if compat.is_var(v) and v not in defined_set:
         free.setdefault(v, None)
     for v in e.outvars:
-      if isinstance(v, jex_core.Var) and not isinstance(v, jex_core.DropVar):
+      if compat.is_var(v) and not compat.is_drop_var(v):
         defined.append(v)
         defined_set.add(v)
   return list(free), defined
@@ -486,34 +444,29 @@ def _on_logical_device(jaxpr: Any, outs: list[Any], k: int, core_axes: tuple[str
   return jax.shard_map(per_core, in_specs=P(), out_specs=P(), axis_names=frozenset(core_axes))
 
 
-_COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "reduce_scatter", "pbroadcast")
-
-
 def _is_replica_collective(eqn: Any) -> bool:
-  if not eqn.primitive.name.startswith(_COLLECTIVES):
-    return False
-  axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
-  return REPLICA_AXIS in (axes if isinstance(axes, (tuple, list)) else (axes,))
+  return REPLICA_AXIS in (compat.collective_axes(eqn) or ())
 
 
 def _evaluate(closed: Any, args: Sequence[Any], core_axes: tuple[str, ...], num_replicas: int) -> list[Any]:
   """Evaluates the step's jaxpr in the current trace, each assigned computation on its logical core."""
   jaxpr = closed.jaxpr
-  debug_info = jaxpr.debug_info.with_unknown_names()
+  debug_info = compat.unnamed_debug_info(jaxpr)
   groups = _groups(jaxpr)
   members = {q for group, _ in groups.values() for q in group}
   env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars, args))
 
   def read(v: Any) -> Any:
-    return v.val if isinstance(v, jex_core.Literal) else env[v]
+    return compat.literal_value(v) if compat.is_literal(v) else env[v]
 
   segment: list[Any] = []
 
   def flush() -> None:
     if segment:
       free, defined = _free_and_defined(segment)
-      values = jax.core.eval_jaxpr(_sub_jaxpr(list(segment), free, defined, debug_info), [], *[read(v) for v in free])
+      sub = compat.jaxpr_from_equations(list(segment), free, defined, debug_info)
+      values = compat.eval_jaxpr(sub, [read(v) for v in free])
       env.update(zip(defined, values))
       segment.clear()
 
@@ -525,26 +478,25 @@ def _evaluate(closed: Any, args: Sequence[Any], core_axes: tuple[str, ...], num_
       free, defined = _free_and_defined(group_eqns)
       inside = set(group)
       used_outside = {v for j, e in enumerate(jaxpr.eqns) if j not in inside for v in e.invars
-                      if isinstance(v, jex_core.Var)} | set(jaxpr.outvars)
+                      if compat.is_var(v)} | set(jaxpr.outvars)
       outs = [v for v in defined if v in used_outside]
-      sub = _sub_jaxpr(group_eqns, free, outs, debug_info)
+      sub = compat.jaxpr_from_equations(group_eqns, free, outs, debug_info)
       env.update(zip(outs, _on_logical_device(sub, outs, k, core_axes)(*[read(v) for v in free])))
     elif i in members:
       continue  # evaluated with its group, at the tensor's producer
     elif eqn.primitive is _assign_p:
       flush()
       env[eqn.outvars[0]] = read(eqn.invars[0])
-    elif _has_assign(eqn) and (eqn.primitive.name == "scan" or
-                               (eqn.primitive.name in _INLINE and _body(eqn) is not None)):
+    elif _has_assign(eqn) and (compat.is_scan(eqn) or compat.call_body(eqn) is not None):
       flush()
       args = [read(v) for v in eqn.invars]
-      if eqn.primitive.name == "scan":
+      if compat.is_scan(eqn):
         outs = _placed_scan(eqn, args, core_axes, num_replicas)
       else:
         # A nested jit / checkpoint / custom-derivative call with a placement inside: evaluated inline,
         # its body placed like the step's own (a checkpoint's rematerialisation is not kept).
-        body, consts = _body(eqn)
-        outs = _evaluate(jex_core.ClosedJaxpr(body, consts), args, core_axes, num_replicas)
+        body, consts = compat.call_body(eqn)
+        outs = _evaluate(compat.close_jaxpr(body, consts), args, core_axes, num_replicas)
       env.update(zip(eqn.outvars, outs))
     elif num_replicas == 1 and _is_replica_collective(eqn):
       # XLA's SPMD partitioner rejects a collective over a manual axis of size 1 once sharding propagation
@@ -553,7 +505,7 @@ def _evaluate(closed: Any, args: Sequence[Any], core_axes: tuple[str, ...], num_
       flush()
       free, defined = _free_and_defined([eqn])
       replicated = [lax.with_sharding_constraint(read(v), P()) for v in free]
-      outs = jax.core.eval_jaxpr(_sub_jaxpr([eqn], free, defined, debug_info), [], *replicated)
+      outs = compat.eval_jaxpr(compat.jaxpr_from_equations([eqn], free, defined, debug_info), replicated)
       env.update((v, lax.with_sharding_constraint(x, P())) for v, x in zip(defined, outs))
     else:
       segment.append(eqn)
@@ -564,16 +516,15 @@ def _evaluate(closed: Any, args: Sequence[Any], core_axes: tuple[str, ...], num_
 def _placed_scan(eqn: Any, args: list[Any], core_axes: tuple[str, ...], num_replicas: int) -> list[Any]:
   """A `lax.scan` equation whose body places computations on logical cores: the same scan, with each
   iteration's body evaluated by `_evaluate`."""
-  params = eqn.params
-  num_consts, num_carry = params["num_consts"], params["num_carry"]
+  sig = compat.scan_signature(eqn)
+  num_consts, num_carry = sig.num_consts, sig.num_carry
   consts, init, xs = args[:num_consts], args[num_consts:num_consts + num_carry], args[num_consts + num_carry:]
 
   def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-    outs = _evaluate(params["jaxpr"], [*consts, *carry, *x], core_axes, num_replicas)
+    outs = _evaluate(sig.body, [*consts, *carry, *x], core_axes, num_replicas)
     return outs[:num_carry], outs[num_carry:]
 
-  carry, ys = lax.scan(body, list(init), list(xs), length=params["length"], reverse=params["reverse"],
-                       unroll=params["unroll"])
+  carry, ys = lax.scan(body, list(init), list(xs), length=sig.length, reverse=sig.reverse, unroll=sig.unroll)
   return [*carry, *ys]
 
 

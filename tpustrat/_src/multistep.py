@@ -39,7 +39,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
-from tpustrat._src.engine import RunOptions, varying_axes
+from tpustrat._src.engine import RunOptions
+from tpustrat._src.jax_compat import varying_axes
 from tpustrat._src.values import Mirrored, PerReplica, is_distributed, name_replica_axis, stacked_steps
 
 if TYPE_CHECKING:

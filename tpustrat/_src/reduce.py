@@ -5,9 +5,12 @@ reduction over axis 0 of that array, compiled once per shape and executed on the
 result leaves them. With `axis` set, the reduction also runs over that axis of each component, and
 `MEAN` divides by the true number of elements (replicas x the size of that axis), as TF documents.
 
-A padded `PerReplica` (a batch from the input pipeline, or a per-example output of `run` on one) counts
-only its real rows: `reduce` masks the padding out of sums and divides `MEAN` by the number of real
-elements, `gather` along the batch axis returns only the real rows, and local results are trimmed.
+Padding rows of a padded batch are skipped only where the caller has said which axis is the batch (see
+`tpustrat._src.values`): along every axis for a batch from the input pipeline or an output of `run`
+marked with `tpustrat.per_example` (`reduce` masks the padding out of sums and divides `MEAN` by the
+number of real elements, `gather` along the batch axis returns only the real rows, local results are
+trimmed), and along ``axis=0`` only for an unmarked output of a step on a padded batch. ``axis=None``
+on an unmarked value never drops data.
 
 TF's rules for values that are not `PerReplica` are kept: a `Mirrored` value counts once per replica
 (`SUM` of `Mirrored` ``v`` over ``n`` replicas is ``n * v``, `MEAN` is ``v``), and a plain array cannot be
@@ -104,18 +107,18 @@ def reduce(reduce_op: ReduceOp | str, value: Any, axis: int | None, *, num_repli
 
   def one(node: Any) -> Any:
     if isinstance(node, PerReplica):
-      valid = node._valid  # pylint: disable=protected-access
-      return jax.tree.map(lambda x: _one_leaf(x, stacked=True, valid=valid), node._value)  # pylint: disable=protected-access
+      return jax.tree.map(lambda x: _one_leaf(x, stacked=True, per_replica=node), node._value)  # pylint: disable=protected-access
     if isinstance(node, Mirrored):
       return jax.tree.map(lambda x: _one_leaf(x, stacked=False), node._value)  # pylint: disable=protected-access
     return _one_leaf(node, stacked=False, plain=True)
 
-  def _one_leaf(x: Any, *, stacked: bool, plain: bool = False, valid: Any = None) -> Any:
+  def _one_leaf(x: Any, *, stacked: bool, plain: bool = False, per_replica: PerReplica | None = None) -> Any:
     x = jnp.asarray(x)
     if stacked:
       check_components(x, num_replicas, "strategy.reduce: a PerReplica value")
     rank = x.ndim - 1 if stacked else x.ndim
     ax = None if axis is None else _normalize_axis(axis, rank)
+    valid = None if per_replica is None else per_replica.real_rows(ax)
     if valid is not None:
       return _place(_reduce_padded_leaf(x, valid, op=op, axis=ax), mesh)
     if plain and op is ReduceOp.SUM and ax is None and num_replicas > 1:
@@ -133,8 +136,7 @@ def gather(value: Any, axis: int, *, num_replicas: int, mesh: jax.sharding.Mesh 
 
   def one(node: Any) -> Any:
     if isinstance(node, PerReplica):
-      padded = node if node._valid is not None else None  # pylint: disable=protected-access
-      return jax.tree.map(lambda x: _one_leaf(x, stacked=True, padded=padded), node._value)  # pylint: disable=protected-access
+      return jax.tree.map(lambda x: _one_leaf(x, stacked=True, padded=node), node._value)  # pylint: disable=protected-access
     if isinstance(node, Mirrored):
       return jax.tree.map(lambda x: _one_leaf(x, stacked=False), node._value)  # pylint: disable=protected-access
     return _one_leaf(node, stacked=False)
@@ -149,8 +151,8 @@ def gather(value: Any, axis: int, *, num_replicas: int, mesh: jax.sharding.Mesh 
           "gather needs components of rank >= 1 to concatenate along `axis`, got scalars. "
           "Return values with a batch dimension from strategy.run, or reshape them to [1].")
     ax = _normalize_axis(axis, rank)
-    if padded is not None:
-      counts = padded._counts()  # pylint: disable=protected-access
+    if padded is not None and padded.real_rows(ax) is not None:
+      counts = padded.host_real_rows()
       k = x.shape[1]
       if (counts != k).any():
         if ax != 0:

@@ -24,7 +24,7 @@ from tpustrat._src import logical as logical_lib
 from tpustrat._src import reduce as reduce_lib
 from tpustrat._src import topology as topology_lib
 from tpustrat._src.cross_device_ops import CrossDeviceExtendedMixin
-from tpustrat._src.engine import Engine, RunOptions, check_run_call
+from tpustrat._src.engine import _DEFAULT_STEPS_IN_FLIGHT, Engine, RunOptions, check_run_call
 from tpustrat._src.reduce_op import ReduceOp
 from tpustrat._src.topology import DeviceAssignment, TPUClusterResolver, experimental_connect_to_cluster
 from tpustrat._src.values import PerReplica
@@ -40,6 +40,7 @@ class StrategyExtended(CrossDeviceExtendedMixin):
   def __init__(self, strategy: Strategy, devices: Sequence[Any]) -> None:
     self._strategy = strategy
     self._devices = tuple(devices)
+    self._max_steps_in_flight = _DEFAULT_STEPS_IN_FLIGHT  # used only without an engine (default strategy)
 
   @property
   def worker_devices(self) -> tuple[Any, ...]:
@@ -67,13 +68,25 @@ class StrategyExtended(CrossDeviceExtendedMixin):
 
   @property
   def max_steps_in_flight(self) -> int:
-    """Default bound on `run` steps queued on the devices (see `RunOptions.max_steps_in_flight`)."""
-    return self._strategy._engine.max_steps_in_flight  # pylint: disable=protected-access
+    """Default bound on `run` steps queued on the devices (`RunOptions.max_steps_in_flight`); 2 unless set.
+
+    Settable to an int >= 1 (a `ValueError` otherwise). The default strategy (outside any
+    `strategy.scope()`) reports and keeps the bound as well, but its `run` calls the function directly,
+    so nothing is queued there.
+    """
+    engine = self._strategy._engine  # pylint: disable=protected-access
+    return self._max_steps_in_flight if engine is None else engine.max_steps_in_flight
 
   @max_steps_in_flight.setter
   def max_steps_in_flight(self, value: int) -> None:
-    RunOptions(max_steps_in_flight=value)  # validates
-    self._strategy._engine.max_steps_in_flight = value  # pylint: disable=protected-access
+    if value is None or not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      # RunOptions accepts None ("the strategy's default"); the strategy's default itself needs a number.
+      raise ValueError(f"max_steps_in_flight must be an int >= 1, got {value!r}.")
+    engine = self._strategy._engine  # pylint: disable=protected-access
+    if engine is None:  # the default strategy: no engine, nothing in flight
+      self._max_steps_in_flight = value
+    else:
+      engine.max_steps_in_flight = value
 
 
 class Strategy:
@@ -143,14 +156,15 @@ class Strategy:
     >>> strategy = tpustrat.TPUStrategy()
     >>> def step(x):
     ...   ctx = tpustrat.get_replica_context()
-    ...   return x * ctx.replica_id_in_sync_group, ctx.all_reduce("sum", x)
+    ...   mine = x * ctx.replica_id_in_sync_group
+    ...   return mine, ctx.all_reduce("sum", mine)
     >>> per_replica, total = strategy.run(step, args=(1.0,))
     >>> print(np.asarray(per_replica.values))
     [0. 1. 2. 3. 4. 5. 6. 7.]
     >>> total
     Mirrored(float32[])
     >>> print(strategy.experimental_local_results(total)[0])
-    8.0
+    28.0
     """
     return self._engine.run(fn, args, kwargs, options)
 
@@ -286,9 +300,15 @@ class Strategy:
     return reduce_lib.local_results(value)
 
   def experimental_distribute_values_from_function(self, value_fn: Callable[[context_lib.ValueContext], Any]) -> Any:
-    """Builds a `PerReplica` value by calling `value_fn(ValueContext)` once for each replica.
+    """Builds a `PerReplica` value by calling `value_fn(ValueContext)` once for each replica of this process.
 
-    Each component is placed directly on its replica's device (on every logical core of the replica).
+    Each component is placed directly on its replica's device (on every logical core of the replica). In a
+    multi-process job each process calls `value_fn` for its own replicas only, and the result is one
+    global value. A process that holds none of the strategy's replicas (a strategy on some of the job's
+    devices) contributes no data, but it still needs the value's structure, shapes and dtypes to follow
+    the others into `run`, `reduce`, ...: it calls `value_fn` once, for replica 0, under
+    `jax.eval_shape` (JAX operations in it are not computed), keeps only those, and returns the same
+    global value with no shards of its own.
 
     >>> strategy = tpustrat.TPUStrategy()
     >>> array_value = np.array([3., 2., 1., 0., -1., -2., -3., -4.], np.float32)
@@ -301,6 +321,8 @@ class Strategy:
     cores = self._mesh.devices.reshape(n, -1)  # [replica, logical core]
     me = jax.process_index()
     mine = [r for r in range(n) if any(d.process_index == me for d in cores[r])]
+    if not mine:
+      return self._values_from_function_elsewhere(value_fn, n)
     components = {r: value_fn(context_lib.ValueContext(r, n)) for r in mine}
     treedef = jax.tree.structure(components[mine[0]])
     leaves0 = [jax.numpy.asarray(x) for x in jax.tree.leaves(components[mine[0]])]
@@ -327,6 +349,24 @@ class Strategy:
     jax.block_until_ready(stacked)  # TF captures the values now: value_fn's arrays may change after the call
     return PerReplica._wrap(jax.tree.unflatten(treedef, stacked))  # pylint: disable=protected-access
 
+  def _values_from_function_elsewhere(self, value_fn: Callable[[context_lib.ValueContext], Any],
+                                      n: int) -> Any:
+    """`experimental_distribute_values_from_function` in a process that holds none of the replicas: the
+    global value, with no shards here; `value_fn` is evaluated abstractly, for replica 0, for its shapes."""
+    try:
+      spec = jax.eval_shape(lambda: jax.tree.map(jax.numpy.asarray, value_fn(context_lib.ValueContext(0, n))))
+    except Exception as e:
+      e.add_note(
+          f"tpustrat: process {jax.process_index()} holds none of the strategy's {n} replicas (its devices "
+          "are all in other processes), so experimental_distribute_values_from_function called value_fn "
+          "for replica 0 (under jax.eval_shape) only to learn the value's structure, shapes and dtypes.")
+      raise
+    sharding = NamedSharding(self._mesh, P(REPLICA_AXIS))
+    nothing_here = [jax.make_array_from_single_device_arrays((n,) + s.shape, sharding, [], dtype=s.dtype)
+                    for s in jax.tree.leaves(spec)]
+    value = jax.tree.unflatten(jax.tree.structure(spec), nothing_here)
+    return PerReplica._wrap(value)  # pylint: disable=protected-access
+
   # -- input ----------------------------------------------------------------------------------------
 
   def experimental_distribute_dataset(self, dataset: Any,
@@ -339,9 +379,10 @@ class Strategy:
     replicas, replica ``r`` gets rows ``[r*k, (r+1)*k)``, ``k = ceil(B / N)``.
 
     Every batch keeps the first batch's per-replica size ``k``: a partial batch (the last one, say) is
-    padded, and the step function can tell real rows from padding with `tpustrat.valid_mask(x)`;
-    per-example outputs of `run` keep that information, so `reduce`, `gather` and
-    `experimental_local_results` count only real examples. Full and partial batches share one compiled
+    padded, and the step function can tell real rows from padding with `tpustrat.valid_mask(x)`.
+    `reduce(op, out, axis=0)` and `gather(out, axis=0)` skip the padding rows of a step's outputs
+    (axis 0 is the batch: the caller says so); outputs the step marks with `tpustrat.per_example` skip
+    them everywhere, `experimental_local_results` included. Full and partial batches share one compiled
     program. `InputOptions(drop_remainder=True)` drops partial batches instead.
 
     In a multi-process job every process must iterate the same global batches; each transfers only the
@@ -350,11 +391,11 @@ class Strategy:
     >>> strategy = tpustrat.TPUStrategy()
     >>> ds = strategy.experimental_make_numpy_dataset(np.arange(28.0)).batch(16)   # batches of 16 and 12
     >>> for batch in strategy.experimental_distribute_dataset(ds):
-    ...   out = strategy.run(lambda x: x * 10, args=(batch,))
-    ...   print([len(v) for v in strategy.experimental_local_results(out)],
-    ...         float(strategy.reduce("MEAN", out, axis=0)))
-    [2, 2, 2, 2, 2, 2, 2, 2] 75.0
-    [2, 2, 2, 2, 2, 2, 0, 0] 215.0
+    ...   out, marked = strategy.run(lambda x: (x * 10, tpustrat.per_example(x * 10)), args=(batch,))
+    ...   print([len(v) for v in strategy.experimental_local_results(marked)],
+    ...         float(strategy.reduce("MEAN", out, axis=0)), strategy.gather(out, axis=0).shape)
+    [2, 2, 2, 2, 2, 2, 2, 2] 75.0 (16,)
+    [2, 2, 2, 2, 2, 2, 0, 0] 215.0 (12,)
 
     Args:
       dataset: an iterable of global batches (see above).

@@ -376,7 +376,8 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver: TPUClusterResolver
   and checks the job on the way (`tpustrat._src.distributed`): a coordinator that cannot be reached
   within the initialization timeout (`RuntimeError` naming the address), processes told different
   process counts or bringing different numbers of devices (`ValueError`, in every process). From then
-  on a process that dies or hangs stops the others within the heartbeat timeout, and an uncaught
+  on a process that dies or hangs stops the others within the heartbeat timeout, and, when
+  ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION=1`` (the launcher sets it for its processes), an uncaught
   exception ends this process at once (status 1) instead of at JAX's shutdown barrier.
 
   Args:

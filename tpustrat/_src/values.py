@@ -12,11 +12,18 @@ through the host:
 Both are pytree nodes, so they trace through `jax.jit`, `lax.scan` and friends like any container.
 
 Padded batches: XLA compiles static shapes, so the input pipeline (`tpustrat._src.input`) pads a partial
-global batch up to the usual per-replica size. Such a `PerReplica` also carries the number of real rows
-of every component (an int32 array ``[num_replicas]`` sharded like the value, a pytree child so it enters
-`strategy.run` as a traced input: full and partial batches share one compiled program). `values`,
-`strategy.reduce` and `strategy.gather` then see only the real rows; every leaf of such a value has the
-padded batch on the leading axis of its components.
+global batch up to the usual per-replica size ``k``. Such a `PerReplica` also carries the number of real
+rows of every component (an int32 array ``[num_replicas]`` sharded like the value, a pytree child so it
+enters `strategy.run` as a traced input: full and partial batches share one compiled program). The counts
+mean one of two things, and nothing else decides which:
+
+* per-example (a batch from the input pipeline, or an output of `run` marked with `tpustrat.per_example`):
+  the rows *are* examples. `values`, `strategy.reduce` (any `axis`) and `strategy.gather` see only the real
+  rows, and the value enters the next `run` as a padded batch.
+* batch rows (an unmarked output of `run` on a padded batch whose leading axis has that batch's size
+  ``k``): the counts are used only where the caller says that axis 0 is the batch, with
+  ``reduce(op, v, axis=0)`` or ``gather(v, axis=0)``. Everywhere else the components are whole, as the
+  replicas returned them.
 """
 
 from __future__ import annotations
@@ -80,28 +87,34 @@ class PerReplica(DistributedValues):
   Inside `strategy.run`, each replica sees only its own component.
   """
 
-  __slots__ = ("_valid", "_host_valid")
+  __slots__ = ("_valid", "_host_valid", "_per_example")
 
   @classmethod
-  def _wrap(cls, value: Any, valid: Any = None, host_valid: np.ndarray | None = None) -> PerReplica:
-    """A `PerReplica` over stacked leaves; `valid` ([num_replicas] int) marks a padded batch."""
+  def _wrap(cls, value: Any, valid: Any = None, host_valid: np.ndarray | None = None, *,
+            per_example: bool = True) -> PerReplica:
+    """A `PerReplica` over stacked leaves; `valid` ([num_replicas] int) holds the real rows of a padded
+    batch: of the value itself (`per_example`), or of the batch of the step that returned it."""
     obj = object.__new__(cls)
     obj._value = value
     obj._valid = valid
     obj._host_valid = host_valid
+    obj._per_example = per_example
     return obj
 
   def tree_flatten(self):
     if self._valid is None:
       return (self._value,), None
-    return (self._value, self._valid), _PADDED
+    return (self._value, self._valid), _PADDED if self._per_example else _BATCH_ROWS
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls._wrap(children[0], children[1] if aux == _PADDED else None)
+    if aux is None:
+      return cls._wrap(children[0])
+    return cls._wrap(children[0], children[1], per_example=aux == _PADDED)
 
   def __init__(self, values: Sequence[Any]) -> None:
     self._valid = self._host_valid = None
+    self._per_example = True
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
       raise TypeError(
           "PerReplica expects a non-empty sequence with one component per replica, got "
@@ -136,13 +149,30 @@ class PerReplica(DistributedValues):
           f"{self!r} holds {steps} stacked steps ([steps, num_replicas, ...]), not one value per replica; "
           "tpustrat.unstack_steps(value)[i] is step i as strategy.run returns it.")
     per_leaf = [_unstack(x) for x in leaves]
-    if self._valid is not None:
-      counts = self._counts()
+    if self.padding_is_marked:
+      counts = self.host_real_rows()
       per_leaf = [[c if c.shape[0] == counts[r] else c[:counts[r]] for r, c in zip(_replica_ids(x), cs)]
                   for x, cs in zip(leaves, per_leaf)]
     return tuple(jax.tree.unflatten(treedef, list(c)) for c in zip(*per_leaf))
 
-  def _counts(self) -> np.ndarray:
+  @property
+  def padding_is_marked(self) -> bool:
+    """Whether this value's rows are examples of a padded batch (an input batch, or an output of `run`
+    marked with `tpustrat.per_example`): then every reduction and its local results skip the padding."""
+    return self._valid is not None and self._per_example
+
+  def real_rows(self, axis: int | None) -> Any:
+    """The per-replica real-row counts (an int array ``[num_replicas]``) that a reduction or gather along
+    `axis` of the components must respect, or None when every row counts.
+
+    Marked values skip padding along every axis; an unmarked output of a step on a padded batch only
+    along axis 0, where the caller has said that the rows are the batch's.
+    """
+    if self._valid is None or (not self._per_example and axis != 0):
+      return None
+    return self._valid
+
+  def host_real_rows(self) -> np.ndarray:
     """Real rows per replica (host numpy ``[num_replicas]``), fetched once from the devices if needed."""
     if self._host_valid is None:
       self._host_valid = host_counts(self._valid)
@@ -154,13 +184,14 @@ class PerReplica(DistributedValues):
     steps = stacked_steps(leaves[0]) if leaves else None
     skip = 1 if steps is None else 2  # stacked steps: [steps, num_replicas, ...]
     body = jax.tree.map(lambda x: f"{x.dtype}{list(x.shape[skip:])}", self._value)
-    padded = ", padded" if self._valid is not None else ""
+    padded = ", padded" if self.padding_is_marked else ", axis 0: a padded batch's rows" if self._valid is not None else ""
     if steps is not None:
       return f"PerReplica(steps={steps}, num_replicas={leaves[0].shape[1]}, component={body}{padded})"
     return f"PerReplica(num_replicas={n}, component={body}{padded})"
 
 
-_PADDED = "padded"
+_PADDED = "padded"  # the counts are the value's own: its rows are examples
+_BATCH_ROWS = "batch_rows"  # the counts are its step's batch's: used where axis 0 is said to be the batch
 
 
 def host_counts(valid: Any) -> np.ndarray:
@@ -190,7 +221,9 @@ def _replica_shards(x: Any) -> list[tuple[int, Any]] | None:
   if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
     return None
   shards = x.addressable_shards
-  if not shards or any(s.data.shape != (1,) + x.shape[1:] for s in shards):  # also: not split over cores
+  if not shards:
+    return []  # a process that holds none of the replicas: no local components
+  if any(s.data.shape != (1,) + x.shape[1:] for s in shards):  # also: not split over cores
     return None
   first: dict[int, Any] = {}
   for shard in _device_order(x):
@@ -220,8 +253,13 @@ class Mirrored(DistributedValues):
   across replicas (for example after `ReplicaContext.all_reduce`).
 
   Args:
-    values: TF's constructor takes one (identical) value per replica; the first is kept. A single
-      non-sequence value is accepted too.
+    values: TF's constructor takes one (identical) value per replica; one copy is kept. Components that
+      differ in structure, shape, dtype or (for values on the host or devices, not traced) in value raise
+      `ValueError`: a mirrored value is the same on every replica. A single non-sequence value is
+      accepted too.
+
+  >>> Mirrored([np.float32(2.0)] * 8).values[0]
+  np.float32(2.0)
   """
 
   __slots__ = ()
@@ -229,6 +267,7 @@ class Mirrored(DistributedValues):
   def __init__(self, values: Any) -> None:
     if isinstance(values, (list, tuple)) and values and not hasattr(values, "_fields"):
       value = values[0]
+      _check_identical(values)
     else:
       value = values
     self._value = value
@@ -257,6 +296,27 @@ class Mirrored(DistributedValues):
   def __repr__(self) -> str:
     body = jax.tree.map(lambda x: f"{jnp.result_type(x)}{list(np.shape(x))}", self._value)
     return f"Mirrored({body})"
+
+
+def _check_identical(components: Sequence[Any]) -> None:
+  """Raises `ValueError` unless every component of a `Mirrored` equals the first (when concrete)."""
+  leaves0, treedef = jax.tree.flatten(components[0])
+  for r, component in enumerate(components[1:], start=1):
+    leaves, tree = jax.tree.flatten(component)
+    if tree != treedef:
+      raise ValueError(f"Mirrored: component {r} has tree structure {tree}, but component 0 has {treedef}; "
+                       "a mirrored value is the same on every replica.")
+    for i, (a, b) in enumerate(zip(leaves0, leaves)):
+      if np.shape(a) != np.shape(b) or jnp.result_type(a) != jnp.result_type(b):
+        raise ValueError(
+            f"Mirrored: component {r} (leaf {i}) is {jnp.result_type(b)}{list(np.shape(b))}, but component 0 "
+            f"is {jnp.result_type(a)}{list(np.shape(a))}; a mirrored value is the same on every replica.")
+      if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+        continue  # traced: the values are not known here
+      if not np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True):
+        raise ValueError(
+            f"Mirrored: component {r} (leaf {i}) differs from component 0; a mirrored value is the same on "
+            "every replica. Use PerReplica for values that differ between replicas.")
 
 
 def stacked_steps(x: Any) -> int | None:
@@ -358,7 +418,8 @@ def name_replica_axis(tree: Any, steps: bool) -> Any:
       valid = node._valid  # pylint: disable=protected-access
       return PerReplica._wrap(  # pylint: disable=protected-access
           jax.tree.map(lambda x: _name_replica(x, dim), node._value),  # pylint: disable=protected-access
-          None if valid is None else _name_replica(valid, dim), node._host_valid)  # pylint: disable=protected-access
+          None if valid is None else _name_replica(valid, dim), node._host_valid,  # pylint: disable=protected-access
+          per_example=node._per_example)  # pylint: disable=protected-access
     if isinstance(node, Mirrored):
       return Mirrored._wrap(jax.tree.map(lambda x: _name_replica(x, None), node._value))  # pylint: disable=protected-access
     return node

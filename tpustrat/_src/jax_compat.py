@@ -1,0 +1,313 @@
+"""Every use of JAX internals in tpustrat, behind small functions.
+
+tpustrat needs a few things JAX has no public API for: the mesh axes a value traced inside `shard_map`
+varies over, a primitive of its own (the `assign_to_logical_device` marker), and reading and re-evaluating
+a traced jaxpr equation by equation (`tpustrat._src.logical` places computations on logical cores by
+rewriting the step's jaxpr). Those uses live here and nowhere else, so that a new JAX version is a change
+to this module only.
+
+Written for, and tested with, JAX 0.10.2 (Python 3.11) and JAX 0.12.0.1 (Python 3.12); see
+`TESTED_JAX_VERSIONS`. Between those two versions JAX merged `ClosedJaxpr` into `Jaxpr` (a jaxpr now
+carries its constants) and replaced the `lax.scan` primitive's ``num_consts`` / ``num_carry`` parameters
+by flat trees (``ft_in`` / ``ft_out``); each function says which layouts it reads.
+
+What is *not* wrapped: the documented structure of a jaxpr (``jaxpr.eqns``, ``jaxpr.invars``,
+``jaxpr.outvars``, ``jaxpr.constvars``; an equation's ``primitive``, ``invars``, ``outvars``, ``params`` and
+``effects``; a variable's ``aval``; see https://docs.jax.dev/en/latest/jaxpr.html), which callers read
+directly, and public APIs (`jax.make_jaxpr`, `jax.typeof`, `jax.lax`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
+
+__all__ = [
+    "MIN_JAX_VERSION",
+    "TESTED_JAX_VERSIONS",
+    "ScanSignature",
+    "aval_varying_axes",
+    "bind_equation",
+    "call_body",
+    "close_jaxpr",
+    "collective_axes",
+    "eval_jaxpr",
+    "identity_primitive",
+    "is_drop_var",
+    "is_literal",
+    "is_scan",
+    "is_sharding_constraint",
+    "is_var",
+    "jaxpr_from_equations",
+    "literal_value",
+    "open_jaxpr",
+    "scan_signature",
+    "sub_jaxprs",
+    "unnamed_debug_info",
+    "varying_axes",
+]
+
+# The JAX versions this module was written for and tested with. The lower bound is also `pyproject.toml`'s;
+# there is no upper bound: a newer JAX is expected to need changes here only.
+MIN_JAX_VERSION = (0, 10, 2)
+TESTED_JAX_VERSIONS = ("0.10.2", "0.12.0.1")
+
+
+# -- varying axes (shard_map's "vma" type system) --------------------------------------------------------
+
+
+def aval_varying_axes(aval: Any) -> frozenset[str]:
+  """The manual mesh axes a value of abstract type `aval` varies over (inside `shard_map`).
+
+  JAX 0.10.2 and 0.12.0.1 keep them in ``aval.mat.varying`` (``mat`` is a `ManualAxisType`, also reachable
+  as ``aval.manual_axis_type``); earlier versions (0.7 to 0.9) had a frozenset ``aval.vma``. JAX has no
+  public accessor: `jax.typeof` gives the aval, but what it records about manual axes is private. Outside
+  `shard_map` the answer is the empty set.
+  """
+  mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+  if mat is not None and hasattr(mat, "varying"):
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))  # jax versions that name it `vma`
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """The mesh axes over which a value traced inside `shard_map` varies (JAX's `vma`).
+
+  `x` is a value (tracer or array); see `aval_varying_axes` for the versions this reads.
+  """
+  return aval_varying_axes(jax.typeof(x))
+
+
+# -- a primitive of our own ----------------------------------------------------------------------------
+
+
+def identity_primitive(name: str, lowering_error: Callable[..., Exception]) -> Any:
+  """A new primitive of one operand that returns it unchanged: a marker a jaxpr interpreter looks for.
+
+  It is transparent to `jax.jvp` / `jax.grad` (the tangent passes through unmarked) and to `jax.vmap`
+  (the batched operand is marked); its parameters are whatever `bind` is given. It cannot be compiled:
+  lowering it raises ``lowering_error(**params)``, so a marker that no interpreter removed is an error,
+  never a silent no-op. Returns the primitive; mark a value with ``primitive.bind(x, **params)`` and
+  find it with ``eqn.primitive is primitive``.
+
+  Defining primitives is `jax.extend` (public, but without stability guarantees) plus the rule tables
+  of `jax.interpreters` (``ad.primitive_jvps``, ``batching.primitive_batchers``, ``mlir.register_lowering``),
+  unchanged from JAX 0.10.2 to 0.12.0.1.
+  """
+  prim = jex_core.Primitive(name)
+  prim.def_impl(lambda x, **params: x)
+  prim.def_abstract_eval(lambda x, **params: x)
+
+  def jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> tuple[Any, Any]:
+    return prim.bind(primals[0], **params), tangents[0]
+
+  def batch(args: Sequence[Any], dims: Sequence[Any], **params: Any) -> tuple[Any, Any]:
+    return prim.bind(args[0], **params), dims[0]
+
+  def lowering(ctx: Any, x: Any, **params: Any) -> Any:
+    del ctx, x
+    raise lowering_error(**params)
+
+  ad.primitive_jvps[prim] = jvp
+  batching.primitive_batchers[prim] = batch
+  mlir.register_lowering(prim, lowering)
+  return prim
+
+
+# -- jaxpr atoms -----------------------------------------------------------------------------------------
+
+
+def is_var(atom: Any) -> bool:
+  """Whether a jaxpr atom is a variable (not a literal). `DropVar` (an unused result) counts as one."""
+  return isinstance(atom, jex_core.Var)
+
+
+def is_drop_var(atom: Any) -> bool:
+  """Whether an equation's output variable is `_` (a result nothing reads)."""
+  return isinstance(atom, jex_core.DropVar)
+
+
+def is_literal(atom: Any) -> bool:
+  """Whether a jaxpr atom is a literal (a constant written into the equation)."""
+  return isinstance(atom, jex_core.Literal)
+
+
+def literal_value(atom: Any) -> Any:
+  """The value of a literal atom (a Python or NumPy scalar; its dtype is ``atom.aval.dtype``)."""
+  return atom.val
+
+
+# -- jaxprs ----------------------------------------------------------------------------------------------
+
+
+def sub_jaxprs(eqn: Any) -> list[Any]:
+  """The jaxprs in an equation's parameters (bodies of calls, branches, loop bodies), each as an open
+  jaxpr with ``.eqns``. `jax.extend.core.jaxprs_in_params`, same in JAX 0.10.2 and 0.12.0.1."""
+  return list(jex_core.jaxprs_in_params(eqn.params))
+
+
+def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
+  """A closed jaxpr: `jaxpr` with the values `consts` of its constvars (``.jaxpr`` and ``.consts``).
+
+  JAX 0.10.2 has a separate `ClosedJaxpr` class wrapping a `Jaxpr`; in 0.12.0.1 a `Jaxpr` carries its
+  constants (`jax.extend.core.ClosedJaxpr` is an alias of `Jaxpr`, `Jaxpr.with_consts` attaches them).
+  """
+  if hasattr(jex_core.Jaxpr, "with_consts"):  # JAX 0.12
+    return jaxpr.with_consts(list(consts))
+  return jex_core.ClosedJaxpr(jaxpr, list(consts))
+
+
+def open_jaxpr(closed: Any) -> tuple[Any, list[Any]]:
+  """(jaxpr, consts) of a closed jaxpr (the inverse of `close_jaxpr`); an open jaxpr has no consts.
+
+  In JAX 0.10.2 a `ClosedJaxpr` has ``.jaxpr`` and ``.consts`` and a `Jaxpr` neither; in 0.12.0.1 every
+  `Jaxpr` has ``.consts`` (possibly empty) and ``.jaxpr`` is itself.
+  """
+  if hasattr(closed, "consts"):
+    return closed.jaxpr, list(closed.consts)
+  return closed, []
+
+
+def jaxpr_from_equations(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any],
+                         debug_info: Any) -> Any:
+  """An open jaxpr (no constvars) of some equations of another: it reads `invars` and returns `outvars`.
+
+  `debug_info` must describe ``len(invars)`` arguments and ``len(outvars)`` results, or name none
+  (`unnamed_debug_info`). The `Jaxpr` constructor has the same positional form in JAX 0.10.2 and
+  0.12.0.1 (``constvars, invars, outvars, eqns, effects, debug_info``).
+  """
+  effects = set().union(*(e.effects for e in eqns)) if eqns else set()
+  return jex_core.Jaxpr([], list(invars), list(outvars), list(eqns), effects, debug_info)
+
+
+def unnamed_debug_info(jaxpr: Any) -> Any:
+  """`jaxpr`'s debug info with argument and result names dropped, for jaxprs built from part of it."""
+  return jaxpr.debug_info.with_unknown_names()
+
+
+def eval_jaxpr(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
+  """Evaluates an open jaxpr (`jaxpr_from_equations`) on `args` in the current trace.
+
+  `jax.core.eval_jaxpr` (not deprecated in JAX 0.10.2 or 0.12.0.1): each equation is re-bound inside the
+  context (abstract mesh, name stack) recorded when it was traced.
+  """
+  return jax.core.eval_jaxpr(jaxpr, [], *args)
+
+
+def bind_equation(eqn: Any, args: Sequence[Any]) -> list[Any]:
+  """Binds `eqn`'s primitive afresh on `args` in the current trace (not inside the equation's recorded
+  context, unlike `eval_jaxpr`); returns the list of its results.
+
+  ``primitive.get_bind_params`` turns an equation's parameters back into `bind`'s; before JAX 0.10 it
+  returned ``(sub-functions, params)``, from 0.10.2 to 0.12.0.1 the params alone.
+  """
+  params = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(params, tuple):  # JAX < 0.10: (sub-functions, params)
+    subfuns, params = params
+    args = [*subfuns, *args]
+  ans = eqn.primitive.bind(*args, **params)
+  return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+# -- primitives by name ------------------------------------------------------------------------------------
+
+# Plain calls: their body computes the equation's results from the equation's inputs, so it can be
+# evaluated inline (JAX 0.10.2 and 0.12.0.1 name them `jit`, `remat2`, `custom_jvp_call`, `custom_vjp_call`;
+# the other names are those of earlier versions).
+_INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+                           "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2"})
+_BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_JAXPR_TYPES = (jex_core.Jaxpr, getattr(jex_core, "ClosedJaxpr", jex_core.Jaxpr))  # one class in JAX 0.12
+
+
+def call_body(eqn: Any) -> tuple[Any, list[Any]] | None:
+  """(jaxpr, consts) of a plain call's body (`open_jaxpr`): the jaxpr's invars are the equation's inputs,
+  its constvars take `consts`. None if `eqn` is not a plain call.
+
+  Bodies are in the parameter ``jaxpr`` (jit, checkpoint) or ``call_jaxpr`` (custom_jvp / custom_vjp);
+  a `ClosedJaxpr` in JAX 0.10.2 (a `Jaxpr` for checkpoint), always a `Jaxpr` (with its consts) in 0.12.0.1.
+  """
+  if eqn.primitive.name not in _INLINE_CALLS:
+    return None
+  for key in _BODY_PARAMS:
+    body = eqn.params.get(key)
+    if isinstance(body, _JAXPR_TYPES):
+      return open_jaxpr(body)
+  return None
+
+
+def is_sharding_constraint(eqn: Any) -> bool:
+  """Whether `eqn` is a `jax.lax.with_sharding_constraint` (primitive `sharding_constraint`)."""
+  return eqn.primitive.name == "sharding_constraint"
+
+
+_COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "reduce_scatter",
+                "pbroadcast")
+
+
+def collective_axes(eqn: Any) -> tuple[Any, ...] | None:
+  """The mesh axis names a collective equation (`psum`, `all_gather`, `ppermute`, ...: also their
+  `_invariant` variants) communicates over; None if `eqn` is not a collective.
+
+  The axes are the parameter ``axes`` (psum, pmax, pmin) or ``axis_name`` (the others), in JAX 0.10.2 and
+  0.12.0.1; either a name or a tuple of names.
+  """
+  if not eqn.primitive.name.startswith(_COLLECTIVES):
+    return None
+  axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+  return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
+# -- lax.scan ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanSignature:
+  """How a `lax.scan` equation's inputs and results are laid out, and how to re-emit it.
+
+  Inputs are ``num_consts`` constants, ``num_carry`` carries, then the scanned-over arrays; results are the
+  ``num_carry`` final carries, then the stacked per-iteration outputs. `body` is a closed jaxpr (``.jaxpr``,
+  ``.consts``) from (consts, carry, x) to (carry, y). ``length``, ``reverse`` and ``unroll`` are
+  `jax.lax.scan`'s arguments.
+  """
+
+  num_consts: int
+  num_carry: int
+  body: Any
+  length: int
+  reverse: bool
+  unroll: int | bool
+
+
+def is_scan(eqn: Any) -> bool:
+  """Whether `eqn` is a `lax.scan` (also `lax.map`, `fori_loop` with static trip count, ...)."""
+  return eqn.primitive.name == "scan"
+
+
+def scan_signature(eqn: Any) -> ScanSignature:
+  """The `ScanSignature` of a `lax.scan` equation.
+
+  JAX 0.10.2 gives ``num_consts`` and ``num_carry`` as parameters and the body as a `ClosedJaxpr`; JAX
+  0.12.0.1 gives flat trees instead: ``ft_in`` is ``(consts, carry, xs)``, whose parts' lengths are the
+  counts, and ``ft_out`` is ``(carry, ys)`` (some ys may be filtered out, but the body's results and the
+  equation's match), and the body is a `Jaxpr` that carries its consts. There is no public way to take a
+  traced scan apart.
+  """
+  params = eqn.params
+  if "num_consts" in params:  # JAX <= 0.10.2
+    num_consts, num_carry = int(params["num_consts"]), int(params["num_carry"])
+  elif "ft_in" in params:  # JAX 0.12
+    consts, carry, _ = params["ft_in"].unpack()
+    num_consts, num_carry = len(consts), len(carry)
+  else:
+    raise NotImplementedError(
+        f"tpustrat does not know how this JAX version ({jax.__version__}) lays out a lax.scan equation "
+        f"(parameters {sorted(params)}); tpustrat._src.jax_compat.scan_signature needs updating.")
+  body = close_jaxpr(*open_jaxpr(params["jaxpr"]))
+  return ScanSignature(num_consts=num_consts, num_carry=num_carry, body=body, length=int(params["length"]),
+                       reverse=bool(params["reverse"]), unroll=params["unroll"])
