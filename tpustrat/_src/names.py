@@ -1,0 +1,23 @@
+"""Names that several layers (and the launcher) share: the mesh axis of the replicas and the environment
+variables that configure a multi-process job. Each is written here once.
+
+Imports nothing from tpustrat or JAX, so the launcher can read it before JAX starts.
+"""
+
+REPLICA_AXIS = "replica"
+"""The name of the replica axis of every strategy mesh (logical-core axes, if any, come after it)."""
+
+# Environment variables of a multi-process job (set by `python -m tpustrat.launch`, or by hand on a cluster).
+ENV_COORDINATOR_ADDRESS = "TPUSTRAT_COORDINATOR_ADDRESS"
+ENV_COORDINATOR_BIND_ADDRESS = "TPUSTRAT_COORDINATOR_BIND_ADDRESS"
+ENV_NUM_PROCESSES = "TPUSTRAT_NUM_PROCESSES"
+ENV_PROCESS_ID = "TPUSTRAT_PROCESS_ID"
+ENV_LOCAL_DEVICE_IDS = "TPUSTRAT_LOCAL_DEVICE_IDS"
+ENV_INITIALIZATION_TIMEOUT = "TPUSTRAT_INITIALIZATION_TIMEOUT"
+ENV_HEARTBEAT_TIMEOUT = "TPUSTRAT_HEARTBEAT_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "TPUSTRAT_SHUTDOWN_TIMEOUT"
+ENV_EXIT_ON_UNCAUGHT = "TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION"
+
+# Exit status of a process whose distributed start-up failed (the launcher reads it; no message text is
+# matched). 3 is free among the statuses Python itself uses (1 uncaught exception, 2 usage).
+EXIT_START_FAILED = 3
