@@ -60,6 +60,12 @@ class DistributedValues:
     obj._value = value
     return obj
 
+  @property
+  def tree(self) -> Any:
+    """The pytree of global arrays this value holds (internal API): a `PerReplica` leaf has a leading
+    replica axis (sharded over it), a `Mirrored` leaf is one replicated array."""
+    return self._value
+
   def tree_flatten(self):
     return (self._value,), None
 
@@ -154,6 +160,25 @@ class PerReplica(DistributedValues):
       per_leaf = [[c if c.shape[0] == counts[r] else c[:counts[r]] for r, c in zip(_replica_ids(x), cs)]
                   for x, cs in zip(leaves, per_leaf)]
     return tuple(jax.tree.unflatten(treedef, list(c)) for c in zip(*per_leaf))
+
+  @classmethod
+  def from_stacked(cls, tree: Any, real_rows: Any = None, *, per_example: bool = True,
+                   host_real_rows: np.ndarray | None = None) -> PerReplica:
+    """A `PerReplica` over `tree`, whose leaves carry a leading replica axis (internal API).
+
+    Args:
+      tree: the stacked global arrays.
+      real_rows: for a padded batch, the real rows of every component (int ``[num_replicas]``).
+      per_example: whether the rows are the value's own examples (see the module docstring), or the rows
+        of the batch of the step that returned it (used only along axis 0).
+      host_real_rows: `real_rows` already on the host, if known.
+    """
+    return cls._wrap(tree, real_rows, host_real_rows, per_example=per_example)
+
+  @property
+  def real_rows_array(self) -> Any:
+    """The real-row counts this value carries (an int array ``[num_replicas]``), or None (internal API)."""
+    return self._valid
 
   @property
   def padding_is_marked(self) -> bool:
@@ -263,6 +288,11 @@ class Mirrored(DistributedValues):
   """
 
   __slots__ = ()
+
+  @classmethod
+  def from_global(cls, tree: Any) -> Mirrored:
+    """A `Mirrored` over `tree`, a pytree of replicated global arrays (internal API)."""
+    return cls._wrap(tree)
 
   def __init__(self, values: Any) -> None:
     if isinstance(values, (list, tuple)) and values and not hasattr(values, "_fields"):
