@@ -190,7 +190,7 @@ def main(args: argparse.Namespace, report: Callable[[str], None] = print) -> dic
          f"{sum(s <= 32 * 1024 for s in sizes)} of them <= 32 KiB, median {statistics.median(sizes) / 1024:.1f} KiB")
   rng = np.random.default_rng(0)
   replicated = jax.sharding.NamedSharding(strategy.mesh, jax.sharding.PartitionSpec())
-  params = [tpustrat.Mirrored._wrap(jax.device_put(rng.standard_normal(s, dtype=np.float32), replicated))  # pylint: disable=protected-access
+  params = [tpustrat.Mirrored.from_global(jax.device_put(rng.standard_normal(s, dtype=np.float32), replicated))
             for s in shapes]
   scale = strategy.experimental_distribute_values_from_function(lambda ctx: np.float32(1 + ctx.replica_id_in_sync_group))
   t0 = time.perf_counter()

@@ -172,12 +172,12 @@ def main(args: argparse.Namespace) -> int:
     loops.append(Loop("iterator, no prefetch", strategy, step, params0,
                       lambda steps: strategy.experimental_distribute_dataset(host_stream(steps), options=no_prefetch)))
     split = NamedSharding(strategy.mesh, P("replica"))
-    valid = on_device[0]["x"]._valid  # the real-row counts input the distributed batches carry (all full)
+    valid = on_device[0]["x"].real_rows_array  # the real-row counts input the distributed batches carry (all full)
 
     def bare(steps: int):
       for batch in host_stream(steps):
         x, y = jax.device_put([batch["x"].reshape(n, -1, args.features), batch["y"].reshape(n, -1)], split)
-        yield {"x": tpustrat.PerReplica._wrap(x, valid), "y": tpustrat.PerReplica._wrap(y, valid)}
+        yield {"x": tpustrat.PerReplica.from_stacked(x, valid), "y": tpustrat.PerReplica.from_stacked(y, valid)}
 
     loops.append(Loop("bare device_put", strategy, step, params0, bare))
 

@@ -137,7 +137,7 @@ def make_variants(name: str, strategy: tpustrat.Strategy, ks: list[int], with_in
     body = br.mlp_body
     in_specs, out_specs = (P(), P(AXIS), P(AXIS)), (P(), P())
 
-  per_replica = tuple(tpustrat.PerReplica._wrap(jax.device_put(a, split)) for a in data)  # pylint: disable=protected-access
+  per_replica = tuple(tpustrat.PerReplica.from_stacked(jax.device_put(a, split)) for a in data)
   batch = per_replica[0] if name == "tiny" else per_replica
   stacked = {k: jax.device_put([np.broadcast_to(a, (k,) + a.shape) for a in data], steps_split) for k in ks if k > 1}
   init_t = lambda: tpustrat.Mirrored(jax.device_put(state0, replicated))  # noqa: E731
@@ -150,8 +150,8 @@ def make_variants(name: str, strategy: tpustrat.Strategy, ks: list[int], with_in
       dispatch = lambda s, batch=batch: strategy.run(step, args=(s, batch))[0]  # noqa: E731
     else:
       arrays = stacked[k]
-      xs_k = tpustrat.PerReplica._wrap(arrays[0]) if name == "tiny" else tuple(  # pylint: disable=protected-access
-          tpustrat.PerReplica._wrap(a) for a in arrays)  # pylint: disable=protected-access
+      xs_k = tpustrat.PerReplica.from_stacked(arrays[0]) if name == "tiny" else tuple(
+          tpustrat.PerReplica.from_stacked(a) for a in arrays)
       dispatch = lambda s, xs_k=xs_k: strategy.experimental_run_steps(step, xs_k, init=s)[0]  # noqa: E731
     variants.append(Variant("tpustrat", k, init_t, dispatch, strategy.experimental_run_wait, _mirrored_value))
 

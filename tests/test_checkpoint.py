@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import tpustrat
 from tpustrat._src import checkpoint as checkpoint_lib
+from tpustrat._src.input import encoding
 from tpustrat.checkpoint import CheckpointManager
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent / "_ckpt_scripts"
@@ -354,7 +355,7 @@ def test_per_replica_state(strategy, logical_strategy, tmp_path):
     manager.save(0, state)
     restored = manager.restore(target=state)
     assert isinstance(restored["per_replica"], tpustrat.PerReplica)
-    assert restored["per_replica"]._value.sharding == NamedSharding(strategy.mesh, P("replica"))
+    assert restored["per_replica"].tree.sharding == NamedSharding(strategy.mesh, P("replica"))
     assert [float(v[0]) for v in restored["per_replica"].values] == list(range(8))
   with CheckpointManager(tmp_path, logical_strategy) as manager:
     target = {"per_replica": logical_strategy.experimental_distribute_values_from_function(
@@ -504,3 +505,25 @@ def test_killed_save_keeps_the_last_good_checkpoint(strategy, reference, tmp_pat
     state = manager.restore(target=fresh, iterator=it)
   assert_bitwise(common.host(state), reference["states"][1])
   assert ids_of(strategy, next(it)) == reference["ids"][1]
+
+
+def test_bytes_states_share_one_base64_encoding():
+  raw = bytes(range(256))
+  text = encoding.bytes_to_text(raw)
+  assert encoding.text_to_bytes(text) == raw
+
+  class BytesIterator:
+    state = raw
+
+    def get_state(self):
+      return self.state
+
+    def set_state(self, s):
+      self.state = s
+
+  saved = checkpoint_lib._iterator_state(BytesIterator())
+  assert saved == {"bytes_base64": text}  # the on-disk format is unchanged
+  target = BytesIterator()
+  target.state = None
+  checkpoint_lib._set_iterator_state(target, saved)
+  assert target.state == raw

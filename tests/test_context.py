@@ -1,9 +1,13 @@
-"""scope(), get_strategy(), has_strategy(), in_cross_replica_context(), get_replica_context()."""
+"""The context: scope(), get_strategy(), has_strategy(), in_cross_replica_context(), get_replica_context(),
+and the argument checks of `ReplicaContext.all_reduce` / `all_gather`."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import tpustrat
+
+N = 8
 
 
 def test_default_strategy_outside_any_scope():
@@ -64,3 +68,28 @@ def test_strategy_attributes(strategy):
     tpustrat.TPUStrategy(device_assignment="tpu:0")
   with pytest.raises(ValueError, match="twice"):
     tpustrat.TPUStrategy(device_assignment=[jax.devices()[0]] * 2)
+
+
+@pytest.mark.parametrize("axis", ["0", 0.0, True])
+def test_all_gather_rejects_a_non_int_axis_like_reduce(strategy, axis):
+  def fn():
+    return tpustrat.get_replica_context().all_gather(jnp.ones(2), axis=axis)
+
+  got = rf"got {type(axis).__name__} " + repr(axis).replace(".", r"\.") + r"\."
+  with pytest.raises(TypeError, match=r"^ReplicaContext\.all_gather: `axis` must be an int or None, " + got):
+    strategy.run(fn)
+  with pytest.raises(TypeError, match=r"^strategy\.reduce: `axis` must be an int or None, " + got):
+    strategy.reduce("SUM", strategy.run(lambda: jnp.ones(2)), axis=axis)
+
+
+def test_grouped_all_reduce_rejects_options(strategy):
+  def fn():
+    return tpustrat.get_replica_context().all_reduce(
+        "SUM", jnp.ones(()), options=tpustrat.CommunicationOptions(),
+        group_assignment=[[0, 1, 2, 3], [4, 5, 6, 7]])
+
+  with pytest.raises(ValueError, match="grouped reductions use the XLA collective directly"):
+    strategy.run(fn)
+  grouped = strategy.run(
+      lambda: tpustrat.get_replica_context().all_reduce("SUM", 1.0, group_assignment=[[0, 1, 2, 3], [4, 5, 6, 7]]))
+  assert [float(v) for v in strategy.experimental_local_results(grouped)] == [4.0] * N

@@ -1,8 +1,9 @@
 """CrossDeviceOps, gradient packing and MirroredStrategy: TF's documented semantics against numpy, the
-collectives each implementation compiles to, and TF's errors for bad input."""
+collectives each implementation compiles to, TF's errors for bad input, and regression tests for defects
+found in review (reduce_to of nested values, ReductionToOneDevice's reduce_to_device in and out of run)."""
 
 import functools
-import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +24,9 @@ from tpustrat import (
   NcclAllReduce,
   ReductionToOneDevice,
 )
-from tpustrat._src import all_reduce
-from tpustrat._src import context as context_lib
-from tpustrat._src import cross_device_ops as cdo_lib
+from tpustrat._src import all_reduce, cross_device, engine
 from tpustrat._src.collectives import AlreadyReplicatedWarning
+from tpustrat._src.cross_device import ops as ops_lib
 from tpustrat._src.mirrored_strategy import MirroredStrategy
 
 N = 8
@@ -50,7 +50,7 @@ IMPLS = {
 def values_of(result):
   """(devices, components) of a reduce/broadcast result: a Mirrored or a one-device array."""
   if isinstance(result, tpustrat.Mirrored):
-    arr = jax.tree.leaves(result._value)[0]
+    arr = jax.tree.leaves(result.tree)[0]
     return set(arr.sharding.device_set), [np.asarray(v) for v in result.values]
   assert isinstance(result, jax.Array), type(result)
   return set(result.sharding.device_set), [np.asarray(result)]
@@ -77,8 +77,8 @@ def destinations(strategy, d):
   subset = Mesh(np.array([devices[1], devices[4]], dtype=object), ("replica",))
   return {
       "the_value": (d, set(devices)),
-      "mirrored_all": (tpustrat.Mirrored._wrap(jax.device_put(jnp.zeros(3), replicated)), set(devices)),
-      "mirrored_two": (tpustrat.Mirrored._wrap(jax.device_put(jnp.zeros(()), NamedSharding(subset, P()))),
+      "mirrored_all": (tpustrat.Mirrored.from_global(jax.device_put(jnp.zeros(3), replicated)), set(devices)),
+      "mirrored_two": (tpustrat.Mirrored.from_global(jax.device_put(jnp.zeros(()), NamedSharding(subset, P()))),
                        {devices[1], devices[4]}),
       "string": ("/job:localhost/replica:0/task:0/device:CPU:5", {devices[5]}),
       "short_string": ("/cpu:0", {devices[0]}),
@@ -380,7 +380,7 @@ def test_all_reduce_in_run_matches_psum_with_gradients(strategy, impl):
   assert reduced["i"].values[0].dtype == np.int32 and int(reduced["i"].values[5]) == 28
   np.testing.assert_array_equal(mean.values[7], a * 4.5)
   assert float(invariant.values[0]) == N * 1.5
-  np.testing.assert_array_equal(np.asarray(grad._value), np.asarray(want_grad._value))
+  np.testing.assert_array_equal(np.asarray(grad.tree), np.asarray(want_grad.tree))
 
 
 def test_in_run_result_is_one_value(strategy):
@@ -391,7 +391,7 @@ def test_in_run_result_is_one_value(strategy):
       out = strategy.run(lambda v, ops=ops, opts=opts: (ops.all_reduce_in_replica_context("sum", v, opts),
                                                         ops.all_reduce_in_replica_context("sum", v, opts) * 1.0
                                                         + 0.0 * lax.axis_index("replica")), args=(x,))
-      copies = np.asarray(out[1]._value)
+      copies = np.asarray(out[1].tree)
       assert all((c == copies[0]).all() for c in copies)
 
 
@@ -405,7 +405,7 @@ def test_constructor_errors():
     HierarchicalCopyAllReduce(num_packs=-2)
   with pytest.raises(ValueError, match=r"requires num_packs >= 0"):
     AllReduceCrossDeviceOps(num_packs=-1)
-  with pytest.raises(TypeError, match="num_packs must be an int"):
+  with pytest.raises(TypeError, match="NCCL all-reduce: `num_packs` must be an int, got float 1.5"):
     NcclAllReduce(num_packs=1.5)
   for alg in ("ring", "NCCLX", None):
     with pytest.raises(ValueError, match=r"Unknown all_reduce_alg .*'nccl' or 'hierarchical_copy'"):
@@ -422,8 +422,10 @@ def test_constructor_errors():
 
 
 def test_options_errors():
-  with pytest.raises(ValueError, match="bytes_per_pack must be a non-negative integer"):
+  with pytest.raises(ValueError, match=r"CommunicationOptions: `bytes_per_pack` must be an int >= 0, got int -1\."):
     CommunicationOptions(bytes_per_pack=-1)
+  with pytest.raises(ValueError, match="`bytes_per_pack` must be an int >= 0, got float 1.5"):
+    CommunicationOptions(bytes_per_pack=1.5)
   with pytest.raises(ValueError, match="timeout_seconds"):
     CommunicationOptions(timeout_seconds=0)
   with pytest.raises(ValueError, match="implementation must be"):
@@ -550,7 +552,7 @@ def test_mirrored_strategy_devices_and_default_ops():
   assert list(two.mesh.devices.flat) == [jax.devices()[0], jax.devices()[3]]
   assert list(MirroredStrategy(jax.devices()[4:7]).mesh.devices.flat) == jax.devices()[4:7]
   ops = two.extended.cross_device_ops
-  assert repr(ops) == repr(cdo_lib.default_cross_device_ops()) == (
+  assert repr(ops) == repr(cross_device.default_cross_device_ops()) == (
       "AllReduceCrossDeviceOps(all_reduce_alg='nccl', num_packs=0, agg_small_grads_max_bytes=32768, "
       "agg_small_grads_max_group=10)")
   value = per_replica(two, lambda r: np.float32(r + 1))
@@ -614,7 +616,7 @@ def test_replica_all_reduce_hook_uses_the_configured_ops(mirrored, spy, strategy
   assert isinstance(out["r"], tpustrat.Mirrored) and float(out["r"].values[3]) == 28.0
   assert spy.calls == [("all_reduce", opts)]
   # An extended without configured ops (TPUStrategy's, once it has the mixin) and no options: plain psum.
-  class Plain(cdo_lib.CrossDeviceExtendedMixin):
+  class Plain(cross_device.CrossDeviceExtendedMixin):
     _strategy = strategy
 
   plain = strategy.run(lambda: Plain()._replica_all_reduce(
@@ -622,8 +624,6 @@ def test_replica_all_reduce_hook_uses_the_configured_ops(mirrored, spy, strategy
   assert float(plain.values[0]) == 3.5
 
 
-@pytest.mark.skipif("_replica_all_reduce" not in inspect.getsource(context_lib.ReplicaContext.all_reduce),
-                    reason="ReplicaContext.all_reduce does not route through strategy.extended yet (patch pending)")
 def test_replica_context_all_reduce_routes_through_cross_device_ops(mirrored, spy):
   spy.calls.clear()
   opts = CommunicationOptions(bytes_per_pack=16)
@@ -638,24 +638,179 @@ def test_replica_context_all_reduce_routes_through_cross_device_ops(mirrored, sp
 
 def test_wait_on_picks_the_smallest_output_else_the_token():
   big, mid, small = jnp.zeros((64, 1024)), jnp.zeros((16,)), jnp.zeros((), jnp.int32)
-  assert cdo_lib._wait_on([big, mid, small], (), []) is small
-  assert cdo_lib._wait_on([big, mid, small], (), [small]) is mid  # an input returned as is is ready already
+  assert ops_lib._wait_on([big, mid, small], (), []) is small
+  assert ops_lib._wait_on([big, mid, small], (), [small]) is mid  # an input returned as is is ready already
   token = jnp.zeros((), jnp.int8)
-  assert cdo_lib._wait_on([big], (token,), []) is token
+  assert ops_lib._wait_on([big], (token,), []) is token
 
 
-def test_reductions_in_flight_wait_on_the_smallest_output(strategy):
+def test_reductions_in_flight_wait_on_the_smallest_output(strategy, monkeypatch):
   # A 256 KiB result first, a scalar second: the next reductions wait for the scalar, not for the large
   # buffer (which waiting would keep alive two reductions longer). With only large results, a token.
   big = per_replica(strategy, lambda r: np.full((64, 1024), r, np.float32))
   small = per_replica(strategy, lambda r: np.float32(r))
   ops = NcclAllReduce(num_packs=0)
-  cdo_lib._IN_FLIGHT.clear()
+  dispatch, tokens = engine.dispatch, []
+
+  def spy(program, *args, **kwargs):
+    assert kwargs == {}  # the process-wide bound, engine.DEFAULT_STEPS_IN_FLIGHT in flight
+
+    def recording(*xs):
+      result, token = program(*xs)
+      tokens.append(token)
+      return result, token
+
+    return dispatch(recording, *args, **kwargs)
+
+  monkeypatch.setattr(engine, "dispatch", spy)
   total_big, total_small = ops.batch_reduce("sum", [(big, big), (small, small)])
-  waited = cdo_lib._IN_FLIGHT[-1]
+  waited = tokens[-1]
   assert waited.shape == () and waited.dtype == np.float32 and float(waited) == 28.0
   np.testing.assert_array_equal(total_big.values[0], np.full((64, 1024), 28.0))
   ops.reduce("sum", big, big)
-  token = cdo_lib._IN_FLIGHT[-1]
+  token = tokens[-1]
   assert token.shape == () and token.dtype == np.int8
-  assert len(cdo_lib._IN_FLIGHT) <= cdo_lib._STEPS_IN_FLIGHT
+  assert len(tokens) == 2
+
+
+# -- review regressions: reduce_to of nested values ----------------------------------------------------
+
+
+class _CountingOps(AllReduceCrossDeviceOps):
+  """The default cross-device ops, counting batch reductions."""
+
+  def __init__(self):
+    super().__init__("nccl", num_packs=0)
+    self.batches = 0
+
+  def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+    self.batches += 1
+    return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+
+@pytest.fixture(scope="module")
+def counting():
+  return _CountingOps()
+
+
+@pytest.fixture(scope="module")
+def counting_mirrored(counting):
+  return MirroredStrategy(cross_device_ops=counting)
+
+
+def test_reduce_to_mean_of_a_nested_mirrored_is_the_value_itself(counting_mirrored):
+  # TF (and `reduce_to` on a Mirrored itself) return a Mirrored value unchanged for MEAN; inside a pytree
+  # it went through sum-of-n-copies / n, which is not exact in floating point.
+  vals = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+  m = counting_mirrored.run(lambda: jnp.asarray(vals))
+  d = counting_mirrored.experimental_distribute_values_from_function(lambda ctx: np.float32(ctx.replica_id_in_sync_group))
+  out = counting_mirrored.extended.reduce_to("mean", {"m": m, "d": d}, d)
+  assert out["m"] is m
+  np.testing.assert_array_equal(np.asarray(out["m"].values[0]), vals)
+  assert float(out["d"].values[0]) == np.mean(np.arange(N, dtype=np.float64))
+
+
+def test_reduce_to_rejects_a_bad_leaf_before_reducing_anything(counting_mirrored, counting):
+  d = counting_mirrored.experimental_distribute_values_from_function(lambda ctx: np.float32(ctx.replica_id_in_sync_group))
+  counting.batches = 0
+  with pytest.raises(ValueError, match="cannot be reduced with the given reduce op"):
+    counting_mirrored.extended.reduce_to("sum", {"d": d, "plain": jnp.ones(3)}, d)
+  assert counting.batches == 0
+
+
+# -- ReductionToOneDevice(reduce_to_device=...) inside and outside strategy.run ----------------------
+
+
+def _four(ops, order=(5, 1, 6, 2)):
+  """A 4-replica MirroredStrategy on the devices `order` (in that replica order)."""
+  return MirroredStrategy([jax.devices()[i] for i in order], cross_device_ops=ops)
+
+
+@pytest.mark.parametrize("device", [7, "/cpu:7", "/job:localhost/replica:0/task:0/device:CPU:3"])
+def test_reduce_to_device_outside_the_mesh_raises_in_run(device):
+  # The strategy runs on CPU 5, 1, 6, 2; CPU 7 (or 3) is not one of them. Inside `run` the reduction is one
+  # program over those four devices, so it used to sum on replica 0 instead, silently.
+  device = jax.devices()[device] if isinstance(device, int) else device
+  ops = ReductionToOneDevice(reduce_to_device=device)
+  strategy = _four(ops)
+  calls = []
+
+  def step():
+    calls.append(1)
+    return tpustrat.get_replica_context().all_reduce("sum", jnp.float32(1.0))
+
+  with pytest.raises(ValueError) as info:
+    strategy.run(step)
+  message = str(info.value)
+  assert "reduce_to_device" in message and repr(device) in message
+  for i in (5, 1, 6, 2):  # the mesh's devices, listed
+    assert str(jax.devices()[i]) in message
+  # The same error straight from the CrossDeviceOps API, and with options.
+  with pytest.raises(ValueError, match="reduce_to_device"):
+    strategy.run(lambda: ops.all_reduce_in_replica_context(
+        "mean", jnp.float32(1.0), CommunicationOptions(bytes_per_pack=4)))
+
+
+def test_reduce_to_device_outside_the_mesh_still_works_cross_replica(monkeypatch):
+  # TF's ReductionToOneDevice copies the components to any device in the cross-replica context: kept.
+  ops = ReductionToOneDevice(reduce_to_device=jax.devices()[7])
+  strategy = _four(ops)
+  seen = []
+  accumulate = all_reduce.accumulate_on_device
+  monkeypatch.setattr(all_reduce, "accumulate_on_device",
+                      lambda parts, fn: seen.append([p.devices() for p in parts]) or accumulate(parts, fn))
+  rows = np.random.default_rng(1).normal(size=(4, 3)).astype(np.float32)
+  v = strategy.experimental_distribute_values_from_function(lambda ctx: rows[ctx.replica_id_in_sync_group])
+  total = strategy.extended.reduce_to("sum", v, destinations=v)
+  assert seen == [[{jax.devices()[7]}] * 4]  # the four components were added on CPU 7
+  want = rows.astype(np.float64).sum(axis=0)
+  assert isinstance(total, tpustrat.Mirrored) and len(total.values) == 4
+  for r in range(4):
+    assert_close(np.asarray(total.values[r]), want, rtol=1e-6, scale=np.abs(rows).sum(axis=0))
+  one = strategy.extended.reduce_to("mean", v, destinations="/cpu:1")
+  assert one.devices() == {jax.devices()[1]}
+  assert_close(np.asarray(one), want / 4, rtol=1e-6, scale=np.abs(rows).sum(axis=0) / 4)
+
+
+def test_reduce_to_device_in_the_mesh_is_the_root_in_run():
+  # CPU 6 is replica 2 of the mesh [5, 1, 6, 2]: the components are permuted to replica 2, nowhere else.
+  strategy = _four(ReductionToOneDevice(reduce_to_device="/cpu:6"))
+  x = strategy.experimental_distribute_values_from_function(lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1))
+
+  def step(v):
+    return tpustrat.get_replica_context().all_reduce("sum", v)
+
+  out = strategy.run(step, args=(x,))
+  assert [float(c) for c in out.values] == [10.0] * 4
+  text = jax.jit(lambda v: strategy.run(step, args=(v,))).lower(x).as_text()
+  pairs = [tuple(int(t) for t in re.findall(r"\d+", p))
+           for p in re.findall(r"source_target_pairs = dense<(\[\[[\d, \[\]]*\]\])>", text)]
+  gathered = [p for p in pairs if len(p) == 2 and p[1] == 2]
+  assert sorted(p[0] for p in gathered) == [0, 1, 3], pairs
+
+
+def test_reduce_to_device_that_names_no_device_says_so():
+  ops = ReductionToOneDevice(reduce_to_device="/cpu:99")
+  strategy = _four(ops)
+  v = strategy.experimental_distribute_values_from_function(lambda ctx: np.float32(1.0))
+  for call in (lambda: strategy.extended.reduce_to("sum", v, destinations=v),
+               lambda: strategy.run(lambda: tpustrat.get_replica_context().all_reduce("sum", 1.0))):
+    with pytest.raises(ValueError, match=r"reduce_to_device='/cpu:99'.*CPU:99"):
+      call()
+
+
+def test_reduce_to_device_in_a_shard_map_outside_run_raises():
+  # A plain shard_map gives no way to find which replica holds the device; it used to be replica 0.
+  mesh = Mesh(np.asarray(jax.devices()), ("replica",))
+  x = jax.device_put(jnp.arange(N, dtype=jnp.float32), NamedSharding(mesh, P("replica")))
+  for device in ("/cpu:3", jax.devices()[3]):
+    ops = ReductionToOneDevice(reduce_to_device=device)
+    fn = jax.jit(jax.shard_map(lambda v, ops=ops: ops.all_reduce_in_replica_context("sum", v[0]), mesh=mesh,
+                               in_specs=P("replica"), out_specs=P()))
+    with pytest.raises(ValueError, match=r"no current strategy has a mesh with the axis 'replica' of size 8"):
+      fn(x)
+  # Without reduce_to_device the first replica sums, as before.
+  ops = ReductionToOneDevice()
+  fn = jax.jit(jax.shard_map(lambda v: ops.all_reduce_in_replica_context("sum", v[0]), mesh=mesh,
+                             in_specs=P("replica"), out_specs=P()))
+  assert float(fn(x)) == sum(range(N))

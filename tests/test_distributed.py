@@ -20,7 +20,7 @@ import time
 import pytest
 
 from tpustrat import launch
-from tpustrat._src import distributed
+from tpustrat._src import distributed, names
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = "TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION"
@@ -35,7 +35,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def test_the_variable_decides_only_when_the_argument_does_not(monkeypatch):
   monkeypatch.delenv(ENV, raising=False)
-  assert distributed.ENV_EXIT_ON_UNCAUGHT == launch._EXIT_ON_UNCAUGHT == ENV  # launch does not import JAX
+  assert names.ENV_EXIT_ON_UNCAUGHT == ENV
   assert distributed._exit_on_uncaught_wanted(None) is False  # off by default
   for text, want in (("1", True), ("true", True), (" Yes ", True), ("on", True), ("0", False),
                      ("false", False), ("no", False), ("OFF", False), ("", False)):
@@ -112,3 +112,34 @@ def test_under_the_launcher_an_uncaught_exception_still_ends_the_job_at_once():
   assert "process 1 failed first: it exited with status 1" in out.stderr, out.stderr[-3000:]
   assert "process 0 stopped on its own" in out.stderr, out.stderr[-3000:]
   assert time.monotonic() - start < 40
+
+
+# -- the exception hook of a multi-process job --------------------------------------------------------
+
+_HOOK = ("from tpustrat._src import distributed; distributed._exit_on_uncaught_exception(0, 2, 10)")
+
+
+def test_uncaught_exception_hook_spares_an_interactive_session():
+  # In the REPL (python -i, or plain `python` on a terminal) every mistyped line is an "uncaught"
+  # exception: it must print the traceback and go on, not end the interpreter.
+  out = subprocess.run([sys.executable, "-i", "-c", _HOOK], input="undefined_name\nprint('alive')\n",
+                       env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert "NameError" in out.stderr, out.stderr
+  assert "alive" in out.stdout and out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+
+
+def test_uncaught_exception_hook_exits_at_once_and_chains_the_users_hook():
+  script = textwrap.dedent(f"""
+      import sys
+      def mine(kind, value, tb):
+        print("user hook saw", kind.__name__, flush=True)
+      sys.excepthook = mine
+      {_HOOK}
+      {_HOOK}
+      raise ValueError("boom")
+      """)
+  out = subprocess.run([sys.executable, "-c", script], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+  assert out.returncode == 1, out.stderr
+  assert out.stdout.count("user hook saw ValueError") == 1  # installed once, the user's hook kept
+  assert "process 0 of 2 exits at once after an uncaught ValueError" in out.stderr

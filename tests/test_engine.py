@@ -50,13 +50,13 @@ def test_mirrored_output_is_replicated_not_stacked(strategy, rng):
 
   total, same = strategy.run(fn, args=(stacked(strategy, x),))
   assert isinstance(total, Mirrored) and isinstance(same, PerReplica)
-  arr = total._value
+  arr = total.tree
   assert arr.shape == (4,)  # one copy of the value, not [N, 4]
   assert arr.sharding.is_fully_replicated
   assert len(arr.addressable_shards) == N and all(s.data.shape == (4,) for s in arr.addressable_shards)
   for component in strategy.experimental_local_results(total):
     assert_close(component, x.astype(np.float64).sum(0), scale=np.abs(x).sum(0))
-  per_replica = same._value
+  per_replica = same.tree
   assert per_replica.shape == (N, 4) and per_replica.sharding.spec == jax.sharding.PartitionSpec("replica")
 
 
@@ -209,10 +209,10 @@ def test_max_steps_in_flight_option(strategy):
 
 def test_mirrored_inputs_are_not_copied_through_the_host(strategy):
   w = strategy.run(lambda: jnp.arange(4.0))
-  before = w._value
+  before = w.tree
   out = strategy.run(lambda w: w * 1.0, args=(w,))
   # The input kept its replicated on-device sharding and no transfer was needed: same buffers.
-  assert out._value.sharding.is_fully_replicated and before.sharding == out._value.sharding
+  assert out.tree.sharding.is_fully_replicated and before.sharding == out.tree.sharding
 
 
 # -- bad input -------------------------------------------------------------------------------------
@@ -309,3 +309,32 @@ def test_bound_methods_share_one_program():
     out = small.run(m.step, args=(jnp.arange(3.0),))  # a new bound-method object on every access
   assert m.traces == 1
   np.testing.assert_array_equal(out.values[0], np.arange(3.0) * 2)
+
+
+@pytest.mark.parametrize("wrap", [tpustrat.PerReplica, tpustrat.Mirrored])
+def test_run_rejects_a_distributed_value_returned_by_the_replica_function(strategy, wrap):
+  inner = wrap([np.ones(2, np.float32)] * N) if wrap is tpustrat.PerReplica else wrap(np.ones(2, np.float32))
+
+  def fn(x):
+    return {"loss": x.sum(), "bad": inner}
+
+  with pytest.raises(TypeError) as info:
+    strategy.run(fn, (jnp.ones(3),))
+  message = str(info.value)
+  assert f"returned a {wrap.__name__} at ['bad']" in message
+  assert "cross-replica" in message and "return the arrays instead" in message
+
+
+def test_a_passed_through_output_is_a_fresh_buffer_written_by_the_step(strategy):
+  # jax 0.10.2 does not forward a shard_map pass-through to the input's buffer: XLA copies it inside the
+  # program, so waiting on it (as `engine.wait_leaf` may choose it) waits for the step.
+  w = strategy.run(lambda: jnp.arange(4.0))
+  x = stacked(strategy, np.arange(N * 3, dtype=np.float32).reshape(N, 3))
+  out_w, total = strategy.run(lambda w, x: (w, x.sum()), (w, x))
+  assert isinstance(out_w, tpustrat.Mirrored)
+  np.testing.assert_array_equal(out_w.values[0], np.arange(4.0))
+  in_ptrs = {s.data.unsafe_buffer_pointer() for s in w.tree.addressable_shards}
+  out_ptrs = {s.data.unsafe_buffer_pointer() for s in out_w.tree.addressable_shards}
+  assert not in_ptrs & out_ptrs
+  np.testing.assert_array_equal(
+      [float(v) for v in strategy.experimental_local_results(total)], np.arange(N * 3).reshape(N, 3).sum(1))

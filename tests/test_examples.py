@@ -1,12 +1,19 @@
-"""examples/classifier.py: it trains, evaluates every example exactly once, and its step is the right step.
+"""The examples (`examples/*.py`): each trains, and its numbers are the right ones.
 
-The step check is the important one: one `strategy.run` of the example's training step over 8 replicas
-must give the loss, the parameters and the optimizer state of the same step computed on one device
-without a strategy (so gradients are aggregated exactly once, as the mean over the global batch).
+* classifier.py: it trains, evaluates every example exactly once, and its step is the right step: one
+  `strategy.run` of the example's training step over 8 replicas gives the loss, the parameters and the
+  optimizer state of the same step computed on one device without a strategy (so gradients are
+  aggregated exactly once, as the mean over the global batch).
+* spatial_partitioning.py: images split across logical devices train exactly as on one device.
+* moe.py, cross_replica_batchnorm.py, migration.py and multihost.py: smoke and correctness tests.
+
+Each example is imported as a module (its `main(argv)` returns a summary dict) and also run as a script,
+as a user would run it, in a fresh process where the example's own XLA_FLAGS give 8 CPU devices.
 """
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -20,7 +27,12 @@ from flax import nnx
 
 import tpustrat
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "classifier.py"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+# ---------------------------------------------------------------------------------------------------
+# examples/classifier.py
+# ---------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +67,7 @@ def host(tree):
   return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
 
 
-def test_main_trains_and_evaluates(classifier):
+def test_classifier_main_trains_and_evaluates(classifier):
   summary = classifier.main(["--epochs", "3", "--global-batch-size", "64", "--learning-rate", "3e-3",
                              "--seed", "0", "--quiet"])
   assert summary["epochs"] == 3 and len(summary["losses"]) == 3
@@ -130,11 +142,275 @@ def test_evaluation_counts_every_example_exactly_once(classifier, strategy):
   assert accuracy * len(x) == pytest.approx(expected)
 
 
-def test_script_runs_on_eight_emulated_devices():
+def test_classifier_script_runs_on_eight_emulated_devices():
   # As `make demo` runs it: a fresh process, where the example's own XLA_FLAGS gives 8 CPU devices.
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
-  out = subprocess.run([sys.executable, str(EXAMPLE), "--epochs", "1", "--global-batch-size", "128"],
+  out = subprocess.run([sys.executable, str(EXAMPLES / "classifier.py"), "--epochs", "1", "--global-batch-size", "128"],
                        env=env, capture_output=True, text=True, timeout=120, check=True)
   assert "num_replicas_in_sync=8" in out.stderr + out.stdout
   assert "test accuracy" in out.stderr + out.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# examples/spatial_partitioning.py
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spatial(load_example):
+  return load_example("spatial_partitioning")
+
+
+def test_both_layouts_train_like_one_device(spatial):
+  steps = 12
+  reference = spatial.reference_losses(steps)
+  for layout in ("4x2", "1x8"):
+    losses = spatial.train(layout, steps)
+    np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=1e-5)
+  assert reference[-1] < 0.5 * reference[0]  # it learns
+
+
+def test_images_are_split_as_tf_tiles_them(spatial):
+  strategy, partition = spatial.make_strategy("1x8")
+  tiles = spatial.describe_layout(strategy, partition, spatial.make_data(1)[0])
+  assert tiles == {f"logical device {l}": ((8 * (l // 4), 8 * (l // 4) + 8), (8 * (l % 4), 8 * (l % 4) + 8))
+                   for l in range(8)}  # arange(8).reshape(1, 2, 4, 1): 2 x 4 tiles of 8 x 8 pixels
+  strategy, partition = spatial.make_strategy("4x2")
+  assert spatial.describe_layout(strategy, partition, spatial.make_data(1)[0]) == {
+      "logical device 0": ((0, 8), (0, 32)), "logical device 1": ((8, 16), (0, 32))}
+
+
+def test_spatial_partitioning_script_runs_on_eight_emulated_devices():
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env["JAX_PLATFORMS"] = "cpu"
+  out = subprocess.run([sys.executable, str(EXAMPLES / "spatial_partitioning.py"), "--layout", "1x8", "--steps", "2"],
+                       env=env, capture_output=True, text=True, timeout=300, check=True)
+  assert "8 CPU devices" in out.stdout and "1x8: final loss" in out.stdout
+  assert "logical device 7 holds rows 8:16, columns 24:32" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# examples/moe.py, cross_replica_batchnorm.py, migration.py: as scripts
+# ---------------------------------------------------------------------------------------------------
+
+
+# Each example run as `python examples/NAME.py ARGS` would run it (`__name__ == "__main__"`, the example's
+# own XLA_FLAGS), all in one fresh process to pay for JAX's start-up once.
+_RUN_SCRIPTS = """
+import runpy, sys
+for path, *argv in {runs!r}:
+  sys.argv = [path, *argv]
+  print("=== " + path, flush=True)
+  runpy.run_path(path, run_name="__main__")
+"""
+
+
+def test_scripts_run_on_eight_emulated_devices():
+  runs = [(str(EXAMPLES / "moe.py"), "--num-experts", "4", "--steps", "2", "--steps-per-program", "2"),
+          (str(EXAMPLES / "cross_replica_batchnorm.py"), "--epochs", "1", "--group-size", "2"),
+          (str(EXAMPLES / "migration.py"), "--epochs", "1", "--global-batch-size", "256")]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run([sys.executable, "-c", _RUN_SCRIPTS.format(runs=runs)], env=env, capture_output=True,
+                        text=True, timeout=300)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0, out[-5000:]
+  moe, bn, migration = out.split("=== ")[1:]
+  # moe: 2 groups of 4 replicas, each with all 4 experts; the script asserts the dense check itself.
+  assert "4 experts, 1 per replica, all-to-all groups [[0, 1, 2, 3], [4, 5, 6, 7]]" in moe
+  assert "expert-parallel layer == dense layer after training" in moe
+  assert "batch norm over groups [[0, 1], [2, 3], [4, 5], [6, 7]]" in bn
+  assert "group statistics == numpy after training too" in bn and "test accuracy" in bn
+  assert "num_replicas_in_sync=8" in migration and "test accuracy" in migration
+
+
+# ---------------------------------------------------------------------------------------------------
+# examples/moe.py
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe(load_example):
+  return load_example("moe")
+
+
+def test_moe_expert_layouts(moe):
+  one_each = moe.ExpertLayout(8, 8)
+  assert (one_each.group_size, one_each.experts_per_replica, one_each.groups) == (8, 1, [list(range(8))])
+  two_each = moe.ExpertLayout(16, 8)
+  assert two_each.experts_per_replica == 2 and two_each.experts_of(3) == slice(6, 8)
+  grouped = moe.ExpertLayout(4, 8)
+  assert grouped.groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert grouped.copies == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert grouped.experts_of(6) == slice(2, 3)
+  with pytest.raises(ValueError, match="multiple or a divisor"):
+    moe.ExpertLayout(3, 8)
+  assert moe.capacity(32, 8, 1.25) == 5
+
+
+def test_moe_trains_and_matches_the_dense_layer(moe):
+  summary = moe.main(["--steps", "12", "--steps-per-program", "6", "--quiet"])
+  assert summary["num_replicas"] == 8 and summary["steps"] == 12 and len(summary["losses"]) == 12
+  assert summary["max_dense_diff"] < 1e-4  # main itself asserts allclose before and after training
+  assert summary["final_loss"] < 0.75 * summary["initial_loss"]  # measured: 0.44-0.51x the start (seeds 0-2)
+  assert sum(summary["tokens_per_expert"]) == 8 * 32
+
+
+@pytest.mark.parametrize("num_experts", [16, 2], ids=["two_experts_per_replica", "groups_of_two"])
+def test_moe_layer_and_gradients_match_dense(moe, strategy, num_experts):
+  layout = moe.ExpertLayout(num_experts, 8)
+  cap = moe.capacity(16, num_experts, 1.0)
+  params = moe.distribute_params(strategy, layout, moe.init_params(num_experts, seed=1))
+  # Each device holds only its own replica's experts.
+  assert isinstance(params["experts"], tpustrat.PerReplica)
+  w1 = strategy.experimental_local_results(params["experts"])[0]["w1"]
+  assert w1.shape == (layout.experts_per_replica, moe.MODEL_DIM, moe.HIDDEN_DIM)
+  for leaf in jax.tree.leaves(params["experts"]):  # global arrays [replica, experts of the replica, ...]
+    assert leaf.shape[:2] == (8, layout.experts_per_replica)
+    assert {s.data.shape[0] for s in leaf.addressable_shards} == {1}
+  batch = moe.make_data(8 * 16, num_experts, seed=2)
+  assert moe.check_against_dense(strategy, layout, params, batch, cap) < 1e-4  # asserts allclose inside
+
+
+def test_moe_tokens_travel_by_all_to_all(moe, strategy):
+  """The expert-parallel layer really exchanges tokens (a dense layer would pass the dense check too)."""
+  layout = moe.ExpertLayout(8, 8)
+  params = moe.distribute_params(strategy, layout, moe.init_params(8))
+  batch = next(iter(strategy.experimental_distribute_dataset([moe.make_data(8 * 32, 8)])))
+  jaxpr = jax.make_jaxpr(lambda p, b: strategy.run(lambda p, b: moe.moe_layer(p, b["x"], layout, 5)[0],
+                                                   args=(p, b)))(params, batch)
+  assert str(jaxpr).count("all_to_all") == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# examples/cross_replica_batchnorm.py
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bn(load_example):
+  return load_example("cross_replica_batchnorm")
+
+
+GROUPINGS = {
+    "halves": [[0, 1, 2, 3], [4, 5, 6, 7]],
+    "interleaved": [[0, 2, 4, 6], [1, 3, 5, 7]],
+    "pairs": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    "all": [list(range(8))],
+}
+
+
+@pytest.mark.parametrize("groups", GROUPINGS.values(), ids=GROUPINGS.keys())
+def test_group_statistics_match_numpy(bn, strategy, groups):
+  train, test = bn.load_data(0)
+  params = bn.init_state(0)["params"]
+  params["b1"] = np.linspace(-1, 1, bn.HIDDEN).astype(np.float32)  # not all zeros
+  # A full batch, then a partial one: 20 real examples in the 8-per-replica layout, so replicas 0-1 are
+  # full, replica 2 has 4 real rows and replicas 3-7 are only padding.
+  batches = [{k: v[:64] for k, v in train.items()}, {k: v[:20] for k, v in test.items()}]
+  assert bn.check_group_statistics(strategy, params, batches, groups) < 1e-4  # asserts allclose inside
+  rows = bn.replica_rows(20, 8, per_replica=8)
+  assert [len(r) for r in rows] == [8, 8, 4, 0, 0, 0, 0, 0]
+
+
+def test_batchnorm_step_matches_one_device(bn, strategy):
+  """One step with SGD(lr=1): the update is minus the gradient of the single-device group-BN loss."""
+  groups = GROUPINGS["interleaved"]
+  train, _ = bn.load_data(0)
+  batch = {k: v[:64] for k, v in train.items()}
+  state = bn.init_state(0)
+  tx = optax.sgd(1.0)
+  state["opt_state"] = tx.init(state["params"])
+  dist = next(iter(strategy.experimental_distribute_dataset([batch])))
+  new_state, metrics = strategy.run(bn.make_train_step(tx, groups), args=(state, dist))
+  assert isinstance(new_state["params"]["w1"], tpustrat.Mirrored)
+  assert isinstance(new_state["batch_stats"]["mean"], tpustrat.Mirrored)
+
+  params = jax.tree.map(jnp.asarray, state["params"])
+  loss, grads = jax.jit(jax.value_and_grad(lambda p, b: bn.reference_loss(p, b, groups, 8)))(
+      params, jax.tree.map(jnp.asarray, batch))
+  got = strategy.experimental_local_results(new_state)[0]
+  np.testing.assert_allclose(strategy.experimental_local_results(metrics["loss"])[0], loss, rtol=1e-5)
+  # A gradient is a sum over examples: it rounds relative to the gradients' magnitude, not its own (b1's,
+  # zero in theory as batch norm removes a bias, is only rounding).
+  grad_scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))
+  for name in params:
+    assert_close(got["params"][name], params[name] - grads[name], rtol=1e-4,
+                 scale=np.abs(params[name]) + grad_scale, err_msg=name)
+  # Moving averages: momentum towards the mean of the groups' statistics.
+  stats = bn.numpy_group_statistics(state["params"], batch["x"], groups, 8)
+  mean_of_groups = np.mean([m for m, _ in stats], axis=0)
+  assert_close(got["batch_stats"]["mean"], 0.1 * mean_of_groups, rtol=1e-4)
+
+
+def test_batchnorm_trains(bn):
+  summary = bn.main(["--epochs", "2", "--quiet"])
+  assert summary["groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert summary["max_stats_diff"] < 1e-4
+  assert summary["losses"][-1] < summary["losses"][0]
+  assert summary["test_accuracy"] > 0.85  # measured: 0.96 after 2 epochs
+
+
+# ---------------------------------------------------------------------------------------------------
+# examples/migration.py
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def migration(load_example):
+  return load_example("migration")
+
+
+def _squash(text: str) -> str:
+  return re.sub(r"[\s\\]+", "", text)
+
+
+def test_migration_docstring_twin_is_the_code(migration):
+  """The right-hand column of the docstring is what `main` runs (up to line breaks)."""
+  rows = [line for line in migration.__doc__.splitlines() if " | " in line]
+  assert rows[0].split(" | ")[0].strip() == "TensorFlow" and rows[0].split(" | ")[1].strip() == "tpustrat"
+  right = _squash("\n".join(line.split(" | ", 1)[1] for line in rows[2:]))
+  source = _squash(pathlib.Path(migration.__file__).read_text().split('"""', 2)[2])
+  for statement in [
+      "strategy=tpustrat.TPUStrategy(resolver)",
+      "tpustrat.initialize_tpu_system(resolver)",
+      ".shuffle(seed=",
+      ".batch(GLOBAL_BATCH,drop_remainder=True))",
+      "train_iterator=iter(strategy.experimental_distribute_dataset(ds))",
+      "loss=jnp.sum(per_example_loss)/GLOBAL_BATCH",
+      "jax.value_and_grad(loss_fn,has_aux=True)(state[\"params\"])",
+      "tx.update(grads,state[\"opt_state\"],state[\"params\"])",
+      "strategy.experimental_run_steps(step_fn,train_iterator,STEPS,init=state)",
+      "strategy.run(test_fn,args=(state[\"params\"],inputs))",
+  ]:
+    assert statement in right, statement
+    assert statement in source, statement
+
+
+def test_migration_trains(migration):
+  summary = migration.main(["--epochs", "2", "--quiet"])
+  assert summary["num_replicas"] == 8 and summary["steps_per_epoch"] == 1437 // 64
+  assert summary["losses"][1] < summary["losses"][0]
+  assert summary["test_accuracy"] > 0.8  # measured: 0.89 after 2 epochs
+  assert summary["test_correct"] == round(summary["test_accuracy"] * summary["test_examples"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# examples/multihost.py
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_multihost_classifier_matches_one_process(load_example):
+  """2 processes x 4 devices through `python -m tpustrat.launch`: the single-process run's numbers."""
+  pytest.importorskip("tpustrat.launch")
+  multihost = load_example("multihost")
+  classifier_args = ["--epochs", "1", "--global-batch-size", "256"]
+  summary = multihost.main(["--quiet", "--timeout", "240", "--", *classifier_args])
+  assert (summary["num_processes"], summary["devices_per_process"], summary["num_replicas"]) == (2, 4, 8)
+  assert len(summary["losses"]) == 1
+
+  single = load_example("classifier").main([*classifier_args, "--quiet"])
+  # The multi-process run prints 4 decimals; sums cross processes in another order (gloo).
+  np.testing.assert_allclose(summary["losses"], single["losses"], atol=2e-4)
+  assert abs(summary["test_accuracy"] - single["test_accuracy"]) <= 1 / 360 + 1e-4

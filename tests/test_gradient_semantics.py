@@ -11,9 +11,8 @@ import pytest
 
 import tpustrat
 import tpustrat.ops as ops
-from tpustrat._src.collectives import AlreadyReplicatedWarning
-from tpustrat._src.context import local_copy
-from tpustrat._src.cross_device_ops import HierarchicalCopyAllReduce, NcclAllReduce
+from tpustrat._src.collectives import AlreadyReplicatedWarning, local_copy
+from tpustrat._src.cross_device import HierarchicalCopyAllReduce, NcclAllReduce
 from tpustrat._src.mirrored_strategy import MirroredStrategy
 
 N = 8

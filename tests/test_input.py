@@ -51,7 +51,7 @@ def test_replica_r_gets_rows_2r_to_2r_plus_2_of_a_batch_of_16(strategy, rng):
     return jnp.all(v == jnp.asarray(x).reshape(N, 2, 3)[r])
   assert all(bool(ok) for ok in strategy.run(fn, args=(batch,)).values)
   # The batch sits on the devices, split over the replica axis, before run is called.
-  assert batch._value.sharding.spec == P("replica") and batch._value.shape == (N, 2, 3)
+  assert batch.tree.sharding.spec == P("replica") and batch.tree.shape == (N, 2, 3)
 
 
 def test_partial_batch_of_12_counts_exactly_the_real_examples(strategy):
@@ -287,7 +287,7 @@ def test_iterator_protocol_and_stop_iteration(strategy, fetch):
   for _ in range(3):  # finished: StopIteration every time, as Python expects
     with pytest.raises(StopIteration):
       next(it)
-  leaf = first["x"]._value
+  leaf = first["x"].tree
   if fetch:
     assert isinstance(leaf, jax.Array) and leaf.sharding.spec == P("replica")
   else:
@@ -300,16 +300,16 @@ def test_element_spec(strategy):
   dist = strategy.experimental_distribute_dataset(ids_batches(20, 16))
   spec = dist.element_spec
   assert set(spec) == {"id", "x"}
-  assert spec["x"]._value == jax.ShapeDtypeStruct((N, 2, 3), jnp.float32, sharding=spec["x"]._value.sharding)
-  assert spec["id"]._value.shape == (N, 2) and spec["id"]._value.dtype == jnp.int32
-  assert iter(dist).element_spec["x"]._value.shape == (N, 2, 3)
+  assert spec["x"].tree == jax.ShapeDtypeStruct((N, 2, 3), jnp.float32, sharding=spec["x"].tree.sharding)
+  assert spec["id"].tree.shape == (N, 2) and spec["id"].tree.dtype == jnp.int32
+  assert iter(dist).element_spec["x"].tree.shape == (N, 2, 3)
   # A one-shot source: reading element_spec first must not lose the first batch.
   gen = strategy.experimental_distribute_dataset(b for b in ids_batches(20, 16))
-  assert gen.element_spec["x"]._value.shape == (N, 2, 3)
+  assert gen.element_spec["x"].tree.shape == (N, 2, 3)
   assert [len(np.asarray(strategy.gather(b["id"], axis=0))) for b in gen] == [16, 4]
   # Every batch matches the spec (the partial one is padded to it).
   for batch in dist:
-    assert batch["x"]._value.shape == spec["x"]._value.shape
+    assert batch["x"].tree.shape == spec["x"].tree.shape
   with pytest.raises(ValueError, match="empty"):
     strategy.experimental_distribute_dataset([]).element_spec  # noqa: B018
 
@@ -351,7 +351,7 @@ def test_prefetch_buffer_is_bounded_and_thread_stops(strategy):
 
 def test_a_larger_later_batch_grows_the_per_replica_size(strategy):
   dist = strategy.experimental_distribute_dataset([np.arange(8.0), np.arange(24.0)])
-  sizes = [(b._value.shape, float(strategy.reduce("SUM", b, axis=0))) for b in dist]
+  sizes = [(b.tree.shape, float(strategy.reduce("SUM", b, axis=0))) for b in dist]
   assert sizes == [((N, 1), 28.0), ((N, 3), float(np.arange(24).sum()))]
 
 
@@ -364,16 +364,6 @@ def test_default_strategy_passes_batches_through():
 
 
 # -- datasets_from_function -----------------------------------------------------------------------------
-
-
-def test_input_context():
-  ctx = tpustrat.InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=8)
-  assert (ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync) == (2, 1, 8)
-  assert ctx.get_per_replica_batch_size(32) == 4
-  with pytest.raises(ValueError, match="`global_batch_size` 30 is not divisible by `num_replicas_in_sync` 8"):
-    ctx.get_per_replica_batch_size(30)
-  with pytest.raises(ValueError, match="input_pipeline_id"):
-    tpustrat.InputContext(num_input_pipelines=1, input_pipeline_id=1)
 
 
 def test_datasets_from_function_each_replica_dequeues_one_batch(strategy):
@@ -474,11 +464,6 @@ def test_bad_dataset_fn(strategy):
       lambda ctx: [np.zeros((2, 3))] * 4 + [np.zeros((2, 4))] * 4)
   with pytest.raises(ValueError, match=r"agree on everything but their number of rows"):
     next(iter(dist))
-
-
-def test_bad_options(strategy):
-  with pytest.raises(TypeError, match="tpustrat.InputOptions"):
-    strategy.experimental_distribute_dataset([np.zeros(16)], options={"experimental_fetch_to_device": False})
 
 
 def test_valid_mask_needs_a_batch_when_ambiguous(strategy):

@@ -140,7 +140,7 @@ def test_device_batches_never_alias_the_sources_memory(strategy):
   buf = _buffer(0)  # aligned: XLA:CPU would alias it
   batch = next(iter(strategy.experimental_distribute_dataset(_reusing_source(buf))))
   lo, hi = _host_range(buf)
-  leaked = [p for p in _device_pointers(batch["x"]._value) if lo <= p < hi]
+  leaked = [p for p in _device_pointers(batch["x"].tree) if lo <= p < hi]
   assert leaked == []
 
 
@@ -225,3 +225,179 @@ def test_values_from_function_captures_values_when_called(strategy):
   buf[...] = -1.0
   for r in strategy.experimental_local_results(values):
     np.testing.assert_array_equal(np.asarray(r), np.full((ROWS, COLS), 3.0, np.float32))
+
+
+def _whole_buffer_source(buf, steps=STEPS):
+  """Writes batch i (every value i*1000 + row) into the whole of the same buffer each time."""
+  for i in range(steps):
+    buf[...] = _expected(i, buf.shape[0])[:, None]
+    yield {"x": buf}
+
+
+class _ArrayLike:
+  """A torch-like tensor: not a numpy array, but ``np.asarray`` of it shares its memory."""
+
+  def __init__(self, data):
+    self._data = data
+
+  def __array__(self, dtype=None, copy=None):
+    return self._data
+
+
+def _slow_carry(c, x):
+  """A carry step that is still running when experimental_run_steps returns."""
+  for _ in range(4):
+    c = c @ jnp.eye(c.shape[-1], dtype=c.dtype)
+  return c, x.sum()
+
+
+@pytest.mark.parametrize("wrap", [lambda b: b, _ArrayLike], ids=["numpy", "array_like"])
+def test_element_spec_read_ahead_of_a_reusing_per_replica_source(strategy, wrap):
+  # element_spec reads a whole step of a one-shot per-replica source ahead; the source writes every
+  # replica's batch into one buffer, handed out as numpy or as a torch-like tensor over it.
+  n = strategy.num_replicas_in_sync
+  buf = np.empty((2, 3), np.float32)
+
+  def dataset_fn(ctx):
+    def gen():
+      for j in range(2 * ctx.num_replicas_in_sync):
+        buf[...] = j
+        yield wrap(buf)
+    return gen()
+
+  dist = strategy.experimental_distribute_datasets_from_function(dataset_fn)
+  assert jax.tree.leaves(dist.element_spec)[0].shape == (n, 2, 3)
+  steps = list(dist)
+  assert len(steps) == 2
+  for step, batch in enumerate(steps):
+    for r, rows in enumerate(strategy.experimental_local_results(batch)):
+      np.testing.assert_array_equal(np.asarray(rows), np.full((2, 3), step * n + r, np.float32))
+
+
+@pytest.mark.parametrize("strategy_name", ["tpu", "default"])
+def test_take_steps_keeps_values_of_a_batch_with_another_dtype(strategy, strategy_name):
+  # A group whose batches differ in dtype holds every batch's values (the stack is promoted, as
+  # np.stack does), not values cast to the first batch's dtype.
+  s = strategy if strategy_name == "tpu" else tpustrat.get_strategy()
+  batches = [np.full(8, 1, np.int32), np.full(8, 0.5, np.float32), np.full(8, 2, np.int32),
+             np.full(8, 2.5, np.float32)]
+  it = iter(s.experimental_distribute_dataset(batches))
+  steps = tpustrat.unstack_steps(it.take_steps(4))
+  assert len(steps) == 4
+  for b, want in zip(steps, batches):
+    got = _rows_of(s, b) if strategy_name == "tpu" else np.asarray(b)
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+def test_per_replica_step_read_while_another_iterator_grows_the_batch(strategy):
+  # Two iterators over one dataset (say an abandoned epoch's, whose prefetch thread still reads ahead)
+  # share the padded size k. If the other one grows k while this one reads a step from a source that
+  # reuses its buffer, this step's batches must still be the ones read, padded to the new k.
+  n = strategy.num_replicas_in_sync
+  sizes = [2] * n + [4] * n  # step 0: 2 rows per replica; step 1: 4
+  hook = []
+
+  class Source:
+    """Re-iterable; each pass writes every per-replica batch into the same buffer of its own."""
+
+    def __iter__(self):
+      buf = np.empty((4, 3), np.float32)
+      for j, rows in enumerate(sizes):
+        if hook and j == n - 1:
+          hook.pop()()  # the other iterator reads its next step now
+        buf[:rows] = (j * 10 + np.arange(rows, dtype=np.float32))[:, None]
+        yield buf[:rows]
+
+  options = tpustrat.InputOptions(experimental_fetch_to_device=False)  # no threads: a fixed interleaving
+  dist = strategy.experimental_distribute_datasets_from_function(lambda ctx: Source(), options=options)
+  ahead = iter(dist)
+  next(ahead)
+  hook.append(lambda: next(ahead))  # its step 1 has 4 rows per replica: k grows from 2 to 4
+  first = next(iter(dist))
+  assert jax.tree.leaves(first)[0].shape == (n, 4, 3)  # padded to the grown k
+  for r, rows in enumerate(strategy.experimental_local_results(first)):
+    np.testing.assert_array_equal(np.asarray(rows), np.repeat((r * 10 + np.arange(2.0))[:, None], 3, axis=1))
+
+
+def test_new_iterator_after_close_waits_for_the_batch_handed_out(strategy):
+  # After close(), iter() of a one-shot dataset continues on the source, whose next read rewrites the
+  # buffer. The batch handed out last may still be copying out of that buffer (unaligned: XLA:CPU copies
+  # asynchronously); once iter() has stopped the old prefetch thread, that copy must be complete.
+  rows, cols = 64, 1 << 18  # 64 MiB: a copy that takes a while
+  buf = _buffer(16, rows, cols)
+  for _ in range(4):
+    dist = strategy.experimental_distribute_dataset(_whole_buffer_source(buf, steps=3))
+    it = iter(dist)
+    first = next(it)
+    it.close()  # drops what the thread read ahead (batch 1, or none yet)
+    again = iter(dist)  # reads the rest of the source
+    assert all(x.is_ready() for x in jax.tree.leaves(first))
+    later = _rows_of(strategy, next(again)["x"])[:, 0]
+    np.testing.assert_array_equal(_rows_of(strategy, first["x"])[:, 0], _expected(0, rows))
+    assert later[0] in (1000, 2000)
+    np.testing.assert_array_equal(later, _expected(int(later[0]) // 1000, rows))
+
+
+@pytest.mark.parametrize("offset", [0, 16], ids=["aligned", "unaligned"])
+def test_run_steps_captures_a_numpy_init_when_called(strategy, offset):
+  # `init` arrays are given to every replica "as by run": run captures numpy arguments when called.
+  w = _buffer(offset, 512, 512)
+  for i in range(3):
+    w[...] = i
+    it = iter(strategy.experimental_distribute_dataset([np.ones(8, np.float32)] * 2))
+    carry, _ = strategy.experimental_run_steps(_slow_carry, it, 2, init=w)
+    w[...] = -1
+    for r in strategy.experimental_local_results(carry):
+      np.testing.assert_array_equal(np.asarray(r), np.full((512, 512), i, np.float32))
+
+
+@pytest.mark.parametrize("offset", [0, 16], ids=["aligned", "unaligned"])
+def test_run_steps_captures_numpy_stacked_batches_when_called(strategy, offset):
+  # Batches already stacked on a leading steps axis, as a numpy array the caller then reuses.
+  batches = _buffer(offset, 2 * 256, 512).reshape(2, 256, 512)
+
+  def step(total, batch):
+    x = batch["x"]
+    for _ in range(4):
+      x = x @ jnp.eye(x.shape[-1], dtype=x.dtype)
+    return total + x.sum(), x.sum()
+
+  for i in range(3):
+    batches[...] = i
+    total, _ = strategy.experimental_run_steps(step, {"x": batches}, init=np.float32(0))
+    batches[...] = -1
+    for r in strategy.experimental_local_results(total):
+      assert float(r) == i * batches.size
+
+
+def test_may_alias_only_for_arrays_the_transfer_would_alias():
+  """`host_memory.may_alias` is checked against what `jax.device_put` does: arrays JAX converts
+  (float64 without x64) or re-lays out (transposed, strided) reach the device through new memory."""
+  device = jax.devices()[0]
+  align = host_memory.alias_alignment(device)
+  if align is None:
+    pytest.skip("this backend copies host memory to the devices")
+  base = host_memory.host_empty((64, 128), np.float32)
+  cases = {"contiguous": host_memory.host_empty((64, 64), np.float32),
+           "transposed": host_memory.host_empty((64, 64), np.float32).T,
+           "strided": base[:, ::2],
+           "float64": host_memory.host_empty((64, 64), np.float64)}
+  for name, x in cases.items():
+    x[...] = 1
+    put = jax.device_put(x, device)
+    put.block_until_ready()
+    aliased = put.unsafe_buffer_pointer() == x.ctypes.data
+    assert host_memory.may_alias(x, 1, align) == aliased, name
+    assert aliased == (name == "contiguous"), name
+
+
+def test_run_with_an_object_array_raises_jax_error(strategy):
+  # Whatever its address (a 64-byte-aligned one would otherwise be copied first), the capture path
+  # leaves an object array to JAX's own, clear, error.
+  arrays = [np.empty(8, object) for _ in range(200)]
+  aligned = [x for x in arrays if x.ctypes.data % 64 == 0][:1]
+  other = [x for x in arrays if x.ctypes.data % 64][:1]
+  assert aligned and other
+  for x in aligned + other:
+    with pytest.raises(TypeError, match="not a valid JAX array type"):
+      strategy.run(lambda v: v, args=(x,))

@@ -18,11 +18,14 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
 import numpy as np
 import pytest
+
+from tpustrat._src import names
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent / "_mp_scripts"
 ROOT = SCRIPTS.parents[1]
@@ -135,9 +138,9 @@ doubled = strategy.run(lambda v: v["x"] * 2 + v["n"], args=(v,))
 total = strategy.reduce("SUM", doubled, axis=None)
 print("RESULT", json.dumps(dict(
     calls=calls, workers=len(strategy.extended.worker_devices),
-    shapes=[list(a.shape) for a in jax.tree.leaves(v._value)],
-    dtypes=[str(a.dtype) for a in jax.tree.leaves(v._value)],
-    shards=[len(a.addressable_shards) for a in jax.tree.leaves(v._value)],
+    shapes=[list(a.shape) for a in jax.tree.leaves(v.tree)],
+    dtypes=[str(a.dtype) for a in jax.tree.leaves(v.tree)],
+    shards=[len(a.addressable_shards) for a in jax.tree.leaves(v.tree)],
     total=np.asarray(total).tolist() if me == 0 else None)), flush=True)
 """
 
@@ -258,9 +261,11 @@ def test_a_hung_process_is_declared_dead_and_killed():
 def test_a_badly_started_job_fails_with_a_clear_error(mode, message):
   out = _launch("--initialization-timeout", "8" if mode == "id" else "60", "--heartbeat-timeout", "5",
                 "--timeout", "90", str(SCRIPTS / "bad_cluster.py"), mode, timeout=120)
-  assert out.returncode == 1, out.stderr[-3000:]
+  # The second "process 0" cannot start its coordinator: it exits with EXIT_START_FAILED (75), first.
+  status = names.EXIT_START_FAILED if mode == "id" else 1
+  assert out.returncode == status, out.stderr[-3000:]
   assert re.search(message, out.stderr), out.stderr[-3000:]
-  assert re.search(r"tpustrat.launch: process [01] failed first: it exited with status 1", out.stderr), \
+  assert re.search(rf"tpustrat.launch: process [01] failed first: it exited with status {status}", out.stderr), \
       out.stderr[-3000:]
 
 
@@ -287,31 +292,6 @@ def no_cluster_env(monkeypatch):
     if name.startswith("TPUSTRAT_") or name in ("JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_BIND_ADDRESS"):
       monkeypatch.delenv(name)
   return monkeypatch
-
-
-def test_resolver_timeouts_and_bind_address(no_cluster_env):
-  from tpustrat.cluster_resolver import TPUClusterResolver
-
-  options = TPUClusterResolver(coordinator_address="127.0.0.1:5000", num_processes=2, process_id=1)._runtime_options()
-  # JAX's defaults; a loopback coordinator listens on loopback only (JAX's default is every interface).
-  assert options == dict(coordinator_bind_address="127.0.0.1:5000", initialization_timeout=300,
-                         heartbeat_timeout=100, shutdown_timeout=300)
-  remote = TPUClusterResolver(coordinator_address="10.0.0.1:5000", num_processes=2, process_id=1,
-                              heartbeat_timeout=7)._runtime_options()
-  assert remote["coordinator_bind_address"] is None and remote["heartbeat_timeout"] == 7  # JAX's default bind
-  no_cluster_env.setenv("TPUSTRAT_INITIALIZATION_TIMEOUT", "12")
-  no_cluster_env.setenv("TPUSTRAT_COORDINATOR_BIND_ADDRESS", "0.0.0.0:5000")
-  from_env = TPUClusterResolver(coordinator_address="127.0.0.1:5000", num_processes=2, process_id=0,
-                                shutdown_timeout=9)._runtime_options()
-  assert from_env == dict(coordinator_bind_address="0.0.0.0:5000", initialization_timeout=12,
-                          heartbeat_timeout=100, shutdown_timeout=9)
-  with pytest.raises(ValueError, match="heartbeat_timeout must be an int >= 1, got 0"):
-    TPUClusterResolver(heartbeat_timeout=0)
-  with pytest.raises(ValueError, match="coordinator_bind_address must be a 'host:port' string"):
-    TPUClusterResolver(coordinator_bind_address="nowhere")
-  no_cluster_env.setenv("TPUSTRAT_HEARTBEAT_TIMEOUT", "soon")
-  with pytest.raises(ValueError, match="TPUSTRAT_HEARTBEAT_TIMEOUT='soon' must be an int >= 1"):
-    TPUClusterResolver()._runtime_options()
 
 
 def test_launcher_names_the_process_that_hangs_not_the_first_to_exit():
@@ -342,7 +322,7 @@ def test_launcher_names_the_process_that_hangs_not_the_first_to_exit():
   report = launch._report(plain, plain[1], 0.0, 5.0)
   assert report.startswith("process 1 failed first: it exited with status 1 after 2.0 s.")
   assert "process 0 exited normally" in report and "ValueError: boom" in report
-  assert launch._exit_status(-9) == 137 and launch._exit_status(3) == 3
+  assert launch._exit_status(-9) == 137 and launch._exit_status(75) == 75
 
 
 def test_launcher_arguments():
@@ -420,12 +400,14 @@ def test_launcher_retries_on_a_fresh_port_when_the_coordinator_port_is_taken(in_
 
 
 def _fake_taken(who: int) -> str:
-  """A program whose process `who` fails as process 0 does when the coordinator's port is taken."""
+  """A program whose process `who` fails as process 0 does when the coordinator's port is taken: it says
+  so and exits with `names.EXIT_START_FAILED`."""
   return ("import os, sys, time\n"
           f"if os.environ['TPUSTRAT_PROCESS_ID'] == '{who}':\n"
           "  address = os.environ['TPUSTRAT_COORDINATOR_ADDRESS']\n"
-          "  sys.exit(f'RuntimeError: experimental_connect_to_cluster: process 0 runs the coordinator, but '\n"
-          "           f'{address} is already in use: another job is listening there.')\n"
+          "  print(f'CoordinatorPortTaken: experimental_connect_to_cluster: process 0 runs the coordinator, '\n"
+          "        f'but {address} is already in use: another job is listening there.', file=sys.stderr)\n"
+          f"  sys.exit({names.EXIT_START_FAILED})\n"
           "time.sleep(30)\n")
 
 
@@ -435,15 +417,15 @@ def test_launcher_retries_a_taken_port_a_bounded_number_of_times_and_nothing_els
   # Taken every time: 3 attempts, then the failure is reported as usual.
   given = _ports(monkeypatch)
   status, _, err = in_process_launch([sys.executable, "-c", _fake_taken(0)], grace_period=0.5)
-  assert status == 1 and len(given) == launch._PORT_ATTEMPTS == 3, (given, err[-3000:])
+  assert status == names.EXIT_START_FAILED and len(given) == launch._PORT_ATTEMPTS == 3, (given, err[-3000:])
   assert err.count("tpustrat.launch: starting 2 processes") == 3
-  assert "process 0 failed first: it exited with status 1" in err and "is already in use" in err
-  # Not retried: a port given by the user; the same words from a process that does not run the
+  assert f"process 0 failed first: it exited with status {names.EXIT_START_FAILED}" in err and "is already in use" in err
+  # Not retried: a port given by the user; the same status from a process that does not run the
   # coordinator; any other failure of process 0.
   for command, kwargs, want in (
-      (_fake_taken(0), dict(port=given[0]), 1),
-      (_fake_taken(1), {}, 1),
-      ("import sys; sys.exit(3)", {}, 3),
+      (_fake_taken(0), dict(port=given[0]), names.EXIT_START_FAILED),
+      (_fake_taken(1), {}, names.EXIT_START_FAILED),
+      ("import sys; sys.exit(4)", {}, 4),
   ):
     given = _ports(monkeypatch)
     status, _, err = in_process_launch([sys.executable, "-c", command], grace_period=0.5, **kwargs)
@@ -451,19 +433,21 @@ def test_launcher_retries_a_taken_port_a_bounded_number_of_times_and_nothing_els
     assert len(given) == (0 if "port" in kwargs else 1)
 
 
-def test_launcher_recognises_the_message_of_a_taken_coordinator_port():
-  from tpustrat import launch
-  from tpustrat._src import distributed
-
+def test_a_taken_coordinator_port_ends_the_process_with_the_start_failed_status():
+  # The launcher learns of it from the exit status alone (names.EXIT_START_FAILED), not from the message.
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     s.listen()
     address = f"127.0.0.1:{s.getsockname()[1]}"
-    with pytest.raises(RuntimeError) as info:
-      distributed._check_port_free(address, 0)
-  line = f"RuntimeError: {info.value}"
-  assert launch._port_taken(line, address)
-  assert not launch._port_taken(line, "127.0.0.1:1")
+    script = ("from tpustrat._src import distributed\n"
+              f"distributed.initialize({address!r}, 2, 0, None, coordinator_bind_address={address!r}, "
+              "initialization_timeout=5, heartbeat_timeout=5, shutdown_timeout=5, exit_on_uncaught=True)\n")
+    out = subprocess.run([sys.executable, "-c", script], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+  assert out.returncode == names.EXIT_START_FAILED, out.stderr[-3000:]
+  taken = f"CoordinatorPortTaken: experimental_connect_to_cluster: process 0 runs the coordinator, but {address} is"
+  assert f"{taken} already in use" in out.stderr, out.stderr[-3000:]
+  assert f"process 0 of 2 could not start the job's coordinator; it exits at once with status {names.EXIT_START_FAILED}" in out.stderr
 
 
 def test_launcher_starts_processes_without_preexec_fn(in_process_launch, monkeypatch):
@@ -493,7 +477,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_processes_die_with_a_launcher_killed_by_sigkill():
   # Nothing of the launcher runs then: each process asked Linux for SIGKILL when the launcher dies.
-  # (tests/test_topology_edge_cases.py covers SIGTERM and the processes' leftover children.)
+  # (SIGTERM and the processes' leftover children: the tests above.)
   script = "import os, time; print('ready pid=%d' % os.getpid(), flush=True); time.sleep(60)"
   launcher = subprocess.Popen(LAUNCH[:3] + ["-n", "2", "--", "-c", script], env=_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True)
@@ -520,3 +504,73 @@ def test_processes_die_with_a_launcher_killed_by_sigkill():
         os.kill(p, signal.SIGKILL)
       except ProcessLookupError:
         pass
+
+
+# -- the launcher: stopped, and the processes' children -------------------------------------------------------------------------------------
+
+
+def _start(tmp_path, body: str, *args: str) -> subprocess.Popen:
+  script = tmp_path / "job.py"
+  script.write_text(textwrap.dedent(body))
+  launcher = subprocess.Popen([sys.executable, "-m", "tpustrat.launch", "-n", "2", *args, str(script)],
+                              env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  return launcher
+
+
+def _read_pids(launcher: subprocess.Popen, word: str, count: int) -> list[int]:
+  pids = []
+  for line in launcher.stdout:
+    if f" {word}=" in line:
+      pids.append(int(line.rsplit("=", 1)[1]))
+      if len(pids) == count:
+        return pids
+  raise AssertionError(f"the job ended before printing {count} {word}: {launcher.stderr.read()[-3000:]}")
+
+
+def _wait_gone(pid: int, seconds: float = 10.0) -> bool:
+  deadline = time.monotonic() + seconds  # the kernel delivers SIGKILL asynchronously
+  while not _gone(pid):
+    if time.monotonic() > deadline:
+      os.kill(pid, signal.SIGKILL)
+      return False
+    time.sleep(0.02)
+  return True
+
+
+def test_launcher_stopped_by_sigterm_kills_the_job_and_reports_sigterm(tmp_path):
+  launcher = _start(tmp_path, """
+      import os, time
+      print("ready pid=%d" % os.getpid(), flush=True)
+      time.sleep(120)
+      """)
+  try:
+    pids = _read_pids(launcher, "pid", 2)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM  # 143, as for any program ended by SIGTERM
+  finally:
+    launcher.kill()
+    launcher.communicate()
+  assert all(_wait_gone(pid) for pid in pids)
+
+
+def test_launcher_leaves_no_orphaned_children_behind(tmp_path):
+  # A process that starts a helper and ends without stopping it: the helper must not outlive the job
+  # (it would hold the output pipes open and the launcher would wait for them).
+  launcher = _start(tmp_path, """
+      import subprocess, sys
+      helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+      print("helper pid=%d" % helper.pid, flush=True)
+      """)
+  try:
+    helpers = _read_pids(launcher, "pid", 2)
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, err
+  finally:
+    launcher.kill()
+  assert all(_wait_gone(pid) for pid in helpers)
+
+
+def test_launch_reports_a_signal_exit_status():
+  from tpustrat import launch
+
+  assert launch._exit_status(-signal.SIGTERM) == 143

@@ -57,7 +57,7 @@ def host(tree):
     if isinstance(v, Mirrored):
       return np.asarray(v.values[0])
     if isinstance(v, PerReplica):
-      return np.asarray(tpustrat.get_strategy().gather(v, axis=0)) if v._value.ndim > 1 else np.stack(v.values)
+      return np.asarray(tpustrat.get_strategy().gather(v, axis=0)) if v.tree.ndim > 1 else np.stack(v.values)
     return np.asarray(v)
   return jax.tree.map(leaf, tree, is_leaf=lambda v: isinstance(v, tpustrat.DistributedValues))
 
@@ -114,7 +114,7 @@ def test_issue_idiom_scan_over_take_steps_equals_separate_runs(strategy):
       stacked = it.take_steps(4)
     except StopIteration:
       break
-    sizes.append(stacked["x"]._value.shape[0])
+    sizes.append(stacked["x"].tree.shape[0])
     state, per_step = train_steps(state, stacked)
     with strategy.scope():
       got.extend(host(s) for s in tpustrat.unstack_steps(per_step))
@@ -135,7 +135,7 @@ def test_run_inside_fori_loop_over_stacked_batches(strategy):
       state, losses = carry
       batch = jax.tree.map(lambda x: x[i], stacked)  # step i: an ordinary PerReplica batch
       state, (loss, _, _) = strategy.run(train_step, args=(state, batch))
-      return state, losses.at[i].set(loss._value)
+      return state, losses.at[i].set(loss.tree)
     return jax.lax.fori_loop(0, 3, body, (state, jnp.zeros(3)))
 
   state, losses = loop(strategy.experimental_mirror(init_state()), stacked)
@@ -159,8 +159,8 @@ def test_experimental_run_steps_equals_separate_runs(strategy, k):
       break
     loss = outputs[0]
     assert isinstance(loss, Mirrored) and isinstance(outputs[1], PerReplica)
-    sizes.append(loss._value.shape[0])
-    assert outputs[1]._value.sharding.spec == P(None, "replica")
+    sizes.append(loss.tree.shape[0])
+    assert outputs[1].tree.sharding.spec == P(None, "replica")
     with strategy.scope():
       got.extend(host(o) for o in tpustrat.unstack_steps(outputs))
   assert sizes == [min(k, 7 - i) for i in range(0, 7, k)]
@@ -203,7 +203,7 @@ def test_run_steps_traces_fn_once_and_reuses_the_program(strategy):
     w, ys = strategy.experimental_run_steps(fn, stacked, init=w)
   assert len(traces) == 1
   assert float(w.values[0]) == pytest.approx(5 * xs.mean(1).sum())
-  assert ys._value.shape == (6, N)
+  assert ys.tree.shape == (6, N)
 
 
 def test_per_replica_carry_stays_per_replica(strategy):
@@ -250,7 +250,7 @@ def test_run_steps_from_a_plain_iterator_and_the_default_strategy(strategy):
     return c + tpustrat.get_replica_context().all_reduce("sum", x), x * 2
 
   total, ys = strategy.experimental_run_steps(fn, iter(per_step), 3, 0.0)
-  assert float(total.values[0]) == N * (0 + 1 + 2) and ys._value.shape == (3, N)
+  assert float(total.values[0]) == N * (0 + 1 + 2) and ys.tree.shape == (3, N)
   default = tpustrat.get_strategy()
   batches = iter(default.experimental_distribute_dataset([np.ones(4, np.float32)] * 3 + [np.ones(2, np.float32)]))
   total, sums = default.experimental_run_steps(lambda c, x: (c + x.sum(), x.sum()), batches, 10, 0.0)
@@ -266,10 +266,10 @@ def test_take_steps_layout(strategy):
   it = iter(strategy.experimental_distribute_dataset(dataset(40)))  # 16, 16, 8
   stacked = it.take_steps(5)
   x = stacked["x"]
-  assert isinstance(x, PerReplica) and x._value.shape == (3, N, 2, 3)
-  assert x._value.sharding.spec == P(None, "replica") and x._valid.shape == (3, N)
+  assert isinstance(x, PerReplica) and x.tree.shape == (3, N, 2, 3)
+  assert x.tree.sharding.spec == P(None, "replica") and x.real_rows_array.shape == (3, N)
   assert repr(x) == "PerReplica(steps=3, num_replicas=8, component=float32[2, 3], padded)"
-  np.testing.assert_array_equal(np.asarray(x._valid), [[2] * 8, [2] * 8, [2] * 4 + [0] * 4])
+  np.testing.assert_array_equal(np.asarray(x.real_rows_array), [[2] * 8, [2] * 8, [2] * 4 + [0] * 4])
   with pytest.raises(StopIteration):
     it.take_steps(2)
 
@@ -299,13 +299,13 @@ def test_take_steps_mixed_with_next_keeps_the_order(strategy, fetch):
 
 def test_take_steps_group_ends_where_shapes_change(strategy):
   it = iter(strategy.experimental_distribute_dataset([np.ones(8, np.float32)] * 2 + [np.ones(24, np.float32)]))
-  assert it.take_steps(3)._value.shape == (2, N, 1)  # the larger third batch starts the next group
-  assert it.take_steps(3)._value.shape == (1, N, 3)
+  assert it.take_steps(3).tree.shape == (2, N, 1)  # the larger third batch starts the next group
+  assert it.take_steps(3).tree.shape == (1, N, 3)
 
 
 def test_take_steps_error_is_raised_after_the_good_batches(strategy):
   it = iter(strategy.experimental_distribute_dataset([np.zeros(16)] * 2 + [(np.zeros(16), np.zeros(15))]))
-  assert it.take_steps(3)._value.shape[0] == 2
+  assert it.take_steps(3).tree.shape[0] == 2
   with pytest.raises(ValueError, match=r"batch 2 has leaves with different leading"):
     it.take_steps(3)
   with pytest.raises(StopIteration):
@@ -403,11 +403,11 @@ def test_few_replicas_keep_stacked_steps_apart_from_one_step(num_replicas):
   batches = [np.arange(4 * n, dtype=np.float32) + 10 * i for i in range(8)]
   it = iter(small.experimental_distribute_dataset(batches))
   first = next(it)  # the prefetch thread reads ahead single batches: take_steps stacks them on the devices
-  assert first._value.sharding.spec == P("replica")
+  assert first.tree.sharding.spec == P("replica")
 
   def check_stacked(value, steps):
-    assert value._value.shape == (steps, n, 4) and value._valid.shape == (steps, n)
-    assert value._value.sharding.spec == P(None, "replica") and value._valid.sharding.spec == P(None, "replica")
+    assert value.tree.shape == (steps, n, 4) and value.real_rows_array.shape == (steps, n)
+    assert value.tree.sharding.spec == P(None, "replica") and value.real_rows_array.sharding.spec == P(None, "replica")
     assert repr(value) == f"PerReplica(steps={steps}, num_replicas={n}, component=float32[4], padded)"
     with pytest.raises(ValueError, match=rf"holds {steps} stacked steps.*unstack_steps"):
       small.reduce("SUM", value, axis=None)
@@ -418,19 +418,19 @@ def test_few_replicas_keep_stacked_steps_apart_from_one_step(num_replicas):
   check_stacked(stacked, 3)
   steps = tpustrat.unstack_steps(stacked)
   for i, step in enumerate(steps):
-    assert step._value.sharding.spec == P("replica") and step._valid.sharding.spec == P("replica")
+    assert step.tree.sharding.spec == P("replica") and step.real_rows_array.sharding.spec == P("replica")
     assert repr(step) == f"PerReplica(num_replicas={n}, component=float32[4], padded)"
     np.testing.assert_array_equal(small.reduce("SUM", step, axis=None), batches[1 + i].reshape(n, 4).sum(0))
   check_stacked(tpustrat.stack_steps(list(steps)), 3)
   check_stacked(it.take_steps(1), 1)  # one step: its shape [1, n, 4] alone cannot tell on one replica
   one = next(it)  # out of a group read ahead
-  assert one._value.sharding.spec == P("replica")
+  assert one.tree.sharding.spec == P("replica")
   np.testing.assert_array_equal(small.reduce("SUM", one, axis=None), batches[5].reshape(n, 4).sum(0))
 
   carry, out = small.experimental_run_steps(lambda c, b: (c + b, tpustrat.per_example(b * 2)), it, 2, init=tpustrat.PerReplica(
       [np.zeros(4, np.float32)] * n))
   check_stacked(out, 2)
-  assert carry._value.sharding.spec == P("replica")
+  assert carry.tree.sharding.spec == P("replica")
   np.testing.assert_array_equal(np.stack(small.experimental_local_results(carry)),
                                 (batches[6] + batches[7]).reshape(n, 4))
   np.testing.assert_array_equal(

@@ -1,5 +1,5 @@
-"""Strategy edge cases (issue 13): the default strategy's `extended.max_steps_in_flight`, a process that
-holds none of the strategy's replicas."""
+"""Strategy: the default strategy (its `extended.max_steps_in_flight`, `run`'s argument checks), a process
+that holds none of the strategy's replicas."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import pytest
 import tpustrat
 
 # -- the default strategy's extended.max_steps_in_flight ----------------------------------------------
+
+
+BAD_BOUND = r"^strategy\.extended: `max_steps_in_flight` must be an int >= 1, got "
 
 
 def test_default_strategy_reports_and_accepts_max_steps_in_flight_like_tpu_strategy(strategy):
@@ -21,8 +24,11 @@ def test_default_strategy_reports_and_accepts_max_steps_in_flight_like_tpu_strat
     try:
       ext.max_steps_in_flight = 5
       assert ext.max_steps_in_flight == 5
-      for bad in (0, -1, 1.5, True, "3", None):
-        with pytest.raises(ValueError, match=r"max_steps_in_flight must be an int >= 1, got "):
+      for bad in (0, -1):
+        with pytest.raises(ValueError, match=BAD_BOUND):
+          ext.max_steps_in_flight = bad
+      for bad in (1.5, True, "3", None):
+        with pytest.raises(TypeError, match=BAD_BOUND):
           ext.max_steps_in_flight = bad
       assert ext.max_steps_in_flight == 5  # a rejected value leaves the bound as it was
     finally:
@@ -50,3 +56,15 @@ def test_a_process_without_replicas_names_the_situation_when_value_fn_fails(stra
     strategy.experimental_distribute_values_from_function(value_fn)
   assert seen == [0]
   assert "process 1 holds none of the strategy's 8 replicas" in "\n".join(info.value.__notes__)
+
+
+def test_default_strategy_run_validates_fn_and_kwargs_like_tpu_strategy(strategy):
+  default = tpustrat.get_strategy()
+  assert not tpustrat.has_strategy()
+  for s in (default, strategy):
+    with pytest.raises(TypeError, match=r"^strategy.run expects `kwargs` to be a dict or None, got list\.$"):
+      s.run(lambda x: x, (1.0,), [("x", 1.0)])
+    with pytest.raises(TypeError, match=r"^strategy.run expects a callable `fn`, got int: 3\.$"):
+      s.run(3, (1.0,))
+  assert default.run(lambda x, y: x + y, (1.0,), {"y": 2.0}) == 3.0
+  assert default.run(lambda x: x * 2, (4.0,), None) == 8.0

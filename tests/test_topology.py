@@ -1,5 +1,8 @@
-"""Cluster resolver, connect/initialize, Topology and DeviceAssignment: TF's semantics on 8 CPU devices."""
+"""Topology and DeviceAssignment (`tpustrat._src.topology`): TF's semantics on 8 CPU devices and on
+described TPU devices; `DeviceAssignment.build` against a transcription of TF's algorithm."""
 
+import itertools
+import math
 import types
 
 import jax
@@ -10,123 +13,10 @@ import tpustrat
 from tpustrat._src import topology as topology_lib
 from tpustrat.cluster_resolver import TPUClusterResolver
 
-ENV = (topology_lib.ENV_COORDINATOR_ADDRESS, topology_lib.ENV_NUM_PROCESSES, topology_lib.ENV_PROCESS_ID,
-       topology_lib.ENV_LOCAL_DEVICE_IDS, "JAX_COORDINATOR_ADDRESS", topology_lib.ENV_COORDINATOR_BIND_ADDRESS,
-       topology_lib.ENV_INITIALIZATION_TIMEOUT, topology_lib.ENV_HEARTBEAT_TIMEOUT, topology_lib.ENV_SHUTDOWN_TIMEOUT,
-       "JAX_COORDINATOR_BIND_ADDRESS")
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-  for name in ENV:
-    monkeypatch.delenv(name, raising=False)
-  monkeypatch.setattr(topology_lib, "_detect_cluster", lambda: None)  # no Slurm / TPU pod detection here
-
 
 @pytest.fixture(scope="module")
 def topology():
   return tpustrat.initialize_tpu_system(TPUClusterResolver())
-
-
-# -- resolver -----------------------------------------------------------------------------------------
-
-
-def test_resolver_defaults_to_one_process():
-  r = TPUClusterResolver()
-  assert (r.num_processes, r.process_id, r.coordinator_address, r.local_device_ids) == (1, 0, None, None)
-  assert r.master() == "" and r.task_type == "worker" and r.task_id == 0 and r.environment == ""
-  assert r.num_accelerators() == {"CPU": 8}
-
-
-def test_resolver_explicit_arguments():
-  r = TPUClusterResolver(coordinator_address="10.0.0.1:1234", num_processes=4, process_id=2,
-                         local_device_ids=[0, 1])
-  assert (r.coordinator_address, r.num_processes, r.process_id, r.local_device_ids) == (
-      "10.0.0.1:1234", 4, 2, [0, 1])
-  assert r.master() == "10.0.0.1:1234" and r.task_id == 2
-
-
-def test_resolver_environment_variables(monkeypatch):
-  monkeypatch.setenv(topology_lib.ENV_COORDINATOR_ADDRESS, "127.0.0.1:5555")
-  monkeypatch.setenv(topology_lib.ENV_NUM_PROCESSES, "2")
-  monkeypatch.setenv(topology_lib.ENV_PROCESS_ID, "1")
-  monkeypatch.setenv(topology_lib.ENV_LOCAL_DEVICE_IDS, "4,5,6,7")
-  r = TPUClusterResolver()
-  assert (r.coordinator_address, r.num_processes, r.process_id, r.local_device_ids) == (
-      "127.0.0.1:5555", 2, 1, [4, 5, 6, 7])
-  # Arguments win over the environment.
-  assert TPUClusterResolver(num_processes=3, process_id=0).num_processes == 3
-
-
-def test_resolver_uses_cluster_detection_unless_local(monkeypatch):
-  monkeypatch.setattr(topology_lib, "_detect_cluster", lambda: ("10.1.1.1:8476", 4, 3))
-  r = TPUClusterResolver(tpu="")
-  assert (r.coordinator_address, r.num_processes, r.process_id) == ("10.1.1.1:8476", 4, 3)
-  assert TPUClusterResolver(tpu="local").num_processes == 1
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(tpu="grpc://10.240.1.2:8470"), "remote TPU Node"),
-    (dict(tpu=["a", "b"]), "must be None or a string"),
-    (dict(num_processes=0), "num_processes must be an int >= 1"),
-    (dict(process_id=-1), "process_id must be an int >= 0"),
-    (dict(num_processes=2, process_id=2), "out of range"),
-    (dict(coordinator_address="nohost"), "host:port"),
-])
-def test_resolver_bad_arguments(kwargs, match):
-  with pytest.raises(ValueError, match=match):
-    TPUClusterResolver(**kwargs)
-
-
-def test_resolver_bad_environment(monkeypatch):
-  monkeypatch.setenv(topology_lib.ENV_NUM_PROCESSES, "two")
-  with pytest.raises(ValueError, match="TPUSTRAT_NUM_PROCESSES='two'"):
-    _ = TPUClusterResolver().num_processes
-  monkeypatch.setenv(topology_lib.ENV_NUM_PROCESSES, "2")
-  with pytest.raises(ValueError, match="need a coordinator address"):
-    _ = TPUClusterResolver().num_processes
-
-
-# -- connect ------------------------------------------------------------------------------------------
-
-
-def test_connect_is_a_noop_for_one_process(monkeypatch):
-  calls = []
-  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
-  resolver = TPUClusterResolver()
-  assert tpustrat.experimental_connect_to_cluster(resolver) is None
-  tpustrat.experimental_connect_to_cluster(resolver)
-  tpustrat.experimental_connect_to_cluster()
-  assert calls == [] and not jax.distributed.is_initialized()
-
-
-def test_connect_starts_jax_distributed_once_for_several_processes(monkeypatch):
-  """No real second process here (the multi-process launcher tests that): jax.distributed is stubbed."""
-  calls = []
-  monkeypatch.setattr(topology_lib.distributed_lib, "initialize", lambda *a, **kw: calls.append((a, kw)))
-  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
-  monkeypatch.setattr(topology_lib, "_backends_initialized", lambda: False)
-  monkeypatch.setattr(topology_lib, "_CONNECTED", [])
-  resolver = TPUClusterResolver(coordinator_address="127.0.0.1:4321", num_processes=2, process_id=1)
-  tpustrat.experimental_connect_to_cluster(resolver)
-  tpustrat.experimental_connect_to_cluster(resolver)  # idempotent
-  tpustrat.experimental_connect_to_cluster(
-      TPUClusterResolver(coordinator_address="127.0.0.1:4321", num_processes=2, process_id=1))
-  assert calls == [(("127.0.0.1:4321", 2, 1, None), dict(
-      coordinator_bind_address="127.0.0.1:4321",  # a loopback coordinator listens on loopback only
-      initialization_timeout=300, heartbeat_timeout=100, shutdown_timeout=300))]
-  with pytest.raises(ValueError, match="already connected"):
-    tpustrat.experimental_connect_to_cluster(
-        TPUClusterResolver(coordinator_address="127.0.0.1:4321", num_processes=2, process_id=0))
-
-
-def test_connect_after_backends_started_is_an_error(monkeypatch):
-  monkeypatch.setattr(topology_lib, "_CONNECTED", [])
-  resolver = TPUClusterResolver(coordinator_address="127.0.0.1:4321", num_processes=2, process_id=0)
-  with pytest.raises(RuntimeError, match="already initialised"):  # this process's backends are up
-    tpustrat.experimental_connect_to_cluster(resolver)
-  with pytest.raises(TypeError, match="TPUClusterResolver"):
-    tpustrat.experimental_connect_to_cluster("grpc://host:8470")
 
 
 # -- topology -----------------------------------------------------------------------------------------
@@ -159,12 +49,12 @@ def _tpu(i, coords, core, process=0):
 def test_topology_from_tpu_coordinates():
   # A v3-8 host: 4 chips in a 2x2 grid, 2 cores each; z is 0 -> TF 2.2's (x, y, core).
   v3 = [_tpu(2 * c + k, [c % 2, c // 2, 0], k) for c in range(4) for k in range(2)]
-  t = tpustrat.Topology._from_devices(v3[::-1])  # order does not matter: (process, id)
+  t = topology_lib.topology_of_devices(v3[::-1])  # order does not matter: (process, id)
   assert t.mesh_shape.tolist() == [2, 2, 2]
   assert t.device_coordinates[0].tolist() == [[c % 2, c // 2, k] for c in range(4) for k in range(2)]
   # A v4-16 slice over 2 hosts: 2x2x2 chips of one core; 3-D -> (x, y, z, core).
   v4 = [_tpu(i, [i % 2, (i // 2) % 2, i // 4], 0, process=i // 4) for i in range(8)]
-  t = tpustrat.Topology._from_devices(v4)
+  t = topology_lib.topology_of_devices(v4)
   assert t.mesh_shape.tolist() == [2, 2, 2, 1]
   assert (t.num_tasks, t.num_tpus_per_task) == (2, 4)
   assert t.task_ordinal_at_coordinates([1, 1, 1, 0]) == 1 and t.tpu_device_ordinal_at_coordinates([1, 1, 1, 0]) == 3
@@ -235,7 +125,7 @@ def test_build_on_a_topology_with_missing_devices():
     (dict(computation_shape=[4, 1, 1]), r"computation footprint \[4, 1, 1\] does not fit in TPU topology shape \[2, 2, 2\]"),
     (dict(computation_shape=[1, 1, 2], num_replicas=5), "requested 5 replicas but only 4 replicas"),
     (dict(num_replicas=9), "requested 9 replicas but only 8 replicas"),
-    (dict(num_replicas=0), "num_replicas must be an int >= 1"),
+    (dict(num_replicas=0), "`num_replicas` must be an int >= 1, got 0"),
 ])
 def test_build_errors(topology, kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -296,3 +186,98 @@ def test_strategy_device_assignment_forms(topology):
   da = tpustrat.DeviceAssignment.build(big, computation_shape=[1, 1, 2], num_replicas=8)
   with pytest.raises(ValueError, match="process 0 has only 8 devices"):
     tpustrat.TPUStrategy(device_assignment=da)
+
+
+# -- topology of TPU devices ---------------------------------------------------------------------------
+
+
+def _tpu_of_kind(i, coords, core, kind, process=0):
+  return types.SimpleNamespace(id=i, process_index=process, platform="tpu", coords=coords, core_on_chip=core,
+                               device_kind=kind)
+
+
+@pytest.mark.parametrize("kind, chips, cores, want", [
+    # 3-D chip generations keep (x, y, z, core) whatever the slice's size, as TF does on them:
+    # a v4-8 or v5p-8 (2x2x1 chips) has the same rank as a v4-32 (2x2x4).
+    ("TPU v4", (2, 2, 1), 1, [2, 2, 1, 1]),
+    ("TPU v5", (2, 2, 1), 1, [2, 2, 1, 1]),
+    ("TPU v4", (2, 2, 2), 1, [2, 2, 2, 1]),
+    # 2-D generations: TF 2.2's (x, y, core).
+    ("TPU v3", (2, 2, 1), 2, [2, 2, 2]),
+    ("TPU v2", (2, 2, 1), 2, [2, 2, 2]),
+    ("TPU v5 lite", (2, 4, 1), 1, [2, 4, 1]),
+    ("TPU v6 lite", (2, 2, 1), 1, [2, 2, 1]),
+])
+def test_topology_rank_follows_the_chip_generation_not_the_slice_size(kind, chips, cores, want):
+  X, Y, Z = chips
+  devices = [_tpu_of_kind(i, [x, y, z], k, kind)
+             for i, (z, y, x, k) in enumerate(itertools.product(range(Z), range(Y), range(X), range(cores)))]
+  t = topology_lib.topology_of_devices(devices)
+  assert t.mesh_shape.tolist() == want
+  assert t.missing_devices.size == 0
+
+
+# -- DeviceAssignment.build against a transcription of TF's algorithm ----------------------------------
+
+
+def _tf_device_assignment(mesh_shape, computation_shape, computation_stride, num_replicas):
+  """TF's `device_assignment` (tensorflow/python/tpu/device_assignment.py, complete topology, no 3-D
+  ring tiling), transcribed: the reference the implementation is compared with."""
+  topology_rank = len(mesh_shape)
+  mesh_shape = np.asarray(mesh_shape)
+  computation_shape = np.asarray(computation_shape, np.int32)
+  computation_stride = np.asarray(computation_stride, np.int32)
+  computation_footprint = computation_shape * computation_stride
+  block_counts = mesh_shape // computation_footprint
+  replica_counts = block_counts * computation_stride
+  replica_shape = [0] * topology_rank
+  remaining_replicas = num_replicas
+  remaining_dims = topology_rank
+  for x, ni in sorted((x, ((i + 1) % topology_rank)) for (i, x) in enumerate(replica_counts)):
+    i = (ni + topology_rank - 1) % topology_rank
+    target_size = int(math.ceil(remaining_replicas ** (1.0 / remaining_dims)))
+    replica_shape[i] = min(target_size, x)
+    remaining_replicas = (remaining_replicas + replica_shape[i] - 1) // replica_shape[i]
+    remaining_dims -= 1
+  assert remaining_replicas == 1 and remaining_dims == 0
+  replica_offsets = np.full([num_replicas, topology_rank], -1, dtype=np.int32)
+  for replica in range(num_replicas):
+    t = replica
+    pos = []
+    for dim in np.concatenate([[replica_shape[-1]], replica_shape[:-1]]):
+      pos.append(t % dim)
+      t //= dim
+    replica_pos = np.concatenate([pos[1:], [pos[0]]])
+    outer = replica_pos // computation_stride
+    inner = replica_pos % computation_stride
+    replica_offsets[replica, :] = outer * computation_footprint + inner
+  indices = [np.arange(0, computation_shape[i] * computation_stride[i], computation_stride[i])
+             for i in range(topology_rank)]
+  indices = np.concatenate([i[..., np.newaxis] for i in np.meshgrid(*indices, indexing="ij")], axis=-1)
+  indices = indices.reshape((-1, topology_rank))
+  return indices + replica_offsets[:, np.newaxis, :]
+
+
+def _cases():
+  for mesh in ([2, 2, 2], [4, 2, 2], [4, 4, 2], [3, 1, 2], [4, 2, 1]):
+    for shape in itertools.product(*[[1, 2] if m % 2 == 0 else [1] for m in mesh]):
+      for stride in ([1] * len(mesh), [2 if m >= 4 else 1 for m in mesh]):
+        footprint = np.asarray(shape) * np.asarray(stride)
+        if (footprint > np.asarray(mesh)).any():
+          continue
+        most = int(np.prod((np.asarray(mesh) // footprint) * np.asarray(stride)))
+        for replicas in sorted({1, 2, 3, most // 2 or 1, most}):
+          if replicas <= most:
+            yield mesh, list(shape), stride, replicas
+
+
+def test_build_agrees_with_tfs_algorithm():
+  n = 0
+  for mesh, shape, stride, replicas in _cases():
+    coords = np.stack(np.meshgrid(*[np.arange(m) for m in mesh], indexing="ij"), -1).reshape(1, -1, len(mesh))
+    topology = tpustrat.Topology(mesh_shape=mesh, device_coordinates=coords)
+    got = tpustrat.DeviceAssignment.build(topology, shape, stride, replicas).core_assignment
+    want = _tf_device_assignment(mesh, shape, stride, replicas)
+    assert got.tolist() == want.tolist(), (mesh, shape, stride, replicas)
+    n += 1
+  assert n > 50

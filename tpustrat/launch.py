@@ -8,9 +8,10 @@ devices, joined into one job by JAX's distributed runtime (`jax.distributed`):
   ``TPUSTRAT_PROCESS_ID``, the timeouts below), so the program needs no arguments: ``TPUStrategy()``
   (or ``TPUStrategy(TPUClusterResolver())``) spans all ``N * M`` devices. Process 0 runs the
   coordinator service, bound to 127.0.0.1 only. The port is free when chosen, but process 0 binds it
-  seconds later, once it has imported JAX; if another program took it in between (process 0 then fails
-  saying the address is in use), the launcher stops the job and starts it again on a fresh port, up to
-  3 attempts in all. A port given with ``--port`` is never replaced;
+  seconds later, once it has imported JAX; if another program took it in between (process 0 then says
+  the address is in use and exits with status 75, ``tpustrat._src.names.EXIT_START_FAILED``), the
+  launcher stops the job and starts it again on a fresh port, up to 3 attempts in all. A port given
+  with ``--port`` is never replaced;
 * each process gets ``JAX_PLATFORMS=cpu``, ``M`` CPU devices (``JAX_NUM_CPU_DEVICES`` and
   ``XLA_FLAGS=--xla_force_host_platform_device_count``) and gloo CPU collectives
   (``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``), so `psum` and friends cross process boundaries over
@@ -64,6 +65,8 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
+from tpustrat._src import names
+
 __all__ = ["main", "launch"]
 
 _PREFIX = "tpustrat.launch"
@@ -72,9 +75,6 @@ _UNHEALTHY = "stopped sending heartbeats"
 # The coordinator (process 0) is gone, or does not answer heartbeats (it hangs).
 _LEADER_LOST = ("the leader task was preempted", "RPC: /xla.coordination.CoordinationService/Heartbeat")
 _IDS = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*,?\s*$")
-# Turns on the exception hook of `tpustrat._src.distributed.initialize` in the processes (that module's
-# ENV_EXIT_ON_UNCAUGHT; not imported here, it would import JAX).
-_EXIT_ON_UNCAUGHT = "TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION"
 # How many times a job is started when the port the launcher chose is taken before process 0 binds it.
 _PORT_ATTEMPTS = 3
 # Each process starts as this small program, which asks Linux to SIGKILL it when the launcher dies (even
@@ -154,12 +154,6 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _port_taken(line: str, address: str) -> bool:
-  """Whether `line` is process 0 failing because `address` is already in use: the error of
-  `tpustrat._src.distributed._check_port_free` (not imported here: it would import JAX)."""
-  return f"runs the coordinator, but {address} is already in use" in line
-
-
 def _with_device_count(xla_flags: str, count: int) -> str:
   flags = [f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
   return " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
@@ -172,24 +166,24 @@ def process_env(base: dict[str, str], *, process_id: int, num_processes: int, de
   ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION=1`` unless `base` sets it (to ``0``: no exception hook)."""
   env = dict(base)
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_ID", "JAX_NUM_PROCESSES", "JAX_LOCAL_DEVICE_IDS",
-               "TPUSTRAT_LOCAL_DEVICE_IDS"):
+               names.ENV_LOCAL_DEVICE_IDS):
     env.pop(name, None)
   env.update({
-      "TPUSTRAT_COORDINATOR_ADDRESS": address,
-      "TPUSTRAT_COORDINATOR_BIND_ADDRESS": address,
-      "TPUSTRAT_NUM_PROCESSES": str(num_processes),
-      "TPUSTRAT_PROCESS_ID": str(process_id),
-      "TPUSTRAT_HEARTBEAT_TIMEOUT": str(heartbeat_timeout),
-      "TPUSTRAT_INITIALIZATION_TIMEOUT": str(initialization_timeout),
-      "TPUSTRAT_SHUTDOWN_TIMEOUT": str(shutdown_timeout),
+      names.ENV_COORDINATOR_ADDRESS: address,
+      names.ENV_COORDINATOR_BIND_ADDRESS: address,
+      names.ENV_NUM_PROCESSES: str(num_processes),
+      names.ENV_PROCESS_ID: str(process_id),
+      names.ENV_HEARTBEAT_TIMEOUT: str(heartbeat_timeout),
+      names.ENV_INITIALIZATION_TIMEOUT: str(initialization_timeout),
+      names.ENV_SHUTDOWN_TIMEOUT: str(shutdown_timeout),
       "JAX_PLATFORMS": "cpu",
       "JAX_NUM_CPU_DEVICES": str(devices_per_process),
       "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
       "XLA_FLAGS": _with_device_count(env.get("XLA_FLAGS", ""), devices_per_process),
       "PYTHONUNBUFFERED": "1",
   })
-  if not env.get(_EXIT_ON_UNCAUGHT, "").strip():
-    env[_EXIT_ON_UNCAUGHT] = "1"
+  if not env.get(names.ENV_EXIT_ON_UNCAUGHT, "").strip():
+    env[names.ENV_EXIT_ON_UNCAUGHT] = "1"
   return env
 
 
@@ -203,17 +197,12 @@ class _Proc:
   ended: float | None = None
   killed: bool = False  # by the launcher
   unhealthy: set = dataclasses.field(default_factory=set)  # processes JAX's errors say are dead
-  address: str | None = None  # the coordinator's, for process 0
-  port_taken: bool = False  # process 0 said the coordinator's address is already in use
-  readers: list = dataclasses.field(default_factory=list)  # the threads copying its output
   _reading_unhealthy: bool = False
 
   def note(self, line: str) -> None:
     """Remembers the processes that JAX's errors report as dead: those listed on the lines after "The
     following tasks are unhealthy (stopped sending heartbeats):", and process 0 (the coordinator) when the
-    other processes lose it; and whether process 0 found the coordinator's port taken."""
-    if self.index == 0 and self.address and _port_taken(line, self.address):
-      self.port_taken = True
+    other processes lose it."""
     if any(marker in line for marker in _LEADER_LOST):
       self.unhealthy.add(0)
     if _UNHEALTHY in line:
@@ -252,7 +241,6 @@ class _Output:
                                 name=f"tpustrat-launch-{name}-{proc.index}")
       thread.start()
       self._threads.append(thread)
-      proc.readers.append(thread)
 
   def _copy(self, proc: _Proc, pipe: IO[bytes], out: IO[bytes]) -> None:
     prefix = f"[proc {proc.index}] ".encode()
@@ -347,9 +335,9 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
   """Runs `command` (an argv list, e.g. ``[sys.executable, "train.py"]``) as `num_processes` processes.
 
   With ``port=0`` the coordinator gets a free port of 127.0.0.1; if another program takes it before
-  process 0 binds it (process 0 fails saying the address is already in use), the job is stopped and
-  started again on a fresh port, at most 3 attempts in all. Other failures, and a taken `port` given
-  here, end the job.
+  process 0 binds it (process 0 exits with status 75, `names.EXIT_START_FAILED`: the address is
+  already in use), the job is stopped and started again on a fresh port, at most 3 attempts in all.
+  Other failures, and a taken `port` given here, end the job.
 
   Returns the launcher's exit status: 0 if every process succeeded; else the status of the process that
   failed first (``128 + signal`` for a signal), 124 when `timeout` ran out, or ``128 + signal`` when the
@@ -374,7 +362,7 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
                         devices_per_process=devices_per_process, address=address,
                         heartbeat_timeout=heartbeat_timeout, initialization_timeout=initialization_timeout,
                         shutdown_timeout=shutdown_timeout) for i in range(num_processes)]
-    status = _run(argv, envs, address, output, grace_period=grace_period, timeout=timeout, deadline=deadline,
+    status = _run(argv, envs, output, grace_period=grace_period, timeout=timeout, deadline=deadline,
                   retry_taken_port=attempt < attempts)
     if status is not None:
       return status
@@ -386,10 +374,11 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
   raise AssertionError("unreachable: the last attempt returns a status")
 
 
-def _run(argv: list[str], envs: list[dict[str, str]], address: str, output: _Output, *, grace_period: float,
+def _run(argv: list[str], envs: list[dict[str, str]], output: _Output, *, grace_period: float,
          timeout: float | None, deadline: float | None, retry_taken_port: bool) -> int | None:
   """One start of the job: its exit status, or None when process 0 found the coordinator's port taken
-  (its first failure) and `retry_taken_port`; every process is then already stopped."""
+  (its first failure, with status `names.EXIT_START_FAILED`) and `retry_taken_port`; every process is
+  then already stopped."""
   procs: list[_Proc] = []
   start = time.monotonic()
   first: _Proc | None = None
@@ -400,7 +389,7 @@ def _run(argv: list[str], envs: list[dict[str, str]], address: str, output: _Out
       # a Ctrl-C in the terminal reaches the launcher only, which then kills the processes.
       popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, start_new_session=True)
-      procs.append(_Proc(i, popen, time.monotonic(), address=address if i == 0 else None))
+      procs.append(_Proc(i, popen, time.monotonic()))
       output.follow(procs[-1])
     while True:
       now = time.monotonic()
@@ -414,7 +403,7 @@ def _run(argv: list[str], envs: list[dict[str, str]], address: str, output: _Out
           p.returncode, p.ended = rc, now
           if rc != 0 and first is None and not p.killed:
             first = p
-            if retry_taken_port and p.index == 0 and _taken_port_failure(p):
+            if retry_taken_port and p.index == 0 and rc == names.EXIT_START_FAILED:
               _stop(procs)
               return None
             output.say(f"process {p.index} {_describe(rc)} after {now - start:.1f} s; the other "
@@ -447,14 +436,6 @@ def _run(argv: list[str], envs: list[dict[str, str]], address: str, output: _Out
     return 0
   output.say(_report(procs, first, start, grace_period))
   return _exit_status(first.returncode)
-
-
-def _taken_port_failure(proc: _Proc) -> bool:
-  """Whether process 0's failure is the coordinator's port being taken, once its output is read."""
-  _kill_group(proc)  # whatever it started would keep its pipes open
-  for t in proc.readers:
-    t.join(5.0)
-  return proc.port_taken
 
 
 def _stop(procs: Sequence[_Proc]) -> None:

@@ -1,4 +1,4 @@
-"""The all-reduce algorithms of `tpustrat._src.cross_device_ops` and gradient packing, inside `shard_map`.
+"""The all-reduce algorithms of `tpustrat._src.cross_device` and gradient packing, inside `shard_map`.
 
 Everything here runs inside a `jax.shard_map` body over the replica axis, on flat one-dtype buffers
 ("packs"). `plan` and `pack` say how a batch of tensors becomes packs (TF's three repacking rules and

@@ -35,7 +35,8 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
-from tpustrat._src.input import bytes_to_text, text_to_bytes
+from tpustrat._src.input.encoding import bytes_to_text, text_to_bytes
+from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.values import Mirrored, PerReplica, is_distributed
 
 __all__ = ["CheckpointManager"]
@@ -116,7 +117,7 @@ def _unwrap(tree: Any) -> Any:
   def unwrap(v: Any) -> Any:
     if is_distributed(v):
       _check_saveable(v, "save")
-      return v._value  # pylint: disable=protected-access
+      return v.tree
     return v
 
   return jax.tree.map(unwrap, tree, is_leaf=is_distributed)
@@ -128,7 +129,7 @@ def _shardings(strategy: Any) -> tuple[Any, Any, Any]:
   if mesh is None:  # the default strategy: one replica on JAX's default device
     device = SingleDeviceSharding(jax.local_devices()[0])
     return None, device, device
-  return mesh, NamedSharding(mesh, P()), NamedSharding(mesh, P(mesh.axis_names[0]))
+  return mesh, NamedSharding(mesh, P()), NamedSharding(mesh, P(REPLICA_AXIS))
 
 
 def _abstract(target: Any, strategy: Any) -> Any:
@@ -152,9 +153,9 @@ def _abstract(target: Any, strategy: Any) -> Any:
   def node(v: Any) -> Any:
     if isinstance(v, PerReplica):
       _check_saveable(v, "restore")
-      return jax.tree.map(lambda x: leaf(x, split), v._value)  # pylint: disable=protected-access
+      return jax.tree.map(lambda x: leaf(x, split), v.tree)
     if isinstance(v, Mirrored):
-      return jax.tree.map(lambda x: leaf(x, replicated), v._value)  # pylint: disable=protected-access
+      return jax.tree.map(lambda x: leaf(x, replicated), v.tree)
     return leaf(v, replicated)
 
   return jax.tree.map(node, target, is_leaf=is_distributed)
@@ -174,7 +175,7 @@ def _check_shapes(abstract: Any, saved: Any, directory: str, step: int) -> None:
       continue
     name = "/".join(str(k) for k in key)
     hint = ""
-    if x.sharding is not None and getattr(x.sharding, "spec", None) == P("replica"):
+    if x.sharding is not None and getattr(x.sharding, "spec", None) == P(REPLICA_AXIS):
       hint = (" A PerReplica value keeps one component per replica and can only be restored onto as many "
               "replicas; save replicated (Mirrored) state to change the number of replicas.")
     raise ValueError(

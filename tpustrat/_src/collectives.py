@@ -26,46 +26,10 @@ is ``group_size * x`` and stays invariant.
 
 Grouped sums
 ------------
-JAX 0.10's `shard_map` raises a bare `NotImplementedError` for ``lax.psum(..., axis_index_groups=...)``
-while it checks varying axes (``check_vma=True``, what `strategy.run` uses), although `psum_scatter`,
-`all_gather`, `all_to_all` and `ppermute` accept groups there. Mechanisms considered, measured on 8
-emulated CPU devices sharing 2 cores (noise between identical runs: about +-15%), as the median time
-relative to `jax.pmap`'s native grouped `psum` on the same data (1 MiB and 64 MiB float32 per replica;
-2 groups of 4 and 4 groups of 2):
-
-* **Unchecked region + `custom_vjp` (chosen)**: the native grouped `psum` runs in a nested
-  ``jax.shard_map(..., axis_names=frozenset(), check_vma=False)`` (no new manual axes, varying-axis
-  checks off), whose result is cast back to varying with ``lax.pcast(..., to='varying')``. It compiles
-  to exactly the HLO `pmap` emits (one all-reduce with the same ``replica_groups``, nothing else):
-  0.81x-1.04x in a hand-written ``jit(shard_map)``, i.e. equal within noise. Through `strategy.run`
-  it is 0.75x-1.12x at 64 MiB and 1.03x-1.35x at 1 MiB, where `run`'s own per-call cost shows (it keeps
-  the outputs of the last steps alive to bound the steps in flight). The cast alone would transpose
-  to a sum over *all* replicas, so the op is a `jax.custom_vjp` whose backward pass is the same grouped
-  sum (a grouped sum is its own adjoint); the backward pass calls the op itself, so higher-order
-  reverse-mode derivatives are right too. Limitation: JAX refuses forward-mode autodiff (`jax.jvp`,
-  `jax.jacfwd`) of `custom_vjp` functions.
-* Reduce-scatter + all-gather within the groups (``lax.psum_scatter`` then ``lax.all_gather``, both
-  with ``axis_index_groups``): fully typed, differentiable in both modes, but two collectives plus
-  padding and reshapes: 0.9x-1.3x for 2 groups of 4, 1.05x-1.8x for 4 groups of 2. It is the fallback
-  when a JAX version rejects the unchecked region.
-* Recursive doubling with `ppermute` (power-of-two groups; log2(group size) exchanges): 1.4x-5.4x.
-* One full `psum` of a ``[num_groups, ...]`` stack whose row ``g`` holds ``x`` on members of group ``g``
-  and zeros elsewhere: ``num_groups`` times the data; 3.4x-13x.
-* An all-gather of every replica followed by a local masked sum moves ``num_replicas`` times the data,
-  more than the stacked `psum`; not pursued.
-* Mesh factorisation (one mesh axis per group dimension) only covers regular groups and needs the
-  strategy's mesh to be reshaped before `run` traces the step; not possible inside the 1-D replica mesh.
-
-`benchmarks/bench_collectives.py` reproduces these figures.
-
-Which of the two a process uses is a fact about the installed JAX, decided once, before any user
-program is traced: the first grouped sum of varying values traces a small probe program (the native
-grouped sum and its gradient inside a checked `shard_map` over an abstract 4-replica mesh) on a fresh
-thread, so that no trace or mesh context of the caller leaks into it. If the probe traces, every grouped
-sum uses the native mechanism; if JAX rejects it, every grouped sum uses reduce-scatter + all-gather
-(logged once). An error raised while tracing a user's program (for example `jax.hessian` through a
-grouped sum, refused as forward-mode autodiff of a `custom_vjp`) propagates to the user and changes
-nothing for later programs.
+A grouped sum of varying values runs the native grouped `psum` in a nested unchecked `shard_map`, as a
+`jax.custom_vjp` whose backward pass is the same grouped sum; where the installed JAX rejects that (a
+probe program traced once per process decides), it is a reduce-scatter followed by an all-gather within
+the groups. `docs/benchmarks_collectives.md` records the mechanisms considered and their measured cost.
 
 Sums of values that are already the same on every replica
 ----------------------------------------------------------
@@ -106,11 +70,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
-from tpustrat._src.jax_compat import varying_axes
+from tpustrat._src.jax_compat import all_gather_invariant, varying_axes
 from tpustrat._src.reduce_op import ReduceOp
 
 __all__ = ["AlreadyReplicatedWarning", "all_gather", "all_to_all", "collective_permute", "cross_replica_sum",
-           "reduce_scatter"]
+           "local_copy", "reduce_scatter"]
 
 _log = logging.getLogger(__name__)
 
@@ -220,7 +184,7 @@ def _replica_axis(op: str) -> tuple[str | None, int]:
         f"tpustrat.ops.{op} was called in the cross-replica context of {context_lib.get_strategy()!r} "
         "(inside strategy.scope(), outside strategy.run). Collectives need a replica context: call "
         "it inside the function given to strategy.run.")
-  axis = ctx._axis_name  # pylint: disable=protected-access
+  axis = context_lib.replica_axis(ctx)
   if axis is None:
     # The default strategy: one replica, every collective is an identity. Inside someone else's
     # shard_map or pmap (manual mesh axes, but no run) an identity would silently be wrong.
@@ -231,8 +195,61 @@ def _replica_axis(op: str) -> tuple[str | None, int]:
           "outside strategy.run, so there is no replica context. Call it inside the function given to "
           "strategy.run (or use jax.lax collectives directly).")
     return None, 1
-  ctx._check_active(op)  # pylint: disable=protected-access
+  context_lib.check_active(ctx, op)
   return axis, ctx.num_replicas_in_sync
+
+
+# -- this replica's own copy of a value -----------------------------------------------------------------
+
+
+def local_copy(value: Any) -> Any:
+  """This replica's own copy of `value` (an array or pytree): gradients w.r.t. it are per replica, as in TF.
+
+  Inside `strategy.run` a `Mirrored` parameter (or any value given whole to every replica) is one value
+  shared by all replicas, so `jax.grad` w.r.t. it is the gradient of the *sum* of the replicas' losses:
+  already summed over replicas and the same on every replica. TF's ``tape.gradient`` instead gives each
+  replica the gradient of its own loss, and TF's loops add them with ``ctx.all_reduce("sum", grads)``
+  (which, on JAX's already summed gradients, would give ``N`` times the gradient). Differentiating w.r.t.
+  ``local_copy(params)`` gives TF's semantics, so TF's loop ports unchanged::
+
+    grads = jax.grad(loss_fn)(tpustrat.local_copy(params), batch)   # this replica's own gradients
+    grads = ctx.all_reduce("sum", grads)                            # TF's numbers, Mirrored again
+
+  The copy holds the same numbers (no communication, no copy in the compiled program); JAX types it as
+  varying over the replica axis (``lax.pcast(x, 'replica', to='varying')``), so what is computed from it
+  is per replica (`PerReplica` if returned) until it is all-reduced. Leaves that already vary are
+  returned as they are; Python numbers become arrays. With no strategy (one replica) `value` is returned
+  unchanged. The name follows TF: inside a replica function a mirrored variable reads as this replica's
+  local copy, and that copy is what ``tape.gradient`` differentiates.
+
+  Raises:
+    RuntimeError: in the cross-replica context (inside `strategy.scope()`, outside `run`).
+
+  >>> strategy = tpustrat.TPUStrategy()
+  >>> def step(w):
+  ...   ctx = tpustrat.get_replica_context()
+  ...   loss = lambda w: w * ctx.replica_id_in_sync_group   # replica r's loss: r * w
+  ...   local = jax.grad(loss)(local_copy(w))               # r on replica r, as TF's tape.gradient
+  ...   return local, ctx.all_reduce("sum", local), jax.grad(loss)(w)
+  >>> local, total, summed = strategy.run(step, args=(np.float32(2.0),))
+  >>> print(np.asarray(local.values), total.values[0], summed.values[0])
+  [0. 1. 2. 3. 4. 5. 6. 7.] 28.0 28.0
+  """
+  ctx = context_lib.get_replica_context()
+  if ctx is None:
+    raise RuntimeError(
+        f"tpustrat.local_copy was called in the cross-replica context of {context_lib.get_strategy()!r} "
+        "(inside strategy.scope(), outside strategy.run): there is no replica to copy to. Call it inside the "
+        "function given to strategy.run.")
+  axis = context_lib.replica_axis(ctx)
+  if axis is None:
+    return value  # one replica: every gradient is already its own
+
+  def one(x: Any) -> jax.Array:
+    x = jnp.asarray(x)
+    return x if axis in varying_axes(x) else lax.pcast(x, axis, to="varying")
+
+  return jax.tree.map(one, value)
 
 
 # -- validation ---------------------------------------------------------------------------------------
@@ -666,7 +683,7 @@ def _all_gather(x: jax.Array, groups: Groups | None, axis: int, *, axis_name: st
     return x
   if groups is None or len(groups) == 1:
     # One group: every replica gets the same array, typed invariant as `ReplicaContext.all_gather`'s.
-    out = context_lib._all_gather_invariant(x, axis_name, axis=dim, tiled=True)  # pylint: disable=protected-access
+    out = all_gather_invariant(x, axis_name, axis=dim, tiled=True)
     if groups is None or groups[0] == tuple(range(num_replicas)):
       return out
     blocks = jnp.split(out, num_replicas, axis=dim)

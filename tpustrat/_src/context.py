@@ -3,8 +3,15 @@
 TF keeps a per-thread stack of strategies: `strategy.scope()` pushes one and enters its *cross-replica
 context*; `strategy.run(fn)` calls `fn` in a *replica context*. With no strategy current there is a
 default strategy with a single replica, and code is in its replica context. tpustrat keeps the same
-model; inside `run` the replica context is live while JAX traces `fn`, and its collectives become named
-JAX collectives over the mesh's ``'replica'`` axis.
+model; inside `run` the replica context is live while JAX traces `fn`.
+
+This module holds that thread-local state only. It knows strategies by what they offer, not by their
+class: the default strategy is made by the factory `tpustrat._src.strategy` registers with
+`set_default_strategy_factory`, and `ReplicaContext.all_reduce` / `all_gather` hand their collectives to
+the strategy's `extended` object (``replica_all_reduce`` / ``replica_all_gather``), as TF's do.
+
+Use: `get_strategy()`, `get_replica_context()`, `in_cross_replica_context()` from anywhere; strategies
+enter `strategy_scope(strategy)`, and the engine enters `enter_replica_context(ctx)` while it traces `fn`.
 """
 
 from __future__ import annotations
@@ -12,28 +19,34 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tpustrat._src.reduce import _normalize_axis
 from tpustrat._src.reduce_op import ReduceOp
-
-if TYPE_CHECKING:
-  from tpustrat._src.strategy import Strategy
+from tpustrat._src.validation import normalize_axis
 
 __all__ = [
     "ReplicaContext",
     "ValueContext",
+    "active_replica_context",
+    "check_active",
+    "enter_replica_context",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
-    "local_copy",
+    "in_replica_context_of_a_run",
+    "replica_axis",
+    "set_default_strategy_factory",
+    "strategy_scope",
 ]
+
+# A strategy is any object with `num_replicas_in_sync` and `extended` (see `tpustrat._src.strategy`).
+Strategy = Any
 
 
 class _State(threading.local):
@@ -43,14 +56,21 @@ class _State(threading.local):
 
 
 _STATE = _State()
-_DEFAULT: list[Any] = []  # the default strategy, created on first use
+_DEFAULT: list[tuple[Strategy, ReplicaContext]] = []  # the default strategy and its context, made when first used
+_DEFAULT_FACTORY: list[Callable[[], Strategy]] = []
 
 
-def _default_strategy() -> Strategy:
+def set_default_strategy_factory(factory: Callable[[], Strategy]) -> None:
+  """Registers how the default strategy is made (`tpustrat._src.strategy` does, when it is imported)."""
+  _DEFAULT_FACTORY[:] = [factory]
+
+
+def _default() -> tuple[Strategy, ReplicaContext]:
   if not _DEFAULT:
-    from tpustrat._src.strategy import _DefaultStrategy  # pylint: disable=import-outside-toplevel
-
-    _DEFAULT.append(_DefaultStrategy())
+    if not _DEFAULT_FACTORY:
+      raise RuntimeError("tpustrat: no default strategy is registered; `import tpustrat` first.")
+    strategy = _DEFAULT_FACTORY[0]()
+    _DEFAULT.append((strategy, ReplicaContext(strategy)))
   return _DEFAULT[0]
 
 
@@ -65,7 +85,7 @@ def get_strategy() -> Strategy:
     return ctx.strategy
   if _STATE.strategy_stack:
     return _STATE.strategy_stack[-1]
-  return _default_strategy()
+  return _default()[0]
 
 
 def has_strategy() -> bool:
@@ -74,7 +94,7 @@ def has_strategy() -> bool:
   >>> has_strategy()
   False
   """
-  return get_strategy() is not _default_strategy()
+  return get_strategy() is not _default()[0]
 
 
 def in_cross_replica_context() -> bool:
@@ -97,11 +117,12 @@ def get_replica_context() -> ReplicaContext | None:
     return _STATE.replica_context
   if _STATE.strategy_stack:
     return None
-  return _default_strategy()._default_replica_context  # pylint: disable=protected-access
+  return _default()[1]
 
 
 @contextlib.contextmanager
-def _strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
+def strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
+  """`strategy.scope()`: makes `strategy` current (cross-replica context) in this thread."""
   stack = _STATE.strategy_stack
   if _STATE.replica_context is not None:
     raise RuntimeError(
@@ -118,7 +139,8 @@ def _strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
 
 
 @contextlib.contextmanager
-def _enter_replica_context(ctx: ReplicaContext) -> Iterator[None]:
+def enter_replica_context(ctx: ReplicaContext) -> Iterator[None]:
+  """Makes `ctx` the live replica context of this thread (while `run` traces the replica function)."""
   previous = _STATE.replica_context
   _STATE.replica_context = ctx
   ctx._active = True  # pylint: disable=protected-access
@@ -129,8 +151,26 @@ def _enter_replica_context(ctx: ReplicaContext) -> Iterator[None]:
     _STATE.replica_context = previous
 
 
-def _in_replica_context_of_a_run() -> bool:
+def in_replica_context_of_a_run() -> bool:
+  """Whether this thread is inside the replica function of a `strategy.run` (being traced)."""
   return _STATE.replica_context is not None
+
+
+def active_replica_context() -> ReplicaContext | None:
+  """The replica context of the `strategy.run` being traced in this thread, or None (the default
+  strategy's context is never active in this sense)."""
+  return _STATE.replica_context
+
+
+def replica_axis(ctx: ReplicaContext | None) -> str | None:
+  """The mesh axis over which `ctx`'s collectives run: `names.REPLICA_AXIS` inside `run`; None for the
+  default strategy's context (one replica, no axis) and for no context."""
+  return None if ctx is None else ctx._axis_name  # pylint: disable=protected-access
+
+
+def check_active(ctx: ReplicaContext, what: str) -> None:
+  """Raises RuntimeError unless `ctx` is usable now (inside the `run` that made it, or the default one)."""
+  ctx._check_active(what)  # pylint: disable=protected-access
 
 
 class ReplicaContext:
@@ -211,28 +251,7 @@ class ReplicaContext:
     """
     op = ReduceOp.from_value(reduce_op)
     self._check_active("all_reduce")
-    if group_assignment is not None:
-      if options is not None:
-        raise ValueError(
-            "all_reduce: `options` cannot be combined with `group_assignment`: grouped reductions use "
-            "the XLA collective directly, not the strategy's cross-device ops that honour "
-            f"CommunicationOptions. Drop `options` (got {options!r:.100}).")
-      from tpustrat._src import collectives  # pylint: disable=import-outside-toplevel
-
-      return collectives.all_reduce_in_groups(
-          op, value, group_assignment, axis_name=self._axis_name, num_replicas=self.num_replicas_in_sync)
-    if self._axis_name is None:
-      return value  # the default strategy has one replica
-    from tpustrat._src import collectives  # pylint: disable=import-outside-toplevel
-
-    route = getattr(self._strategy.extended, "_replica_all_reduce", None)
-    if route is not None:  # the strategy's CrossDeviceOps (a plain psum when none is configured and no options)
-      with collectives.reported_as("ReplicaContext.all_reduce"):  # they warn under this name
-        return route(op, value, options, self._axis_name)
-    collectives.warn_if_already_replicated("ReplicaContext.all_reduce", jax.tree.leaves(value), self._axis_name,
-                                           self.num_replicas_in_sync, "num_replicas_in_sync", op.name)
-    reducer = lax.psum if op is ReduceOp.SUM else lax.pmean
-    return jax.tree.map(lambda x: reducer(jnp.asarray(x), self._axis_name), value)
+    return self._strategy.extended.replica_all_reduce(op, value, options, self._axis_name, group_assignment)
 
   def all_gather(self, value: Any, axis: int, options: Any = None, *, group_assignment: Any = None) -> Any:
     """Concatenates every replica's `value` along `axis` (TF's `ReplicaContext.all_gather`).
@@ -242,101 +261,18 @@ class ReplicaContext:
     `group_assignment` (as for `tpustrat.ops.all_gather`) each replica gathers its own group's values,
     in group order: shape `[num_replicas_per_group * b, ...]`.
     """
-    del options
     self._check_active("all_gather")
-    leaves = jax.tree.leaves(value)
-    for x in leaves:
+    for x in jax.tree.leaves(value):
       ndim = jnp.ndim(x)
       if ndim == 0:
         raise ValueError(
             "all_gather needs tensors of rank >= 1 to concatenate along `axis`; got a scalar. "
             "Reshape it to [1] first.")
-      _normalize_axis(axis, ndim)  # TypeError / ValueError as for `strategy.reduce`
-    if group_assignment is not None:
-      from tpustrat._src import collectives  # pylint: disable=import-outside-toplevel
-
-      return collectives.all_gather_in_groups(
-          value, axis, group_assignment, axis_name=self._axis_name, num_replicas=self.num_replicas_in_sync)
-    if self._axis_name is None:
-      return value
-    return jax.tree.map(
-        lambda x: _all_gather_invariant(jnp.asarray(x), self._axis_name, axis=axis % jnp.ndim(x), tiled=True),
-        value)
+      normalize_axis(axis, ndim, "ReplicaContext.all_gather")  # the errors of `strategy.reduce`
+    return self._strategy.extended.replica_all_gather(value, axis, options, self._axis_name, group_assignment)
 
   def __repr__(self) -> str:
     return f"ReplicaContext(strategy={self._strategy!r})"
-
-
-def local_copy(value: Any) -> Any:
-  """This replica's own copy of `value` (an array or pytree): gradients w.r.t. it are per replica, as in TF.
-
-  Inside `strategy.run` a `Mirrored` parameter (or any value given whole to every replica) is one value
-  shared by all replicas, so `jax.grad` w.r.t. it is the gradient of the *sum* of the replicas' losses:
-  already summed over replicas and the same on every replica. TF's ``tape.gradient`` instead gives each
-  replica the gradient of its own loss, and TF's loops add them with ``ctx.all_reduce("sum", grads)``
-  (which, on JAX's already summed gradients, would give ``N`` times the gradient). Differentiating w.r.t.
-  ``local_copy(params)`` gives TF's semantics, so TF's loop ports unchanged::
-
-    grads = jax.grad(loss_fn)(tpustrat.local_copy(params), batch)   # this replica's own gradients
-    grads = ctx.all_reduce("sum", grads)                            # TF's numbers, Mirrored again
-
-  The copy holds the same numbers (no communication, no copy in the compiled program); JAX types it as
-  varying over the replica axis (``lax.pcast(x, 'replica', to='varying')``), so what is computed from it
-  is per replica (`PerReplica` if returned) until it is all-reduced. Leaves that already vary are
-  returned as they are; Python numbers become arrays. With no strategy (one replica) `value` is returned
-  unchanged. The name follows TF: inside a replica function a mirrored variable reads as this replica's
-  local copy, and that copy is what ``tape.gradient`` differentiates.
-
-  Raises:
-    RuntimeError: in the cross-replica context (inside `strategy.scope()`, outside `run`).
-
-  >>> strategy = tpustrat.TPUStrategy()
-  >>> def step(w):
-  ...   ctx = tpustrat.get_replica_context()
-  ...   loss = lambda w: w * ctx.replica_id_in_sync_group   # replica r's loss: r * w
-  ...   local = jax.grad(loss)(local_copy(w))               # r on replica r, as TF's tape.gradient
-  ...   return local, ctx.all_reduce("sum", local), jax.grad(loss)(w)
-  >>> local, total, summed = strategy.run(step, args=(np.float32(2.0),))
-  >>> print(np.asarray(local.values), total.values[0], summed.values[0])
-  [0. 1. 2. 3. 4. 5. 6. 7.] 28.0 28.0
-  """
-  ctx = get_replica_context()
-  if ctx is None:
-    raise RuntimeError(
-        f"tpustrat.local_copy was called in the cross-replica context of {get_strategy()!r} (inside "
-        "strategy.scope(), outside strategy.run): there is no replica to copy to. Call it inside the "
-        "function given to strategy.run.")
-  axis = ctx._axis_name  # pylint: disable=protected-access
-  if axis is None:
-    return value  # one replica: every gradient is already its own
-  from tpustrat._src.jax_compat import varying_axes  # pylint: disable=import-outside-toplevel
-
-  def one(x: Any) -> jax.Array:
-    x = jnp.asarray(x)
-    return x if axis in varying_axes(x) else lax.pcast(x, axis, to="varying")
-
-  return jax.tree.map(one, value)
-
-
-def _all_gather_invariant(x: jax.Array, axis_name: str, *, axis: int, tiled: bool) -> jax.Array:
-  """`all_gather` whose result JAX types as identical on every replica (so `run` returns `Mirrored`).
-
-  `lax.all_gather` is typed varying -> varying; JAX has an invariant variant that is not public in
-  0.10 (`jax._src.lax.parallel.all_gather_invariant`). Without it, fall back to a sum of zero-padded
-  slots, which is invariant by construction.
-  """
-  gather = getattr(lax, "all_gather_invariant", None)
-  if gather is None:
-    try:
-      from jax._src.lax.parallel import all_gather_invariant as gather  # pylint: disable=import-outside-toplevel
-    except ImportError:
-      gather = None
-  if gather is not None:
-    return gather(x, axis_name, axis=axis, tiled=tiled)
-  n = lax.axis_size(axis_name)
-  slots = jnp.zeros((n,) + x.shape, x.dtype).at[lax.axis_index(axis_name)].set(x)
-  out = jnp.moveaxis(lax.psum(slots, axis_name), 0, axis)
-  return out.reshape(x.shape[:axis] + (n * x.shape[axis],) + x.shape[axis + 1:]) if tiled else out
 
 
 @dataclasses.dataclass(frozen=True)

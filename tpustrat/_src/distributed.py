@@ -9,7 +9,9 @@ leaves out. Measured with jax 0.10.2 (2 processes x 4 CPU devices on loopback):
   processes other than 0 first wait (at most that long) for the coordinator's port to accept a
   connection, and raise a `RuntimeError` naming the address and the timeout if it never does.
 * On a port already taken by another coordinator, process 0's service starts anyway (gRPC reuses ports)
-  and every process then waits until the timeout. Here process 0 raises a `RuntimeError` at once.
+  and every process then waits until the timeout. Here process 0 raises a `RuntimeError`
+  (`CoordinatorPortTaken`) at once; uncaught, with the exception hook below, it ends the process with
+  status 75 (`names.EXIT_START_FAILED`), which tells `python -m tpustrat.launch` to try another port.
 * If not every process connects in time (one missing, or two with one id), JAX kills the processes with
   the same cryptic message. Here a watchdog prints what is wrong and exits with status 1 just before.
 * A process id beyond the coordinator's process count is rejected by JAX itself, which kills that process
@@ -68,7 +70,9 @@ from typing import Any
 
 import jax
 
-__all__ = ["initialize"]
+from tpustrat._src import names
+
+__all__ = ["CoordinatorPortTaken", "initialize"]
 
 # JAX's own deadline is set this much later than ours, so that the watchdog explains a timeout first.
 _JAX_TIMEOUT_MARGIN = 15
@@ -82,6 +86,15 @@ def _split(address: str) -> tuple[str, int]:
   except ValueError:
     raise ValueError(f"experimental_connect_to_cluster: the address {address!r} must be 'host:port' with a "
                      "numeric port.") from None
+
+
+class CoordinatorPortTaken(RuntimeError):
+  """Process 0 cannot start the coordinator: another process already listens on its port.
+
+  Uncaught, with the exception hook installed (see the module docstring), it ends the process with status
+  `names.EXIT_START_FAILED`, from which `python -m tpustrat.launch` learns to start the job again on
+  another port.
+  """
 
 
 def _check_port_free(bind_address: str, index: int) -> None:
@@ -98,7 +111,7 @@ def _check_port_free(bind_address: str, index: int) -> None:
       sock.bind((host if host not in ("", "*") else "", port))
     except OSError as e:
       if e.errno == errno.EADDRINUSE:
-        raise RuntimeError(
+        raise CoordinatorPortTaken(
             f"experimental_connect_to_cluster: process {index} runs the coordinator, but {bind_address} is "
             "already in use: another job (or another process started as process 0) is listening there. "
             "Pick another port, and give exactly one process process_id=0.") from None
@@ -187,9 +200,8 @@ def _check_device_counts(count: int) -> None:
         "--xla_force_host_platform_device_count (the launcher's --devices-per-process) or local_device_ids.")
 
 
-# Whether `initialize` installs the exception hook, when its `exit_on_uncaught` argument is None. Set to
-# "1" by tpustrat.launch (which names it itself, not to import JAX: keep the two equal).
-ENV_EXIT_ON_UNCAUGHT = "TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION"
+# `names.ENV_EXIT_ON_UNCAUGHT` says whether `initialize` installs the exception hook, when its
+# `exit_on_uncaught` argument is None. tpustrat.launch sets it to "1".
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -202,21 +214,23 @@ def _exit_on_uncaught_wanted(exit_on_uncaught: bool | None) -> bool:
     if not isinstance(exit_on_uncaught, bool):
       raise TypeError(f"exit_on_uncaught must be True, False or None, got {exit_on_uncaught!r}.")
     return exit_on_uncaught
-  text = os.environ.get(ENV_EXIT_ON_UNCAUGHT, "")
+  text = os.environ.get(names.ENV_EXIT_ON_UNCAUGHT, "")
   if text.strip().lower() in _TRUE:
     return True
   if text.strip().lower() in _FALSE:
     return False
   raise ValueError(
-      f"{ENV_EXIT_ON_UNCAUGHT}={text!r} must be one of {', '.join(_TRUE)} (exit at once after an uncaught "
-      f"exception) or {', '.join(v for v in _FALSE if v)} (do not), or unset.")
+      f"{names.ENV_EXIT_ON_UNCAUGHT}={text!r} must be one of {', '.join(_TRUE)} (exit at once after an "
+      f"uncaught exception) or {', '.join(v for v in _FALSE if v)} (do not), or unset.")
 
 
 def _exit_on_uncaught_exception(index: int, count: int, heartbeat_timeout: int) -> None:
   """After an uncaught exception, exit at once instead of waiting at JAX's shutdown barrier.
 
-  Installed once per process, chaining to the hook it replaces. Interactive sessions (``python -i``, the
-  REPL, where every mistyped line reaches `sys.excepthook`) are left running.
+  The status is 1 (130 after a `KeyboardInterrupt`; `names.EXIT_START_FAILED` after a
+  `CoordinatorPortTaken`, for the launcher). Installed once per process, chaining to the hook it
+  replaces. Interactive sessions (``python -i``, the REPL, where every mistyped line reaches
+  `sys.excepthook`) are left running.
   """
   global _hooked
   if _hooked:
@@ -228,15 +242,21 @@ def _exit_on_uncaught_exception(index: int, count: int, heartbeat_timeout: int) 
     if sys.flags.interactive or hasattr(sys, "ps1"):
       previous(kind, value, tb)
       return
+    status = 130 if issubclass(kind, KeyboardInterrupt) else 1
     try:
       previous(kind, value, tb)
-      sys.stderr.write(
-          f"tpustrat: process {index} of {count} exits at once after an uncaught {kind.__name__}, without "
-          f"waiting at JAX's shutdown barrier; the other processes stop within the heartbeat timeout "
-          f"({heartbeat_timeout} s).\n")
+      if issubclass(kind, CoordinatorPortTaken):
+        status = names.EXIT_START_FAILED
+        sys.stderr.write(f"tpustrat: process {index} of {count} could not start the job's coordinator; it "
+                         f"exits at once with status {status}.\n")
+      else:
+        sys.stderr.write(
+            f"tpustrat: process {index} of {count} exits at once after an uncaught {kind.__name__}, without "
+            f"waiting at JAX's shutdown barrier; the other processes stop within the heartbeat timeout "
+            f"({heartbeat_timeout} s).\n")
     finally:
       _flush()
-      os._exit(130 if issubclass(kind, KeyboardInterrupt) else 1)
+      os._exit(status)
 
   sys.excepthook = hook
 
@@ -267,7 +287,12 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int,
   start = time.monotonic()
   deadline = start + timeout
   if index == 0:
-    _check_port_free(coordinator_bind_address or f"[::]:{_split(coordinator_address)[1]}", index)
+    try:
+      _check_port_free(coordinator_bind_address or f"[::]:{_split(coordinator_address)[1]}", index)
+    except CoordinatorPortTaken:
+      if exit_at_once:  # uncaught, it ends the process with names.EXIT_START_FAILED
+        _exit_on_uncaught_exception(index, count, heartbeat_timeout)
+      raise
   else:
     _wait_for_coordinator(coordinator_address, index, count, deadline, timeout)
   watchdog = _Watchdog(deadline - time.monotonic(), (

@@ -37,6 +37,13 @@
   traced; a one-byte token output is added only when there is none of at most 64 KiB). Unbounded
   asynchronous dispatch of collective programs can deadlock XLA:CPU's rendezvous on small machines, and
   buys nothing once the device is busy.
+
+Use: a strategy builds ``Engine(mesh, num_replicas, make_context=...)`` (the engine knows a mesh and a
+replica count, not the strategy; `make_context` gives the `ReplicaContext` `fn` sees) and calls
+`Engine.run`. Other compiled programs that must share the bound on programs in flight (the multi-step
+loop, cross-device reductions) go through `Engine.dispatch`, or, with no engine at hand, the module-level
+`dispatch` and its process-wide `InFlight`; a program passed to either returns ``(result, token)``, the
+token being the output to wait on (`wait_leaf` picks it).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import dataclasses
 import types
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,16 +63,15 @@ from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
 from tpustrat._src import host_memory
-from tpustrat._src import logical as logical_lib
 from tpustrat._src.jax_compat import varying_axes
+from tpustrat._src.logical_interpreter import place_on_logical_devices
+from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.validation import check_int
 from tpustrat._src.values import Mirrored, PerReplica, check_components, is_distributed, stacked_steps
 
-if TYPE_CHECKING:
-  from tpustrat._src.strategy import Strategy
+__all__ = ["RunOptions", "Engine", "InFlight", "dispatch", "wait_leaf", "DEFAULT_STEPS_IN_FLIGHT"]
 
-__all__ = ["RunOptions", "Engine"]
-
-_DEFAULT_STEPS_IN_FLIGHT = 2
+DEFAULT_STEPS_IN_FLIGHT = 2
 _MAX_WAIT_BYTES = 64 * 1024  # waiting on an output keeps it alive two steps longer: only small ones
 _CACHE_SIZE = 256
 
@@ -89,9 +95,8 @@ class RunOptions:
   max_steps_in_flight: int | None = None
 
   def __post_init__(self) -> None:
-    k = self.max_steps_in_flight
-    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-      raise ValueError(f"RunOptions.max_steps_in_flight must be an int >= 1 or None, got {k!r}.")
+    k = check_int(self.max_steps_in_flight, "RunOptions", "max_steps_in_flight", minimum=1, allow_none=True)
+    object.__setattr__(self, "max_steps_in_flight", k)  # a Python int (frozen dataclass)
 
 
 def check_run_call(fn: Any, args: Any, kwargs: Any) -> dict[str, Any]:
@@ -123,8 +128,12 @@ def _as_output_array(x: Any, path: str) -> jax.Array:
       "arrays, Python numbers or pytrees of them.")
 
 
-class _InFlight:
-  """Bounds the number of dispatched-but-unfinished steps."""
+class InFlight:
+  """Bounds the number of dispatched-but-unfinished programs: before a dispatch, waits for the oldest
+  until fewer than `limit` are pending; after it, records the output to wait on (the token).
+
+  `Engine.dispatch` uses the engine's own; the module-level `dispatch` a process-wide one.
+  """
 
   def __init__(self) -> None:
     self._pending: collections.deque[jax.Array] = collections.deque()
@@ -132,7 +141,11 @@ class _InFlight:
   def before_dispatch(self, limit: int) -> None:
     pending = self._pending
     while len(pending) >= limit:
-      pending.popleft().block_until_ready()
+      try:
+        oldest = pending.popleft()
+      except IndexError:  # another thread took it
+        break
+      oldest.block_until_ready()
 
   def after_dispatch(self, token: Any) -> None:
     # The token is a small output of the step's program (at most 64 KiB, often a scalar loss), ready when
@@ -140,35 +153,60 @@ class _InFlight:
     # (measured: +340 us per 1 MiB step on XLA:CPU); an extra output costs every step (measured: +6.5 us
     # on a 90 us step on XLA:CPU with 8 devices), so a one-byte token is added only when nothing small
     # is computed.
-    if not isinstance(token, jax.core.Tracer):
+    if token is not None and not isinstance(token, jax.core.Tracer):
       self._pending.append(token)
 
   def drain(self) -> None:
     while self._pending:
-      self._pending.popleft().block_until_ready()
+      try:
+        oldest = self._pending.popleft()
+      except IndexError:
+        break
+      oldest.block_until_ready()
+
+
+_PROCESS_IN_FLIGHT = InFlight()  # for programs dispatched without an engine (cross-replica reductions)
+
+
+def dispatch(program: Callable[..., tuple[Any, Any]], *args: Any, in_flight: InFlight | None = None,
+             limit: int | None = None) -> Any:
+  """Calls ``program(*args)``, which returns ``(result, token)``, with at most `limit` (default
+  `DEFAULT_STEPS_IN_FLIGHT`) programs in flight in `in_flight` (default: one process-wide bound);
+  returns `result`. `token` is the output to wait on (see `wait_leaf`), or None for nothing."""
+  bound = _PROCESS_IN_FLIGHT if in_flight is None else in_flight
+  bound.before_dispatch(DEFAULT_STEPS_IN_FLIGHT if limit is None else limit)
+  result, token = program(*args)
+  bound.after_dispatch(token)
+  return result
 
 
 class Engine:
-  """Compiles and dispatches `run` for one strategy mesh (one replica axis, maybe more axes later)."""
+  """Compiles and dispatches `run` for one strategy mesh: its replica axis (`names.REPLICA_AXIS`), then any
+  logical-core axes."""
 
-  def __init__(self, strategy: Strategy, mesh: jax.sharding.Mesh, axis_name: str = "replica") -> None:
-    self._strategy = strategy
+  def __init__(self, mesh: jax.sharding.Mesh, num_replicas: int, *,
+               make_context: Callable[[list[tuple[int, Any]]], context_lib.ReplicaContext]) -> None:
+    """`make_context(real_rows)` returns the `ReplicaContext` that `fn` sees while it is traced
+    (`real_rows`: a (padded batch size, this replica's real rows) pair per padded batch argument)."""
+    axis_name = REPLICA_AXIS
+    self._num_replicas = num_replicas
+    self._make_context = make_context
     self._mesh = mesh
     self._axis = axis_name
     self._programs: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
-    self._in_flight = _InFlight()
+    self._in_flight = InFlight()
     self._entries: collections.OrderedDict[Any, tuple[_FlatProgram, list[NamedSharding]]] = (
         collections.OrderedDict())
     self._array_types: set[type] = set()  # concrete (non-tracer) jax.Array types seen already placed
     self._replicated = NamedSharding(mesh, P())
     self._split = NamedSharding(mesh, P(axis_name))
     self._core_axes = tuple(a for a in mesh.axis_names if a != axis_name)  # logical cores of a replica
-    self.max_steps_in_flight = _DEFAULT_STEPS_IN_FLIGHT
+    self.max_steps_in_flight = DEFAULT_STEPS_IN_FLIGHT
     self._alias_align = host_memory.mesh_alias_alignment(mesh)
 
   def run(self, fn: Callable[..., Any], args: Any, kwargs: Any, options: RunOptions | None) -> Any:
     kwargs = check_run_call(fn, args, kwargs)
-    if context_lib._in_replica_context_of_a_run():  # pylint: disable=protected-access
+    if context_lib.in_replica_context_of_a_run():
       raise RuntimeError(
           "strategy.run was called inside the function of another strategy.run (a replica context). "
           "Nested run is not supported: call the inner function directly, and use "
@@ -193,10 +231,13 @@ class Engine:
     for i, x in enumerate(leaves):  # arrays already where the program wants them pass untouched
       if type(x) not in array_types or x.sharding != targets[i]:
         leaves[i] = self._place(x, targets[i])
-    self._in_flight.before_dispatch(limit)
-    result, token = program(leaves)
-    self._in_flight.after_dispatch(token)
-    return result
+    return self.dispatch(program, leaves, limit=limit)
+
+  def dispatch(self, program: Callable[..., tuple[Any, Any]], *args: Any, limit: int | None = None) -> Any:
+    """Calls ``program(*args)``, which returns ``(result, token)``, under this engine's bound on programs
+    in flight (`limit`, default `max_steps_in_flight`); returns `result`. `token` is the output to wait
+    on before a later dispatch (see `wait_leaf`), or None."""
+    return dispatch(program, *args, in_flight=self._in_flight, limit=limit or self.max_steps_in_flight)
 
   def _entry(self, fn: Callable[..., Any], fn_key: Any, in_tree: Any) -> tuple[_FlatProgram, list[NamedSharding]]:
     """The program for `fn` called with arguments of structure `in_tree` (`PerReplica` and `Mirrored`
@@ -211,11 +252,11 @@ class Engine:
     nodes = []
     for node in top:
       if isinstance(node, PerReplica):
-        for i in jax.tree.leaves((node._value, node._valid)):  # pylint: disable=protected-access
+        for i in jax.tree.leaves((node.tree, node.real_rows_array)):
           targets[i] = self._split
         nodes.append(node)
       elif isinstance(node, Mirrored):
-        nodes.append(node._value)  # pylint: disable=protected-access
+        nodes.append(node.tree)
       else:
         nodes.append(node)
     seen_tree = jax.tree.structure(jax.tree.unflatten(outer, nodes))
@@ -253,11 +294,11 @@ class Engine:
             "[steps, num_replicas, ...]), as DistributedIterator.take_steps returns them; run takes one "
             "step. Scan over the steps (jax.lax.scan with strategy.run in the body), use "
             "strategy.experimental_run_steps, or take one step with tpustrat.unstack_steps.")
-      check_components(x, self._strategy.num_replicas_in_sync, "strategy.run: a PerReplica argument")
+      check_components(x, self._num_replicas, "strategy.run: a PerReplica argument")
     if not isinstance(x, np.ndarray):
       return jax.device_put(x, target)
     # TF captures a numpy argument when `run` is called; JAX's transfer may read it later (host_memory).
-    parts = self._strategy.num_replicas_in_sync if target is self._split else 1
+    parts = self._num_replicas if target is self._split else 1
     captured = host_memory.unaliased(x, parts, self._alias_align)
     placed = jax.device_put(captured, target)
     if captured is x:  # the caller's memory: wait until the transfer has read it
@@ -271,8 +312,8 @@ class Engine:
   def _make_program(self, fn: Callable[..., Any]) -> Callable[..., Any]:
     name = getattr(fn, "__name__", "fn")
     fn = weak_callable(fn)  # the cache must not keep the user's function (and its closure) alive
-    strategy, mesh, axis = self._strategy, self._mesh, self._axis
-    n = strategy.num_replicas_in_sync
+    make_context, mesh, axis = self._make_context, self._mesh, self._axis
+    n = self._num_replicas
     core_axes = self._core_axes
     manual = {"axis_names": frozenset({axis})} if core_axes else {}  # core axes: left to XLA
 
@@ -283,12 +324,12 @@ class Engine:
       padded: list[int] = []  # positions in `flat` of the real-row counts of padded batches
       for path, node in zip(_leaf_paths(outer), top):
         if isinstance(node, PerReplica):
-          leaves, inner = jax.tree.flatten(node._value)  # pylint: disable=protected-access
+          leaves, inner = jax.tree.flatten(node.tree)
           for x in leaves:
             check_components(x, n, f"strategy.run: the PerReplica value at {path}")
           # A padded batch: its real-row counts enter as one more input (an unmarked output's batch
           # rows do not make it a padded batch of this step).
-          valid = node._valid if node.padding_is_marked else None  # pylint: disable=protected-access
+          valid = node.real_rows_array if node.padding_is_marked else None
           if valid is not None:
             _check_padded(leaves, path)
             padded.append(len(flat) + len(leaves))
@@ -297,7 +338,7 @@ class Engine:
           flat.extend(leaves)
           specs.extend([P(axis)] * len(leaves))
         elif isinstance(node, Mirrored):
-          leaves, inner = jax.tree.flatten(node._value)  # pylint: disable=protected-access
+          leaves, inner = jax.tree.flatten(node.tree)
           rebuild.append(("mirrored", inner, len(leaves)))
           flat.extend(leaves)
           specs.extend([P()] * len(leaves))
@@ -318,7 +359,7 @@ class Engine:
         return out
 
       # With logical cores, `fn` is traced to a jaxpr once and evaluated with its placements honoured.
-      call = logical_lib.place_on_logical_devices(marking, core_axes, n) if core_axes else marking
+      call = place_on_logical_devices(marking, core_axes, n) if core_axes else marking
 
       def body(*flat_in: Any) -> Any:
         it = iter(flat_in)
@@ -337,8 +378,8 @@ class Engine:
           else:
             nodes.append(leaves[0])
         call_args, call_kwargs = jax.tree.unflatten(outer, nodes)
-        ctx = context_lib.ReplicaContext(strategy, axis_name=axis, real_rows=real_rows)
-        with context_lib._enter_replica_context(ctx):  # pylint: disable=protected-access
+        ctx = make_context(real_rows)
+        with context_lib.enter_replica_context(ctx):
           out = call(*call_args, **call_kwargs)
         # Distributed values stay whole (trace time only), so that returning one is reported by name.
         out_leaves, out_tree = jax.tree.flatten(out, is_leaf=is_distributed)
@@ -362,9 +403,9 @@ class Engine:
       invariant, varying = jax.shard_map(
           body, mesh=mesh, in_specs=tuple(specs), out_specs=(P(), P(axis)), check_vma=True, **manual)(*flat)
       inv, var = iter(invariant), iter(varying)
-      outs = [PerReplica._wrap(next(var)) if v and p is None  # pylint: disable=protected-access
-              else PerReplica._wrap(next(var), flat[padded[p[0]]], per_example=p[1]) if v  # pylint: disable=protected-access
-              else Mirrored._wrap(next(inv))  # pylint: disable=protected-access
+      outs = [PerReplica.from_stacked(next(var)) if v and p is None
+              else PerReplica.from_stacked(next(var), flat[padded[p[0]]], per_example=p[1]) if v
+              else Mirrored.from_global(next(inv))
               for v, p in zip(record["varying"], record["padded"])]
       return jax.tree.unflatten(record["tree"], outs)
 
@@ -441,7 +482,7 @@ class _FlatProgram:
     def flat(*leaves: Any) -> tuple[list[Any], Any, int]:
       args, kwargs = jax.tree.unflatten(seen_tree, leaves)
       out, out_tree = jax.tree.flatten(structured(args, kwargs))
-      wait = _wait_leaf(out, leaves)
+      wait = wait_leaf(out, leaves)
       if wait is None:  # nothing small computed: a one-byte token to wait on
         out.append(jnp.zeros((), jnp.int8))
         wait = len(out) - 1
@@ -476,7 +517,7 @@ class _FlatProgram:
     return out_tree.unflatten(out[:out_tree.num_leaves]), out[wait]
 
 
-def _wait_leaf(out: list[Any], inputs: tuple[Any, ...]) -> int | None:
+def wait_leaf(out: list[Any], inputs: tuple[Any, ...]) -> int | None:
   """Index of the smallest output (at most `_MAX_WAIT_BYTES`) the program computes, or None.
 
   `out` are the outputs of the `shard_map` of the step, so an argument `fn` returns unchanged is a new
@@ -527,3 +568,4 @@ def _leaf_paths(treedef: Any) -> list[str]:
   dummy = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
   return [jax.tree_util.keystr(p) or "<root>"
           for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+

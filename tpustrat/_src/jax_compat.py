@@ -311,3 +311,25 @@ def scan_signature(eqn: Any) -> ScanSignature:
   body = close_jaxpr(*open_jaxpr(params["jaxpr"]))
   return ScanSignature(num_consts=num_consts, num_carry=num_carry, body=body, length=int(params["length"]),
                        reverse=bool(params["reverse"]), unroll=params["unroll"])
+
+
+def all_gather_invariant(x: jax.Array, axis_name: str, *, axis: int, tiled: bool) -> jax.Array:
+  """`all_gather` whose result JAX types as identical on every replica (so `run` returns `Mirrored`).
+
+  `lax.all_gather` is typed varying -> varying; JAX has an invariant variant that is not public in
+  0.10 (`jax._src.lax.parallel.all_gather_invariant`). Without it, fall back to a sum of zero-padded
+  slots, which is invariant by construction.
+  """
+  lax, jnp = jax.lax, jax.numpy
+  gather = getattr(lax, "all_gather_invariant", None)
+  if gather is None:
+    try:
+      from jax._src.lax.parallel import all_gather_invariant as gather  # pylint: disable=import-outside-toplevel
+    except ImportError:
+      gather = None
+  if gather is not None:
+    return gather(x, axis_name, axis=axis, tiled=tiled)
+  n = lax.axis_size(axis_name)
+  slots = jnp.zeros((n,) + x.shape, x.dtype).at[lax.axis_index(axis_name)].set(x)
+  out = jnp.moveaxis(lax.psum(slots, axis_name), 0, axis)
+  return out.reshape(x.shape[:axis] + (n * x.shape[axis],) + x.shape[axis + 1:]) if tiled else out

@@ -15,11 +15,12 @@ from typing import Any
 
 import jax
 
-from tpustrat._src.cross_device_ops import (
+from tpustrat._src.cross_device import (
     CrossDeviceExtendedMixin,
     CrossDeviceOps,
-    _device_from_string,
+    device_from_string,
 )
+from tpustrat._src.engine import Engine
 from tpustrat._src.strategy import Strategy, StrategyExtended
 
 __all__ = ["MirroredExtended", "MirroredStrategy"]
@@ -38,7 +39,7 @@ def _resolve_devices(devices: Any) -> list[Any]:
   resolved = []
   for d in devices:
     if isinstance(d, str):
-      d = _device_from_string(d)
+      d = device_from_string(d)
     elif not isinstance(d, jax.Device):
       raise TypeError(f"MirroredStrategy: devices must be device strings or jax.Device objects, got {d!r}.")
     resolved.append(d)
@@ -56,8 +57,9 @@ def _resolve_devices(devices: Any) -> list[Any]:
 class MirroredExtended(StrategyExtended, CrossDeviceExtendedMixin):
   """`StrategyExtended` of `MirroredStrategy`: reductions and broadcasts go through its `CrossDeviceOps`."""
 
-  def __init__(self, strategy: Strategy, devices: Sequence[Any], cross_device_ops: CrossDeviceOps | None) -> None:
-    super().__init__(strategy, devices)
+  def __init__(self, strategy: Strategy, devices: Sequence[Any], cross_device_ops: CrossDeviceOps | None,
+               engine: Engine | None = None) -> None:
+    super().__init__(strategy, devices, engine)
     self._cross_device_ops = cross_device_ops
 
   @property
@@ -79,7 +81,7 @@ class MirroredStrategy(Strategy):
       `extended.broadcast_to` and `ReplicaContext.all_reduce`; default: `default_cross_device_ops()`
       (XLA all-reduce, tensors of up to 32 KiB aggregated in groups of 10: the fastest setting measured).
 
-  >>> from tpustrat._src.cross_device_ops import HierarchicalCopyAllReduce
+  >>> from tpustrat._src.cross_device import HierarchicalCopyAllReduce
   >>> strategy = MirroredStrategy(cross_device_ops=HierarchicalCopyAllReduce())
   >>> strategy.num_replicas_in_sync
   8
@@ -98,7 +100,7 @@ class MirroredStrategy(Strategy):
           f"{cross_device_ops!r:.100}.")
     resolved = _resolve_devices(devices)
     super().__init__(resolved)
-    self._extended = MirroredExtended(self, resolved, cross_device_ops)
+    self._extended = MirroredExtended(self, resolved, cross_device_ops, self._engine)
 
   @property
   def extended(self) -> MirroredExtended:

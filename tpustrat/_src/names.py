@@ -18,6 +18,8 @@ ENV_HEARTBEAT_TIMEOUT = "TPUSTRAT_HEARTBEAT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "TPUSTRAT_SHUTDOWN_TIMEOUT"
 ENV_EXIT_ON_UNCAUGHT = "TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION"
 
-# Exit status of a process whose distributed start-up failed (the launcher reads it; no message text is
-# matched). 3 is free among the statuses Python itself uses (1 uncaught exception, 2 usage).
-EXIT_START_FAILED = 3
+# Exit status of a process whose distributed start-up failed because its coordinator port was taken (the
+# launcher reads it and starts the job again on another port; no message text is matched). 75 is
+# sysexits.h's EX_TEMPFAIL ("temporary failure, the user is invited to retry"), far from the statuses
+# Python and most programs use (1 uncaught exception, 2 usage).
+EXIT_START_FAILED = 75

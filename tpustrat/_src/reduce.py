@@ -29,17 +29,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src.reduce_op import ReduceOp
+from tpustrat._src.validation import normalize_axis
 from tpustrat._src.values import Mirrored, PerReplica, check_components, is_distributed
 
 __all__ = ["reduce", "gather", "local_results"]
-
-
-def _normalize_axis(axis: Any, rank: int) -> int:
-  if not isinstance(axis, int) or isinstance(axis, bool):
-    raise TypeError(f"`axis` must be an int or None, got {axis!r}.")
-  if not -rank <= axis < rank:
-    raise ValueError(f"`axis` = {axis!r} out of range for `value` with rank {rank}.")
-  return axis % rank
 
 
 @functools.partial(jax.jit, static_argnames=("op", "axis", "stacked", "copies"))
@@ -107,9 +100,9 @@ def reduce(reduce_op: ReduceOp | str, value: Any, axis: int | None, *, num_repli
 
   def one(node: Any) -> Any:
     if isinstance(node, PerReplica):
-      return jax.tree.map(lambda x: _one_leaf(x, stacked=True, per_replica=node), node._value)  # pylint: disable=protected-access
+      return jax.tree.map(lambda x: _one_leaf(x, stacked=True, per_replica=node), node.tree)
     if isinstance(node, Mirrored):
-      return jax.tree.map(lambda x: _one_leaf(x, stacked=False), node._value)  # pylint: disable=protected-access
+      return jax.tree.map(lambda x: _one_leaf(x, stacked=False), node.tree)
     return _one_leaf(node, stacked=False, plain=True)
 
   def _one_leaf(x: Any, *, stacked: bool, plain: bool = False, per_replica: PerReplica | None = None) -> Any:
@@ -117,7 +110,7 @@ def reduce(reduce_op: ReduceOp | str, value: Any, axis: int | None, *, num_repli
     if stacked:
       check_components(x, num_replicas, "strategy.reduce: a PerReplica value")
     rank = x.ndim - 1 if stacked else x.ndim
-    ax = None if axis is None else _normalize_axis(axis, rank)
+    ax = None if axis is None else normalize_axis(axis, rank, "strategy.reduce")
     valid = None if per_replica is None else per_replica.real_rows(ax)
     if valid is not None:
       return _place(_reduce_padded_leaf(x, valid, op=op, axis=ax), mesh)
@@ -136,9 +129,9 @@ def gather(value: Any, axis: int, *, num_replicas: int, mesh: jax.sharding.Mesh 
 
   def one(node: Any) -> Any:
     if isinstance(node, PerReplica):
-      return jax.tree.map(lambda x: _one_leaf(x, stacked=True, padded=node), node._value)  # pylint: disable=protected-access
+      return jax.tree.map(lambda x: _one_leaf(x, stacked=True, padded=node), node.tree)
     if isinstance(node, Mirrored):
-      return jax.tree.map(lambda x: _one_leaf(x, stacked=False), node._value)  # pylint: disable=protected-access
+      return jax.tree.map(lambda x: _one_leaf(x, stacked=False), node.tree)
     return _one_leaf(node, stacked=False)
 
   def _one_leaf(x: Any, *, stacked: bool, padded: PerReplica | None = None) -> Any:
@@ -150,7 +143,7 @@ def gather(value: Any, axis: int, *, num_replicas: int, mesh: jax.sharding.Mesh 
       raise ValueError(
           "gather needs components of rank >= 1 to concatenate along `axis`, got scalars. "
           "Return values with a batch dimension from strategy.run, or reshape them to [1].")
-    ax = _normalize_axis(axis, rank)
+    ax = normalize_axis(axis, rank, "strategy.gather")
     if padded is not None and padded.real_rows(ax) is not None:
       counts = padded.host_real_rows()
       k = x.shape[1]

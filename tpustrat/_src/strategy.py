@@ -17,30 +17,39 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tpustrat._src import cluster_resolver as cluster_resolver_lib
+from tpustrat._src import collectives, host_memory, multistep
 from tpustrat._src import context as context_lib
-from tpustrat._src import host_memory, multistep
 from tpustrat._src import input as input_lib
 from tpustrat._src import logical as logical_lib
 from tpustrat._src import reduce as reduce_lib
-from tpustrat._src import topology as topology_lib
-from tpustrat._src.cross_device_ops import CrossDeviceExtendedMixin
-from tpustrat._src.engine import _DEFAULT_STEPS_IN_FLIGHT, Engine, RunOptions, check_run_call
+from tpustrat._src.cluster_resolver import TPUClusterResolver, experimental_connect_to_cluster
+from tpustrat._src.cross_device import CrossDeviceExtendedMixin
+from tpustrat._src.engine import DEFAULT_STEPS_IN_FLIGHT, Engine, RunOptions, check_run_call
+from tpustrat._src.jax_compat import all_gather_invariant
+from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.reduce_op import ReduceOp
-from tpustrat._src.topology import DeviceAssignment, TPUClusterResolver, experimental_connect_to_cluster
+from tpustrat._src.topology import DeviceAssignment, device_grid
+from tpustrat._src.validation import check_int
 from tpustrat._src.values import PerReplica
 
 __all__ = ["Strategy", "StrategyExtended", "TPUStrategy"]
-
-REPLICA_AXIS = "replica"
 
 
 class StrategyExtended(CrossDeviceExtendedMixin):
   """Additional strategy APIs (TF's `tf.distribute.StrategyExtended`)."""
 
-  def __init__(self, strategy: Strategy, devices: Sequence[Any]) -> None:
+  def __init__(self, strategy: Strategy, devices: Sequence[Any], engine: Engine | None = None) -> None:
     self._strategy = strategy
     self._devices = tuple(devices)
-    self._max_steps_in_flight = _DEFAULT_STEPS_IN_FLIGHT  # used only without an engine (default strategy)
+    self._engine = engine  # the strategy's `run` engine; None for the default strategy
+    self._max_steps_in_flight = DEFAULT_STEPS_IN_FLIGHT  # used only without an engine (default strategy)
+
+  @property
+  def engine(self) -> Engine | None:
+    """The engine that compiles and dispatches this strategy's programs (internal API; None for the default
+    strategy, whose `run` calls the function directly): `experimental_run_steps` dispatches through it."""
+    return self._engine
 
   @property
   def worker_devices(self) -> tuple[Any, ...]:
@@ -70,23 +79,62 @@ class StrategyExtended(CrossDeviceExtendedMixin):
   def max_steps_in_flight(self) -> int:
     """Default bound on `run` steps queued on the devices (`RunOptions.max_steps_in_flight`); 2 unless set.
 
-    Settable to an int >= 1 (a `ValueError` otherwise). The default strategy (outside any
-    `strategy.scope()`) reports and keeps the bound as well, but its `run` calls the function directly,
-    so nothing is queued there.
+    Settable to an int >= 1 (a `TypeError` for a non-int, a `ValueError` for a smaller int). The default
+    strategy (outside any `strategy.scope()`) reports and keeps the bound as well, but its `run` calls the
+    function directly, so nothing is queued there.
     """
-    engine = self._strategy._engine  # pylint: disable=protected-access
+    engine = self._engine
     return self._max_steps_in_flight if engine is None else engine.max_steps_in_flight
 
   @max_steps_in_flight.setter
   def max_steps_in_flight(self, value: int) -> None:
-    if value is None or not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      # RunOptions accepts None ("the strategy's default"); the strategy's default itself needs a number.
-      raise ValueError(f"max_steps_in_flight must be an int >= 1, got {value!r}.")
-    engine = self._strategy._engine  # pylint: disable=protected-access
+    # RunOptions accepts None ("the strategy's default"); the strategy's default itself needs a number.
+    value = check_int(value, "strategy.extended", "max_steps_in_flight", minimum=1)
+    engine = self._engine
     if engine is None:  # the default strategy: no engine, nothing in flight
       self._max_steps_in_flight = value
     else:
       engine.max_steps_in_flight = value
+
+  # -- the collectives of `ReplicaContext` (TF's `extended._replica_ctx_all_reduce`, ...) ----------------
+
+  def replica_all_reduce(self, reduce_op: ReduceOp, value: Any, options: Any, axis_name: str | None,
+                         group_assignment: Any = None) -> Any:
+    """`ReplicaContext.all_reduce` (internal API): over `axis_name` (None: one replica, no axis), through
+    the strategy's cross-device ops, or within replica groups with a `group_assignment`."""
+    if group_assignment is not None:
+      if options is not None:
+        raise ValueError(
+            "all_reduce: `options` cannot be combined with `group_assignment`: grouped reductions use "
+            "the XLA collective directly, not the strategy's cross-device ops that honour "
+            f"CommunicationOptions. Drop `options` (got {options!r:.100}).")
+      return collectives.all_reduce_in_groups(
+          reduce_op, value, group_assignment, axis_name=axis_name,
+          num_replicas=self._strategy.num_replicas_in_sync)
+    if axis_name is None:
+      return value  # the default strategy has one replica
+    # The strategy's CrossDeviceOps (a plain psum when none is configured and no options); they warn under
+    # the name the user called.
+    with collectives.reported_as("ReplicaContext.all_reduce"):
+      return self._replica_all_reduce(reduce_op, value, options, axis_name)
+
+  def replica_all_gather(self, value: Any, axis: int, options: Any, axis_name: str | None,
+                         group_assignment: Any = None) -> Any:
+    """`ReplicaContext.all_gather` (internal API), its arguments already checked: every replica's `value`
+    concatenated along `axis`, typed identical on every replica (within groups with a `group_assignment`)."""
+    del options
+    if group_assignment is not None:
+      return collectives.all_gather_in_groups(
+          value, axis, group_assignment, axis_name=axis_name,
+          num_replicas=self._strategy.num_replicas_in_sync)
+    if axis_name is None:
+      return value
+
+    def gather(x: Any) -> jax.Array:
+      x = jax.numpy.asarray(x)
+      return all_gather_invariant(x, axis_name, axis=axis % x.ndim, tiled=True)
+
+    return jax.tree.map(gather, value)
 
 
 class Strategy:
@@ -99,9 +147,12 @@ class Strategy:
       raise ValueError("A strategy needs at least one device.")
     grid = grid.reshape(grid.shape[0], -1)
     self._mesh = logical_lib.replica_core_mesh(grid)
-    self._engine = Engine(self, self._mesh, REPLICA_AXIS)
-    self._extended = StrategyExtended(self, list(grid[:, 0]))  # each replica's logical core 0, as TF
-    self._default_replica_context = context_lib.ReplicaContext(self)
+    self._engine = Engine(self._mesh, self._mesh.shape[REPLICA_AXIS], make_context=self._replica_context)
+    self._extended = StrategyExtended(self, list(grid[:, 0]), self._engine)  # replicas' logical core 0, as TF
+
+  def _replica_context(self, real_rows: Sequence[tuple[int, Any]]) -> context_lib.ReplicaContext:
+    """The context `fn` sees while `run` traces it (`real_rows`: see `ReplicaContext.real_rows`)."""
+    return context_lib.ReplicaContext(self, axis_name=REPLICA_AXIS, real_rows=tuple(real_rows))
 
   # -- properties -----------------------------------------------------------------------------------
 
@@ -130,7 +181,7 @@ class Strategy:
     ...   print(tpustrat.get_strategy() is strategy, tpustrat.in_cross_replica_context())
     True True
     """
-    return context_lib._strategy_scope(self)  # pylint: disable=protected-access
+    return context_lib.strategy_scope(self)
 
   # -- running --------------------------------------------------------------------------------------
 
@@ -347,7 +398,7 @@ class Strategy:
     stacked = [jax.make_array_from_single_device_arrays((n,) + first.shape, sharding, parts)
                for first, parts in zip(leaves0, per_leaf)]
     jax.block_until_ready(stacked)  # TF captures the values now: value_fn's arrays may change after the call
-    return PerReplica._wrap(jax.tree.unflatten(treedef, stacked))  # pylint: disable=protected-access
+    return PerReplica.from_stacked(jax.tree.unflatten(treedef, stacked))
 
   def _values_from_function_elsewhere(self, value_fn: Callable[[context_lib.ValueContext], Any],
                                       n: int) -> Any:
@@ -365,7 +416,7 @@ class Strategy:
     nothing_here = [jax.make_array_from_single_device_arrays((n,) + s.shape, sharding, [], dtype=s.dtype)
                     for s in jax.tree.leaves(spec)]
     value = jax.tree.unflatten(jax.tree.structure(spec), nothing_here)
-    return PerReplica._wrap(value)  # pylint: disable=protected-access
+    return PerReplica.from_stacked(value)
 
   # -- input ----------------------------------------------------------------------------------------
 
@@ -502,11 +553,11 @@ class TPUStrategy(Strategy):
             f"{type(tpu_cluster_resolver).__name__}: {tpu_cluster_resolver!r:.100}.")
       experimental_connect_to_cluster(tpu_cluster_resolver)
     else:
-      topology_lib._connect_from_environment()  # pylint: disable=protected-access  # the launcher's job
+      cluster_resolver_lib.connect_from_environment()  # the launcher's job
     if device_assignment is None:
       devices = jax.devices()
     elif isinstance(device_assignment, DeviceAssignment):
-      devices = device_assignment._device_grid()  # pylint: disable=protected-access
+      devices = device_grid(device_assignment)
     elif isinstance(device_assignment, Sequence) and all(isinstance(d, jax.Device) for d in device_assignment):
       devices = list(device_assignment)
       if len(set(devices)) != len(devices):
@@ -603,7 +654,6 @@ class _DefaultStrategy(Strategy):
     self._mesh = None
     self._engine = None
     self._extended = StrategyExtended(self, jax.devices()[:1])
-    self._default_replica_context = context_lib.ReplicaContext(self)
 
   @property
   def num_replicas_in_sync(self) -> int:
@@ -627,3 +677,6 @@ class _DefaultStrategy(Strategy):
 
   def __repr__(self) -> str:
     return "DefaultStrategy()"
+
+
+context_lib.set_default_strategy_factory(_DefaultStrategy)

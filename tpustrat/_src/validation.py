@@ -14,7 +14,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-__all__ = ["check_int", "is_int"]
+__all__ = ["check_int", "is_int", "normalize_axis"]
 
 
 def is_int(value: Any) -> bool:
@@ -46,3 +46,19 @@ def check_int(value: Any, where: str, name: str, *, minimum: int | None = None, 
   if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
     raise ValueError(f"{where}: `{name}` must be {expected}, got {value!r}.")
   return int(value)
+
+
+def normalize_axis(axis: Any, rank: int, where: str) -> int:
+  """`axis` of a value of rank `rank` as an index in ``[0, rank)`` (negative axes count from the end).
+
+  Only a Python int is an axis here (not a bool, not a numpy integer), as for `strategy.reduce`.
+
+  Raises:
+    TypeError: `axis` is not an int.
+    ValueError: `axis` is outside ``[-rank, rank)``.
+  """
+  if not isinstance(axis, int) or isinstance(axis, bool):
+    raise TypeError(f"{where}: `axis` must be an int or None, got {type(axis).__name__} {axis!r:.60}.")
+  if not -rank <= axis < rank:
+    raise ValueError(f"{where}: `axis` = {axis!r} out of range for `value` with rank {rank}.")
+  return axis % rank

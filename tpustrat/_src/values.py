@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpustrat._src.names import REPLICA_AXIS
+
 __all__ = ["DistributedValues", "PerReplica", "Mirrored", "check_components", "is_distributed", "name_replica_axis",
            "stacked_steps"]
 
@@ -65,6 +67,11 @@ class DistributedValues:
     """The pytree of global arrays this value holds (internal API): a `PerReplica` leaf has a leading
     replica axis (sharded over it), a `Mirrored` leaf is one replicated array."""
     return self._value
+
+  def map_global(self, fn: Any) -> Any:
+    """This value over ``fn(x)`` for every global array ``x`` it holds (real-row counts included), which
+    must hold the same data (internal API: a new sharding name, say)."""
+    return type(self)._wrap(jax.tree.map(fn, self._value))
 
   def tree_flatten(self):
     return (self._value,), None
@@ -175,6 +182,11 @@ class PerReplica(DistributedValues):
     """
     return cls._wrap(tree, real_rows, host_real_rows, per_example=per_example)
 
+  def map_global(self, fn: Any) -> PerReplica:
+    """See `DistributedValues.map_global`; the real-row counts and their meaning are kept."""
+    return PerReplica._wrap(jax.tree.map(fn, self._value), None if self._valid is None else fn(self._valid),
+                            self._host_valid, per_example=self._per_example)
+
   @property
   def real_rows_array(self) -> Any:
     """The real-row counts this value carries (an int array ``[num_replicas]``), or None (internal API)."""
@@ -231,9 +243,9 @@ def _replica_leaders(sharding: Any) -> set[Any] | None:
   """The first device of each replica of a strategy mesh (``'replica'`` first, then logical-core axes),
   so that a replicated value yields one copy per replica, not one per core; None if every device leads."""
   mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.devices.ndim < 2 or "replica" not in mesh.axis_names:
+  if mesh is None or mesh.devices.ndim < 2 or REPLICA_AXIS not in mesh.axis_names:
     return None
-  axis = mesh.axis_names.index("replica")
+  axis = mesh.axis_names.index(REPLICA_AXIS)
   return set(np.moveaxis(mesh.devices, axis, 0).reshape(mesh.devices.shape[axis], -1)[:, 0].tolist())
 
 
@@ -386,22 +398,21 @@ def check_components(x: Any, num_replicas: int, what: str) -> None:
         "(num_replicas_in_sync); give one component per replica.")
 
 
-_REPLICA = "replica"  # the mesh axis of the replicas (`Engine`'s axis name)
 
 
 def _lone_replica(sharding: Any) -> bool:
   """Whether `sharding` lies on a strategy mesh whose ``'replica'`` axis has a single device."""
   mesh = getattr(sharding, "mesh", None)
-  return (isinstance(sharding, jax.sharding.NamedSharding) and _REPLICA in mesh.axis_names
-          and mesh.shape[_REPLICA] == 1)
+  return (isinstance(sharding, jax.sharding.NamedSharding) and REPLICA_AXIS in mesh.axis_names
+          and mesh.shape[REPLICA_AXIS] == 1)
 
 
 def _without_replica(entry: Any) -> Any:
   """A `PartitionSpec` entry with the ``'replica'`` axis taken out."""
-  if entry == _REPLICA:
+  if entry == REPLICA_AXIS:
     return None
-  if isinstance(entry, tuple) and _REPLICA in entry:
-    rest = tuple(a for a in entry if a != _REPLICA)
+  if isinstance(entry, tuple) and REPLICA_AXIS in entry:
+    rest = tuple(a for a in entry if a != REPLICA_AXIS)
     return None if not rest else rest[0] if len(rest) == 1 else rest
   return entry
 
@@ -418,7 +429,7 @@ def _name_replica(x: Any, dim: int | None) -> Any:
   if dim is not None:
     if spec[dim] is not None:  # another axis there (a logical-core split): leave the name as it is
       return x
-    spec[dim] = _REPLICA
+    spec[dim] = REPLICA_AXIS
   while spec and spec[-1] is None:
     spec.pop()
   target = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec),
@@ -445,13 +456,9 @@ def name_replica_axis(tree: Any, steps: bool) -> Any:
 
   def one(node: Any) -> Any:
     if isinstance(node, PerReplica):
-      valid = node._valid  # pylint: disable=protected-access
-      return PerReplica._wrap(  # pylint: disable=protected-access
-          jax.tree.map(lambda x: _name_replica(x, dim), node._value),  # pylint: disable=protected-access
-          None if valid is None else _name_replica(valid, dim), node._host_valid,  # pylint: disable=protected-access
-          per_example=node._per_example)  # pylint: disable=protected-access
+      return node.map_global(lambda x: _name_replica(x, dim))
     if isinstance(node, Mirrored):
-      return Mirrored._wrap(jax.tree.map(lambda x: _name_replica(x, None), node._value))  # pylint: disable=protected-access
+      return node.map_global(lambda x: _name_replica(x, None))
     return node
 
   return jax.tree.map(one, tree, is_leaf=is_distributed)

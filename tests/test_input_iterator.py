@@ -1,4 +1,5 @@
-"""Review regressions for the input pipeline: prefetch bound, close() after an error."""
+"""The distributed iterator: how far the prefetch thread reads ahead, `close()`, and one iterator at a time
+on a one-shot source (a generator) while a re-iterable source gives a new pass per `iter()`."""
 
 import time
 
@@ -12,6 +13,15 @@ def _counting_source(pulled, n=100):
   for i in range(n):
     pulled.append(i)
     yield np.full((16,), i, np.float32)
+
+
+def _values(strategy, dist_batch):
+  return [float(x) for x in np.concatenate(strategy.experimental_local_results(dist_batch))]
+
+
+def _ids(n):
+  for i in range(n):
+    yield np.full((8,), i, np.float32)  # one row per replica
 
 
 @pytest.mark.parametrize("size", [1, 2])
@@ -48,15 +58,6 @@ def test_close_after_a_pending_error_stops_iteration(strategy, fetch):
   it.close()
   with pytest.raises(StopIteration):  # close(): "later next calls raise StopIteration"
     next(it)
-
-
-def _values(strategy, dist_batch):
-  return [float(x) for x in np.concatenate(strategy.experimental_local_results(dist_batch))]
-
-
-def _ids(n):
-  for i in range(n):
-    yield np.full((8,), i, np.float32)  # one row per replica
 
 
 @pytest.mark.parametrize("size", [1, 3])
@@ -106,62 +107,3 @@ def test_reiterable_source_still_gives_a_new_pass_per_iter(strategy):
   assert it2 is not it1
   assert [_values(strategy, b)[0] for b in it2] == [0.0, 1.0, 2.0, 3.0]
   assert [_values(strategy, b)[0] for b in it1] == [1.0, 2.0, 3.0]
-
-
-def test_drop_remainder_drops_batches_smaller_than_the_largest_before_them(strategy):
-  options = tpustrat.InputOptions(drop_remainder=True)
-  sizes = [16, 16, 4]  # the usual case: the partial last batch is dropped
-  dist = strategy.experimental_distribute_dataset([np.ones(n, np.float32) for n in sizes], options=options)
-  assert [float(strategy.reduce("SUM", b, axis=0)) for b in dist] == [16.0, 16.0]
-  sizes = [8, 16, 8, 16]  # a first batch smaller than a later one is kept; later smaller ones are not
-  dist = strategy.experimental_distribute_dataset([np.ones(n, np.float32) for n in sizes], options=options)
-  assert [float(strategy.reduce("SUM", b, axis=0)) for b in dist] == [8.0, 16.0, 16.0]
-  doc = tpustrat.InputOptions.__doc__
-  assert "largest" in doc and "smaller than the first" not in doc
-
-
-@pytest.mark.parametrize("kwargs, error, name", [
-    ({"experimental_fetch_to_device": 1}, TypeError, "experimental_fetch_to_device"),
-    ({"experimental_fetch_to_device": "no"}, TypeError, "'no'"),
-    ({"drop_remainder": None}, TypeError, "drop_remainder"),
-    ({"drop_remainder": np.bool_(True)}, TypeError, "drop_remainder"),
-    ({"experimental_per_replica_buffer_size": 2.0}, TypeError, "2.0"),
-    ({"experimental_per_replica_buffer_size": True}, TypeError, "experimental_per_replica_buffer_size"),
-    ({"experimental_per_replica_buffer_size": 0}, ValueError, "got 0"),
-    ({"experimental_per_replica_buffer_size": -3}, ValueError, "-3"),
-])
-def test_input_options_are_validated_at_construction(kwargs, error, name):
-  with pytest.raises(error, match=name):
-    tpustrat.InputOptions(**kwargs)
-
-
-def test_input_options_accept_valid_values():
-  o = tpustrat.InputOptions(experimental_fetch_to_device=False, experimental_per_replica_buffer_size=4,
-                            drop_remainder=True)
-  assert (o.experimental_fetch_to_device, o.experimental_per_replica_buffer_size, o.drop_remainder) == (
-      False, 4, True)
-
-
-def test_bytes_states_share_one_base64_encoding():
-  from tpustrat._src import checkpoint
-  from tpustrat._src import input as input_lib
-
-  raw = bytes(range(256))
-  text = input_lib.bytes_to_text(raw)
-  assert input_lib.text_to_bytes(text) == raw
-
-  class BytesIterator:
-    state = raw
-
-    def get_state(self):
-      return self.state
-
-    def set_state(self, s):
-      self.state = s
-
-  saved = checkpoint._iterator_state(BytesIterator())
-  assert saved == {"bytes_base64": text}  # the on-disk format is unchanged
-  target = BytesIterator()
-  target.state = None
-  checkpoint._set_iterator_state(target, saved)
-  assert target.state == raw

@@ -1,14 +1,8 @@
-"""Cross-device reductions: TF's `CrossDeviceOps` family as XLA collectives in one compiled program.
+"""The `CrossDeviceOps` family (TF's `tf.distribute.CrossDeviceOps`): how replicas' values are combined.
 
-TF's `MirroredStrategy` holds one tensor per device and lets the user pick how they are combined: copy
-everything to one device and add there (`ReductionToOneDevice`), NCCL all-reduce (`NcclAllReduce`), or a
-two-level copy tree built for DGX-1 machines (`HierarchicalCopyAllReduce`). Before an all-reduce, many
-small gradients are *packed* into a few large buffers, because one large collective costs far less than
-many small ones.
-
-In tpustrat a distributed value is one global `jax.Array` (`PerReplica`: a leading replica axis sharded
-over the mesh; `Mirrored`: replicated), and every reduction is one `jax.jit(jax.shard_map(...))` program
-over the value's mesh. The implementations differ in the collectives that program contains:
+Pass one to `tpustrat.MirroredStrategy(cross_device_ops=...)`, or call its `reduce`, `batch_reduce` and
+`broadcast` in the cross-replica context. Every reduction is one compiled `jax.jit(jax.shard_map(...))`
+program over the value's mesh; the implementations differ in the collectives it contains:
 
 =================================  ======================================================================
 implementation                     what each pack (one flat buffer of one dtype) becomes, n replicas
@@ -26,357 +20,72 @@ implementation                     what each pack (one flat buffer of one dtype)
 =================================  ======================================================================
 
 Packing (`AllReduceCrossDeviceOps`, in this order of precedence): a per-call
-`CommunicationOptions.bytes_per_pack` > 0 groups tensors, in order, into packs of about that many bytes
-(TF's ``group_by_size``); else ``num_packs`` > 0 concatenates all tensors of a dtype into one flat buffer
-cut into ``num_packs`` slices (TF's ``_ConcatAndSplitPacker``); else, with ``agg_small_grads_max_bytes`` >
-0 and ``agg_small_grads_max_group`` > 0, runs of consecutive small tensors are concatenated into groups of
-at most ``agg_small_grads_max_group`` (TF's ``pack_small_tensors``); else every tensor is its own
-collective. Packs never mix dtypes (TF's packers need one dtype; tpustrat packs each dtype separately), and
-every tensor comes back with its shape and dtype.
+`CommunicationOptions.bytes_per_pack` > 0 groups tensors, in order, into packs of about that many bytes;
+else ``num_packs`` > 0 concatenates all tensors of a dtype into one flat buffer cut into ``num_packs``
+slices; else, with ``agg_small_grads_max_bytes`` > 0 and ``agg_small_grads_max_group`` > 0, runs of
+consecutive small tensors are concatenated into groups of at most ``agg_small_grads_max_group``; else
+every tensor is its own collective. Packs never mix dtypes, and every tensor comes back with its shape
+and dtype. The algorithms and the packing live in `tpustrat._src.all_reduce`; measurements of what
+packing costs and saves are in ``docs/benchmarks_cross_device.md``.
 
-Packing costs two copies of every packed gradient (concatenate, then split), and XLA already merges
-independent all-reduces into tuple all-reduces (its all-reduce combiner pass), so whether packing pays off
-depends on sizes: on a ResNet-50-like list (`benchmarks/bench_cross_device_ops.py`) concatenating
-everything was 0.56x the per-tensor time for 2.4 MiB of gradients but 1.2x-2x for 26-102 MiB, while
-aggregating only tensors of up to 32 KiB was never slower and is the default (`default_cross_device_ops`).
-The algorithms and the packing live in `tpustrat._src.all_reduce`.
+Inside `strategy.run`, `all_reduce_in_replica_context` (what `ReplicaContext.all_reduce` calls on a
+strategy configured with cross-device ops) runs the same algorithm in the step's program; its result is
+identical on every replica (`run` returns it as `Mirrored`). The permute-based algorithms are typed
+replicated through a `jax.custom_vjp` (the backward pass is the all-reduce's adjoint), so `jax.jvp`
+cannot go through them; `NcclAllReduce` has no such limit. There, `ReductionToOneDevice`'s reduce device
+must be one of the strategy's devices.
 
-The same code runs inside `strategy.run`: `CrossDeviceOps.all_reduce_in_replica_context` is what
-`ReplicaContext.all_reduce` calls on a strategy configured with cross-device ops. JAX must know the result
-is identical on every replica (so that `run` returns it as `Mirrored`): `lax.psum` says so itself; the
-permute-based algorithms run in a nested ``shard_map(..., axis_names=frozenset(), check_vma=False)``
-region whose result is typed replicated (true by construction: every device ends with bit-identical copies
-of one sum), wrapped in a `jax.custom_vjp` whose backward pass is the all-reduce's adjoint (each replica
-gets the cotangent), as for `lax.psum`. JAX refuses forward-mode autodiff (`jax.jvp`) through such a
-`custom_vjp`; `NcclAllReduce` has no such limit. Inside `run`, `ReductionToOneDevice`'s reduce device
-must be one of the strategy's devices (`ValueError` otherwise): TF copies to any device, but one compiled
-program over the mesh cannot; the cross-replica methods still can, and do. A SUM inside `run` of a traced
-value that is already the same on every replica (typically gradients w.r.t. `Mirrored` parameters, which
-`jax.grad` has already summed over replicas) warns at trace time (`AlreadyReplicatedWarning`, see
-`tpustrat._src.collectives`).
-
-Reductions in the cross-replica context are dispatched asynchronously, at most two in flight (as for
-`strategy.run`, unbounded queues of collective programs can time out XLA:CPU's rendezvous): the next one
-waits for the one two before it, on that program's smallest output of at most 64 KiB (the choice
-`strategy.run` makes), or on a one-byte token output added when every result is larger. Waiting on a
-large result would keep its buffer alive longer than the caller does.
+Reductions in the cross-replica context are dispatched asynchronously through `engine.dispatch`, at most
+`engine.DEFAULT_STEPS_IN_FLIGHT` in flight, each waited for on its smallest output of at most 64 KiB (or
+on a one-byte token output when every result is larger).
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import enum
-import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tpustrat._src import all_reduce, collectives
+from tpustrat._src import all_reduce, collectives, engine
 from tpustrat._src import context as context_lib
-from tpustrat._src.engine import _wait_leaf
+from tpustrat._src.cross_device.devices import device_from_string
+from tpustrat._src.cross_device.layout import (
+  Destination,
+  Layout,
+  components,
+  deliver,
+  layout_of,
+  resolve_destinations,
+  shard_on,
+  to_distributed,
+)
+from tpustrat._src.cross_device.options import (
+  CommunicationImplementation,
+  CommunicationOptions,
+  check_options,
+)
+from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.reduce_op import ReduceOp
-from tpustrat._src.values import DistributedValues, Mirrored, PerReplica, is_distributed
+from tpustrat._src.validation import check_int
+from tpustrat._src.values import DistributedValues, Mirrored, PerReplica
 
 __all__ = [
     "AllReduceCrossDeviceOps",
-    "CommunicationImplementation",
-    "CommunicationOptions",
     "CrossDeviceOps",
+    "DEFAULT_AGG_SMALL_GRADS_MAX_BYTES",
+    "DEFAULT_AGG_SMALL_GRADS_MAX_GROUP",
     "HierarchicalCopyAllReduce",
     "NcclAllReduce",
     "ReductionToOneDevice",
+    "check_cross_replica",
     "default_cross_device_ops",
 ]
-
-_REPLICA = "replica"
-# Reductions dispatched but not finished. Unbounded queues of collective programs can abort XLA:CPU
-# (a rendezvous timeout), as for `strategy.run`; the next reduction waits for the one 2 before it, on
-# its smallest output as `run` does (`_wait_on`).
-_STEPS_IN_FLIGHT = 2
-_IN_FLIGHT: collections.deque[jax.Array] = collections.deque()
-
-
-# -- options ------------------------------------------------------------------------------------------
-
-
-class CommunicationImplementation(enum.Enum):
-  """Which all-reduce a `CommunicationOptions` asks for (TF's `tf.distribute.experimental.CommunicationImplementation`).
-
-  * `AUTO`: the algorithm of the cross-device ops in use.
-  * `NCCL`: one XLA all-reduce (`lax.psum`) per pack, whatever the cross-device ops' algorithm.
-  * `RING`: an explicit ring of collective-permutes per pack (reduce-scatter then all-gather).
-
-  `ReductionToOneDevice` is not an all-reduce and ignores this setting.
-
-  >>> CommunicationImplementation("ring")
-  <CommunicationImplementation.RING: 'RING'>
-  """
-
-  AUTO = "AUTO"
-  RING = "RING"
-  NCCL = "NCCL"
-
-  @classmethod
-  def _missing_(cls, value: object) -> CommunicationImplementation | None:
-    if isinstance(value, str) and value.upper() in cls.__members__:
-      return cls[value.upper()]
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class CommunicationOptions:
-  """Options for cross-device communication (TF's `tf.distribute.experimental.CommunicationOptions`).
-
-  Args:
-    bytes_per_pack: if > 0, a batch of tensors is split, in order, into packs of at least this many bytes
-      (the last one may be smaller), each reduced by one collective; tensors of different dtypes never
-      share a pack. 0 leaves packing to the cross-device ops (`num_packs`, small-tensor aggregation).
-    timeout_seconds: accepted for TF compatibility. XLA collectives have no per-operation timeout
-      (XLA:CPU aborts a rendezvous that waits for more than 40 s on its own); must be None or > 0.
-    implementation: a `CommunicationImplementation` (or its name): which all-reduce to use.
-
-  >>> CommunicationOptions(bytes_per_pack=4 << 20, implementation="nccl").implementation
-  <CommunicationImplementation.NCCL: 'NCCL'>
-  """
-
-  bytes_per_pack: int = 0
-  timeout_seconds: float | None = None
-  implementation: CommunicationImplementation | str = CommunicationImplementation.AUTO
-
-  def __post_init__(self) -> None:
-    b = self.bytes_per_pack
-    if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 0:
-      raise ValueError(f"bytes_per_pack must be a non-negative integer, got {b!r}.")
-    t = self.timeout_seconds
-    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
-      raise ValueError(f"timeout_seconds must be None or a positive number, got {t!r}.")
-    try:
-      impl = CommunicationImplementation(self.implementation)
-    except ValueError:
-      raise ValueError(
-          f"implementation must be a tpustrat.CommunicationImplementation (AUTO, RING or NCCL) or its "
-          f"name, got {self.implementation!r}.") from None
-    object.__setattr__(self, "bytes_per_pack", int(b))
-    object.__setattr__(self, "implementation", impl)
-
-  def merge(self, options: CommunicationOptions | None) -> CommunicationOptions:
-    """Returns these options updated with the non-default fields of `options` (as TF's `merge`)."""
-    options = _check_options(options)
-    default = CommunicationOptions()
-    changes = {f.name: getattr(options, f.name) for f in dataclasses.fields(self)
-               if getattr(options, f.name) != getattr(default, f.name)}
-    return dataclasses.replace(self, **changes)
-
-
-def _check_options(options: Any) -> CommunicationOptions:
-  if options is None:
-    return CommunicationOptions()
-  if not isinstance(options, CommunicationOptions):
-    raise TypeError(f"`options` must be a tpustrat.CommunicationOptions or None, got {options!r:.200}.")
-  return options
-
-
-# -- destinations -------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Destination:
-  """Where a result goes: `sharding` (its exact layout) over `devices`; `single`: a plain one-device array."""
-
-  devices: tuple[Any, ...]
-  sharding: jax.sharding.Sharding
-  single: bool
-
-
-@functools.lru_cache(maxsize=64)
-def _mesh_for(devices: tuple[Any, ...]) -> Mesh:
-  return Mesh(np.asarray(devices, dtype=object), (_REPLICA,))
-
-
-def _device_from_string(spec: str, what: str = "destinations") -> Any:
-  """The `jax.Device` a TF device string names: "/job:x/replica:0/task:0/device:GPU:1", "/cpu:0", "CPU:3".
-
-  `what` names the argument in error messages.
-  """
-  task, kind, index = None, None, None
-  for part in filter(None, spec.strip().split("/")):
-    key, _, rest = part.partition(":")
-    key = key.lower()
-    if key in ("job", "replica") and rest:
-      continue
-    if key == "task" and rest.isdigit():
-      task = int(rest)
-      continue
-    if key == "device":
-      key, _, rest = rest.partition(":")
-      key = key.lower()
-    if key in ("cpu", "gpu", "tpu") and rest.isdigit() and kind is None:
-      kind, index = key, int(rest)
-      continue
-    kind = None
-    break
-  if kind is None:
-    raise ValueError(
-        f"{what}: cannot parse the device string {spec!r}; expected a TF device name such as "
-        "'/device:GPU:0', '/cpu:0' or '/job:worker/task:0/device:CPU:1'.")
-  try:
-    devices = jax.devices(kind)
-  except RuntimeError:
-    devices = []
-  task = jax.process_index() if task is None else task
-  local = sorted((d for d in devices if d.process_index == task), key=lambda d: d.id)
-  if index >= len(local):
-    raise ValueError(
-        f"{what}: the device string {spec!r} names {kind.upper()}:{index} of process {task}, "
-        f"which has {len(local)} {kind.upper()} device(s).")
-  return local[index]
-
-
-def _resolve_destinations(destinations: Any) -> _Destination:
-  """Validates `destinations` (TF's `validate_destinations`) and says where results go."""
-  if isinstance(destinations, str):
-    if not destinations.strip():
-      raise ValueError("destinations can not be empty")
-    device = _device_from_string(destinations)
-    return _Destination((device,), jax.sharding.SingleDeviceSharding(device), True)
-  if isinstance(destinations, jax.Device):
-    return _Destination((destinations,), jax.sharding.SingleDeviceSharding(destinations), True)
-  if isinstance(destinations, DistributedValues):
-    layout = _layout(destinations, what="destinations")
-    return _Destination(tuple(layout.mesh.devices.flat), NamedSharding(layout.mesh, P()), False)
-  if isinstance(destinations, Mesh):
-    return _Destination(tuple(destinations.devices.flat), NamedSharding(destinations, P()), False)
-  if isinstance(destinations, jax.Array) and not isinstance(destinations, jax.core.Tracer):
-    sharding = destinations.sharding
-    if len(sharding.device_set) == 1:
-      (device,) = sharding.device_set
-      return _Destination((device,), jax.sharding.SingleDeviceSharding(device), True)
-    if isinstance(sharding, NamedSharding):
-      return _Destination(tuple(sharding.mesh.devices.flat), NamedSharding(sharding.mesh, P()), False)
-    devices = tuple(sorted(sharding.device_set, key=lambda d: d.id))
-    return _Destination(devices, NamedSharding(_mesh_for(devices), P()), False)
-  if isinstance(destinations, jax.sharding.Sharding):
-    if isinstance(destinations, jax.sharding.SingleDeviceSharding):
-      (device,) = destinations.device_set
-      return _Destination((device,), destinations, True)
-    devices = tuple(getattr(destinations, "_device_assignment", None)
-                    or sorted(destinations.device_set, key=lambda d: d.id))
-    return _Destination(devices, destinations, False)
-  raise ValueError(
-      "destinations must be one of a `DistributedValues` object, a `jax.Array` (its devices), a "
-      "`jax.Device` or device string, a `jax.sharding.Mesh` or a `jax.sharding.Sharding`; got "
-      f"{type(destinations).__name__}: {destinations!r:.100}.")
-
-
-# -- values -------------------------------------------------------------------------------------------
-
-
-class _Layout(NamedTuple):
-  """A distributed value as global arrays: stacked over `axis` of `mesh` (PerReplica) or replicated."""
-
-  mesh: Mesh
-  axis: str
-  kind: str  # "stacked" | "mirrored"
-  leaves: list[jax.Array]
-  treedef: Any
-
-  @property
-  def num_components(self) -> int:
-    return self.mesh.shape[self.axis]
-
-
-def _mesh_axis(x: Any, kind: str) -> tuple[Mesh, str] | None:
-  if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-    return None
-  sharding = x.sharding
-  if not isinstance(sharding, NamedSharding):
-    return None
-  mesh, spec = sharding.mesh, tuple(sharding.spec)
-  if kind == "stacked":
-    if (x.ndim >= 1 and spec and isinstance(spec[0], str) and all(s is None for s in spec[1:])
-        and mesh.shape[spec[0]] == x.shape[0]):
-      return mesh, spec[0]
-    return None
-  if sharding.is_fully_replicated:
-    return mesh, _REPLICA if _REPLICA in mesh.axis_names else mesh.axis_names[0]
-  return None
-
-
-def _default_mesh(n: int, what: str) -> tuple[Mesh, str]:
-  strategy = context_lib.get_strategy()
-  mesh = getattr(strategy, "mesh", None)
-  if mesh is not None and strategy.num_replicas_in_sync == n:
-    return mesh, mesh.axis_names[0]
-  local = jax.local_devices()
-  if n <= len(local):
-    return _mesh_for(tuple(local[:n])), _REPLICA
-  raise ValueError(f"{what}: a value with {n} components needs {n} devices, but this process has {len(local)}.")
-
-
-def _layout(value: DistributedValues, what: str = "per_replica_value") -> _Layout:
-  """The global arrays of a distributed value, placed on a mesh (a value built on the host is placed
-  on the current strategy's devices, else on the first local devices)."""
-  leaves, treedef = jax.tree.flatten(value._value)  # pylint: disable=protected-access
-  if not leaves:
-    raise ValueError(f"{what}: {value!r} holds no arrays.")
-  if isinstance(value, PerReplica) and value.padding_is_marked:
-    raise ValueError(
-        f"{what}: a padded PerReplica batch (from the input pipeline) cannot go through CrossDeviceOps, "
-        "whose reductions are over replicas: use strategy.reduce, which leaves padding rows out.")
-  kind = "stacked" if isinstance(value, PerReplica) else "mirrored"
-  leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]
-  found = {_mesh_axis(x, kind) for x in leaves}
-  if len(found) == 1 and None not in found:
-    mesh, axis = found.pop()
-    return _Layout(mesh, axis, kind, leaves, treedef)
-  if kind == "stacked":
-    counts = {x.shape[0] if x.ndim else None for x in leaves}
-    if len(counts) != 1 or None in counts:
-      raise ValueError(f"{what}: the leaves of {value!r} disagree on the number of components.")
-    mesh, axis = _default_mesh(counts.pop(), what)
-    target = NamedSharding(mesh, P(axis))
-  else:
-    devices = {d for x in leaves if isinstance(x, jax.Array) for d in x.devices()}
-    if len(devices) == 1 and all(getattr(x, "committed", False) for x in leaves):
-      mesh, axis = _mesh_for(tuple(devices)), _REPLICA
-    else:
-      strategy = context_lib.get_strategy()
-      if getattr(strategy, "mesh", None) is None:
-        raise ValueError(
-            f"{what}: {value!r} is not placed on devices and no strategy is current; build Mirrored values "
-            "with strategy.run, or reduce inside `with strategy.scope():`.")
-      mesh = strategy.mesh
-      axis = mesh.axis_names[0]
-    target = NamedSharding(mesh, P())
-  return _Layout(mesh, axis, kind, [jax.device_put(x, target) for x in leaves], treedef)
-
-
-def _to_distributed(value: Any, what: str = "per_replica_value") -> DistributedValues:
-  """TF's `_make_tensor_into_per_replica`: a `DistributedValues`, or a tensor with a device."""
-  if isinstance(value, DistributedValues):
-    return value
-  if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
-    devices = value.sharding.device_set
-    if len(devices) == 1:  # one component, reduced on its own device
-      one = NamedSharding(_mesh_for(tuple(devices)), P(_REPLICA))
-      return PerReplica._wrap(jax.device_put(jnp.expand_dims(value, 0), one))  # pylint: disable=protected-access
-    if value.sharding.is_fully_replicated:
-      return Mirrored._wrap(value)  # pylint: disable=protected-access
-    raise ValueError(
-        f"Cannot convert {what} to a DistributedValues: a jax.Array sharded over {len(devices)} devices "
-        "is neither one tensor on one device nor replicated. Wrap stacked components in "
-        "tpustrat.PerReplica, or pass the value returned by strategy.run.")
-  raise ValueError(
-      f"Cannot convert {what} to a DistributedValues because it doesn't have a device set: got "
-      f"{type(value).__name__} {value!r:.100}. Pass a PerReplica or Mirrored value (as returned by "
-      "strategy.run) or a jax.Array placed on a device.")
 
 
 def _normalize_pairs(value_destination_pairs: Any) -> list[tuple[DistributedValues, Any]]:
@@ -395,73 +104,48 @@ def _normalize_pairs(value_destination_pairs: Any) -> list[tuple[DistributedValu
       raise ValueError(
           f"Each element of `value_destination_pairs` should be a tuple of size 2; element {i} has "
           f"{len(pair)} items.")
-    pairs.append((_to_distributed(pair[0], f"the value of pair {i}"), pair[1]))
+    pairs.append((to_distributed(pair[0], f"the value of pair {i}"), pair[1]))
   return pairs
 
 
-def _check_cross_replica(method: str) -> None:
-  if context_lib._in_replica_context_of_a_run():  # pylint: disable=protected-access
+def check_cross_replica(method: str) -> None:
+  """Raises if called inside `strategy.run`: `method` belongs to the cross-replica context."""
+  if context_lib.in_replica_context_of_a_run():
     raise RuntimeError(
         f"{method} can only be called in the cross-replica context (outside strategy.run). Inside the "
         "function given to run, use tpustrat.get_replica_context().all_reduce(...).")
 
 
-def _deliver(tree: Any, dest: _Destination) -> Any:
-  """Puts a reduced pytree of arrays where `dest` says and wraps it: `Mirrored` if replicated."""
-
-  def place(x: jax.Array) -> jax.Array:
-    if isinstance(x, jax.core.Tracer):
-      return x
-    if dest.single:
-      device = dest.devices[0]
-      for shard in x.addressable_shards:  # the copy already on that device, if there is one
-        if shard.device == device and shard.data.shape == x.shape:
-          return shard.data
-      return jax.device_put(x, device)
-    if x.sharding.is_equivalent_to(dest.sharding, x.ndim):
-      return x
-    return jax.device_put(x, dest.sharding)
-
-  out = jax.tree.map(place, tree)
-  if dest.single or not dest.sharding.is_fully_replicated:
-    return out
-  return Mirrored._wrap(out)  # pylint: disable=protected-access
-
-
 def _with_wait_token(program: Callable[[list[jax.Array]], list[jax.Array]]) -> Callable[..., Any]:
   """`program` returning ``(outputs, token)``: `token` is ``()``, or a one-byte array when no output is
-  small enough to wait on (`engine._wait_leaf`: at most 64 KiB), as `strategy.run` adds one."""
+  small enough to wait on (`engine.wait_leaf`: at most 64 KiB), as `strategy.run` adds one."""
 
   def with_token(xs: list[jax.Array]) -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
     out = list(program(xs))
-    return out, (() if _wait_leaf(out, xs) is not None else (jnp.zeros((), jnp.int8),))
+    return out, (() if engine.wait_leaf(out, xs) is not None else (jnp.zeros((), jnp.int8),))
 
   return with_token
 
 
 def _wait_on(out: list[jax.Array], token: tuple[jax.Array, ...], inputs: list[jax.Array]) -> jax.Array | None:
-  """What the next reductions wait for: the smallest output (the choice `engine._wait_leaf` makes for
+  """What the next reductions wait for: the smallest output (the choice `engine.wait_leaf` makes for
   `run`, from shapes and dtypes only, so it matches the trace-time choice of `_with_wait_token`), else
   the token. Waiting on a large output would keep its buffer alive two reductions longer."""
   if token:
     return token[0]
-  i = _wait_leaf(out, inputs)
+  i = engine.wait_leaf(out, inputs)
   return None if i is None else out[i]
 
 
 def _dispatch(program: Callable[..., Any], flat: list[jax.Array]) -> list[jax.Array]:
-  """Runs a reduction program built with `_with_wait_token`, at most `_STEPS_IN_FLIGHT` in flight."""
-  while len(_IN_FLIGHT) >= _STEPS_IN_FLIGHT:
-    try:
-      oldest = _IN_FLIGHT.popleft()
-    except IndexError:  # another thread took it
-      break
-    oldest.block_until_ready()
-  out, token = program(flat)
-  wait = _wait_on(out, token, flat)
-  if wait is not None and not isinstance(wait, jax.core.Tracer):
-    _IN_FLIGHT.append(wait)
-  return out
+  """Runs a reduction program built with `_with_wait_token` through `engine.dispatch`: at most
+  `engine.DEFAULT_STEPS_IN_FLIGHT` reductions in flight in the process, each waited for on `_wait_on`."""
+
+  def run(xs: list[jax.Array]) -> tuple[list[jax.Array], jax.Array | None]:
+    out, token = program(xs)
+    return out, _wait_on(out, token, xs)
+
+  return engine.dispatch(run, flat)
 
 
 # -- the classes --------------------------------------------------------------------------------------
@@ -515,11 +199,11 @@ class CrossDeviceOps:
       ValueError: if `per_replica_value` can't be converted to a `DistributedValues`, or if
         `destinations` is not one of the accepted kinds.
     """
-    _check_cross_replica("CrossDeviceOps.reduce")
+    check_cross_replica("CrossDeviceOps.reduce")
     op = ReduceOp.from_value(reduce_op)
-    options = _check_options(options)
-    value = _to_distributed(per_replica_value)
-    _resolve_destinations(destinations)
+    options = check_options(options)
+    value = to_distributed(per_replica_value)
+    resolve_destinations(destinations)
     return self.reduce_implementation(op, value, destinations, options)
 
   def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]],
@@ -539,12 +223,12 @@ class CrossDeviceOps:
       ValueError: if `value_destination_pairs` is not a list or tuple of (value, destinations) pairs
         whose values are `DistributedValues` (or tensors on a device).
     """
-    _check_cross_replica("CrossDeviceOps.batch_reduce")
+    check_cross_replica("CrossDeviceOps.batch_reduce")
     op = ReduceOp.from_value(reduce_op)
-    options = _check_options(options)
+    options = check_options(options)
     pairs = _normalize_pairs(value_destination_pairs)
     for _, d in pairs:
-      _resolve_destinations(d)
+      resolve_destinations(d)
     return self.batch_reduce_implementation(op, pairs, options)
 
   def broadcast(self, tensor: Any, destinations: Any) -> Any:
@@ -555,8 +239,8 @@ class CrossDeviceOps:
     >>> ones, len(ones.values)
     (Mirrored(float32[]), 8)
     """
-    _check_cross_replica("CrossDeviceOps.broadcast")
-    _resolve_destinations(destinations)
+    check_cross_replica("CrossDeviceOps.broadcast")
+    resolve_destinations(destinations)
     return self.broadcast_implementation(tensor, destinations)
 
   # -- hooks for subclasses -----------------------------------------------------------------------------
@@ -577,15 +261,15 @@ class CrossDeviceOps:
     if isinstance(tensor, PerReplica):
       raise ValueError("broadcast expects one tensor (or a Mirrored value), got a PerReplica value.")
     if isinstance(tensor, Mirrored):
-      tensor = tensor._value  # pylint: disable=protected-access
-    dest = _resolve_destinations(destinations)
+      tensor = tensor.tree
+    dest = resolve_destinations(destinations)
     target = dest.devices[0] if dest.single else dest.sharding
     placed = jax.tree.map(lambda x: jax.device_put(x if isinstance(x, jax.Array) else jnp.asarray(x), target), tensor)
-    return _deliver(placed, dest)
+    return deliver(placed, dest)
 
   def all_reduce_in_replica_context(self, reduce_op: ReduceOp | str, value: Any,
                                     options: CommunicationOptions | None = None, *,
-                                    axis_name: str = _REPLICA) -> Any:
+                                    axis_name: str = REPLICA_AXIS) -> Any:
     """All-reduces `value` (an array or pytree of arrays) inside `strategy.run` with this algorithm.
 
     This is what `ReplicaContext.all_reduce(reduce_op, value, options)` runs on a strategy configured with
@@ -603,7 +287,7 @@ class CrossDeviceOps:
     (Mirrored(int32[]), 28)
     """
     op = ReduceOp.from_value(reduce_op)
-    options = _check_options(options)
+    options = check_options(options)
     root = self._root_in_run(axis_name)  # validates the configuration before anything is traced
     leaves, treedef = jax.tree.flatten(value)
     n = lax.axis_size(axis_name)
@@ -647,7 +331,7 @@ class CrossDeviceOps:
       return self._reduce_packed(op, leaves, n, options, lambda ps: [lax.psum(p, axis) for p in ps])
     return self._reduce_packed(op, leaves, n, options, lambda ps: self._sum_packs(ps, axis, n, options, root))
 
-  def _route(self, layout: _Layout, dest: _Destination) -> tuple[Any, ...]:
+  def _route(self, layout: Layout, dest: Destination) -> tuple[Any, ...]:
     """How one (value, destinations) pair is reduced: ("all", root) in one program, or ("delegate", ops)."""
     if set(dest.devices) == set(layout.mesh.devices.flat):
       return ("all", 0)
@@ -657,10 +341,10 @@ class CrossDeviceOps:
   def _reduce_pairs(self, op: ReduceOp, pairs: Sequence[tuple[DistributedValues, Any]],
                     options: CommunicationOptions) -> list[Any]:
     """Reduces every pair; pairs that share a mesh and a route go through one compiled program."""
-    groups: dict[Any, list[tuple[int, _Layout, _Destination]]] = {}
+    groups: dict[Any, list[tuple[int, Layout, Destination]]] = {}
     delegated: dict[int, Any] = {}
     for i, (value, destinations) in enumerate(pairs):
-      layout, dest = _layout(value), _resolve_destinations(destinations)
+      layout, dest = layout_of(value), resolve_destinations(destinations)
       route = self._route(layout, dest)
       if route[0] == "delegate":
         delegated[i] = route[1]
@@ -668,7 +352,7 @@ class CrossDeviceOps:
       groups.setdefault((layout.mesh, layout.axis, route), []).append((i, layout, dest))
     results: list[Any] = [None] * len(pairs)
     for i, ops in delegated.items():
-      results[i] = ops._reduce_pairs(op, [pairs[i]], options)[0]  # pylint: disable=protected-access
+      results[i] = ops.batch_reduce_implementation(op, [pairs[i]], options)[0]
     for (mesh, axis, route), items in groups.items():
       flat = [x for _, layout, _ in items for x in layout.leaves]
       kinds = tuple(layout.kind for _, layout, _ in items for _ in layout.leaves)
@@ -676,7 +360,7 @@ class CrossDeviceOps:
       it = iter(out)
       for i, layout, dest in items:
         tree = jax.tree.unflatten(layout.treedef, [next(it) for _ in layout.leaves])
-        results[i] = _deliver(tree, dest)
+        results[i] = deliver(tree, dest)
     return results
 
   def _run_program(self, op: ReduceOp, mesh: Mesh, axis: str, kinds: tuple[str, ...], route: tuple[Any, ...],
@@ -719,9 +403,8 @@ class CrossDeviceOps:
 
 
 def _check_num_packs(num_packs: Any, who: str) -> int:
-  if not isinstance(num_packs, (int, np.integer)) or isinstance(num_packs, bool):
-    raise TypeError(f"{who}: num_packs must be an int, got {num_packs!r}.")
-  if num_packs < 0:
+  num_packs = check_int(num_packs, who, "num_packs")
+  if num_packs < 0:  # TF's message
     raise ValueError(f"{who} requires num_packs >= 0, but {num_packs} is specified")
   return int(num_packs)
 
@@ -774,7 +457,7 @@ class ReductionToOneDevice(CrossDeviceOps):
 
   def _device(self) -> Any:
     d = self.reduce_to_device
-    return _device_from_string(d, what=f"ReductionToOneDevice(reduce_to_device={d!r})") if isinstance(d, str) else d
+    return device_from_string(d, what=f"ReductionToOneDevice(reduce_to_device={d!r})") if isinstance(d, str) else d
 
   def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):  # noqa: D102
     return self._reduce_pairs(reduce_op, [(per_replica_value, destinations)], options)[0]
@@ -782,7 +465,7 @@ class ReductionToOneDevice(CrossDeviceOps):
   def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):  # noqa: D102
     return self._reduce_pairs(reduce_op, value_destination_pairs, options)
 
-  def _route(self, layout: _Layout, dest: _Destination) -> tuple[Any, ...]:
+  def _route(self, layout: Layout, dest: Destination) -> tuple[Any, ...]:
     device = self._device() or dest.devices[0]
     where = np.argwhere(layout.mesh.devices == device)
     if not len(where):
@@ -796,16 +479,16 @@ class ReductionToOneDevice(CrossDeviceOps):
     results: list[Any] = [None] * len(pairs)
     rest = []
     for i, (value, destinations) in enumerate(pairs):
-      layout, dest = _layout(value), _resolve_destinations(destinations)
+      layout, dest = layout_of(value), resolve_destinations(destinations)
       route = self._route(layout, dest)
       if route[0] == "host":
-        results[i] = _deliver(self._reduce_on_host(op, layout, route[1]), dest)
+        results[i] = deliver(self._reduce_on_host(op, layout, route[1]), dest)
       elif route[0] == "one":
         out = self._run_program(op, layout.mesh, layout.axis, (layout.kind,) * len(layout.leaves),
                                 ("one", route[1]), options, layout.leaves)
         device = route[2]
-        tree = jax.tree.unflatten(layout.treedef, [_shard_on(x, device) for x in out])
-        results[i] = _deliver(tree, dest)
+        tree = jax.tree.unflatten(layout.treedef, [shard_on(x, device) for x in out])
+        results[i] = deliver(tree, dest)
       else:
         rest.append(i)
     if rest:
@@ -814,12 +497,12 @@ class ReductionToOneDevice(CrossDeviceOps):
         results[i] = r
     return results
 
-  def _reduce_on_host(self, op: ReduceOp, layout: _Layout, device: Any) -> Any:
+  def _reduce_on_host(self, op: ReduceOp, layout: Layout, device: Any) -> Any:
     """The reduce device is outside the value's mesh: copy the components there and add them."""
     n = layout.num_components
     out = []
     for x in layout.leaves:
-      parts = _components(x, layout) if layout.kind == "stacked" else [x] * n
+      parts = components(x, layout) if layout.kind == "stacked" else [x] * n
       parts = [jax.device_put(p, device) for p in parts]
       total = all_reduce.accumulate_on_device(parts, self.accumulation_fn)
       out.append(all_reduce.divide_by(total, n) if op is ReduceOp.MEAN else total)
@@ -864,25 +547,6 @@ class ReductionToOneDevice(CrossDeviceOps):
           "replica's device). To sum on another device, reduce in the cross-replica context "
           "(strategy.extended.reduce_to), which copies the components to it.")
     return int(where[0][mesh.axis_names.index(axis_name)])
-
-
-def _components(x: jax.Array, layout: _Layout) -> list[jax.Array]:
-  """The replica components of a stacked leaf, one per replica index, each on a device that holds it."""
-  by_index: dict[int, jax.Array] = {}
-  for shard in x.addressable_shards:
-    start = shard.index[0].start or 0
-    by_index.setdefault(start, shard.data[0])
-  if len(by_index) != layout.num_components:
-    return [x[r] for r in range(layout.num_components)]
-  return [by_index[r] for r in range(layout.num_components)]
-
-
-def _shard_on(x: jax.Array, device: Any) -> jax.Array:
-  """Row ``r`` of a stacked result, taken from `device`'s shard (where it was computed)."""
-  for shard in x.addressable_shards:
-    if shard.device == device:
-      return shard.data[0]
-  raise AssertionError(f"no shard of the result on {device}")
 
 
 _ALGORITHMS = ("nccl", "hierarchical_copy")
@@ -930,8 +594,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
     num_packs = _check_num_packs(num_packs, type(self).__name__)
     for name, v in (("agg_small_grads_max_bytes", agg_small_grads_max_bytes),
                     ("agg_small_grads_max_group", agg_small_grads_max_group)):
-      if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-        raise TypeError(f"{name} must be an int, got {v!r}.")
+      check_int(v, type(self).__name__, name)
     if num_packs == 0 and agg_small_grads_max_bytes != 0 and not (
         agg_small_grads_max_bytes > 0 and agg_small_grads_max_group > 0):
       raise ValueError(
@@ -1043,102 +706,3 @@ def default_cross_device_ops() -> CrossDeviceOps:
   """
   return AllReduceCrossDeviceOps("nccl", num_packs=0, agg_small_grads_max_bytes=DEFAULT_AGG_SMALL_GRADS_MAX_BYTES,
                                  agg_small_grads_max_group=DEFAULT_AGG_SMALL_GRADS_MAX_GROUP)
-
-
-# -- strategy integration -----------------------------------------------------------------------------
-
-
-class CrossDeviceExtendedMixin:
-  """`reduce_to`, `batch_reduce_to` and `broadcast_to` of TF's `StrategyExtended`, through `CrossDeviceOps`.
-
-  Mixed into a `StrategyExtended` (which provides ``self._strategy``); uses ``self._cross_device_ops`` when
-  set, else `default_cross_device_ops()`.
-  """
-
-  _cross_device_ops: CrossDeviceOps | None = None
-
-  def _get_cross_device_ops(self) -> CrossDeviceOps:
-    ops = self._cross_device_ops
-    if ops is None:
-      ops = self._cross_device_ops_default = getattr(self, "_cross_device_ops_default", None) or default_cross_device_ops()
-    return ops
-
-  def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any,
-                options: CommunicationOptions | None = None) -> Any:
-    """Combines `value` across replicas and puts the result on `destinations` (cross-replica context).
-
-    `value` may be a `DistributedValues`, a pytree of them (reduced together, as one batch), or a
-    non-distributed value, for which TF's rules hold: ``0`` stays ``0``, `MEAN` gives the value on
-    `destinations`, and `SUM` over several replicas is an error. A `Mirrored` value (alone or in a
-    pytree) with `MEAN` is returned unchanged. Every non-distributed leaf is checked before anything
-    is reduced.
-
-    Args:
-      reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN` (or "sum", "mean").
-      value: what to reduce.
-      destinations: see `CrossDeviceOps`; pass `value` itself for an all-reduce.
-      options: a `CommunicationOptions`.
-    """
-    _check_cross_replica("StrategyExtended.reduce_to")
-    op = ReduceOp.from_value(reduce_op)
-    options = _check_options(options)
-    if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
-      return value
-    nodes, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
-    if not any(is_distributed(v) for v in nodes):
-      return self._reduce_non_distributed(op, value, destinations)
-    ops = self._get_cross_device_ops()
-    if is_distributed(value):
-      return ops.reduce(op, value, destinations, options)
-    out = [v if is_distributed(v) else self._reduce_non_distributed(op, v, destinations) for v in nodes]
-    todo = [i for i, v in enumerate(nodes)
-            if is_distributed(v) and not (isinstance(v, Mirrored) and op is ReduceOp.MEAN)]
-    if todo:
-      for i, r in zip(todo, ops.batch_reduce(op, [(nodes[i], destinations) for i in todo], options)):
-        out[i] = r
-    return jax.tree.unflatten(treedef, out)
-
-  def _reduce_non_distributed(self, op: ReduceOp, value: Any, destinations: Any) -> Any:
-    """TF's `reduce_non_distributed_value`."""
-    if not isinstance(value, (jax.Array, np.ndarray)) and not jax.tree.leaves(value):
-      return value
-    if isinstance(value, (int, float)) and value == 0:
-      return 0
-    n = self._strategy.num_replicas_in_sync
-    if op is ReduceOp.SUM and n != 1:
-      raise ValueError(
-          f"A non-DistributedValues value {value!r:.100} cannot be reduced with the given reduce op {op} "
-          f"across {n} replicas: it is not known how many replicas hold it. Pass a PerReplica or Mirrored "
-          "value, or use MEAN.")
-    return self._get_cross_device_ops().broadcast(value, destinations)
-
-  def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]],
-                      options: CommunicationOptions | None = None) -> list[Any]:
-    """Reduces several (value, destinations) pairs as one batch (one program, shared packs).
-
-    Raises:
-      ValueError: if `value_destination_pairs` is not a list or tuple of (value, destinations) pairs.
-    """
-    _check_cross_replica("StrategyExtended.batch_reduce_to")
-    return self._get_cross_device_ops().batch_reduce(reduce_op, value_destination_pairs, options)
-
-  def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
-    """Copies `tensor` to `destinations`; Python numbers are returned as they are (as in TF)."""
-    _check_cross_replica("StrategyExtended.broadcast_to")
-    if isinstance(tensor, (int, float)) and not isinstance(tensor, bool):
-      return tensor
-    return self._get_cross_device_ops().broadcast(tensor, destinations)
-
-  def _replica_all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any, axis_name: str) -> Any:
-    """`ReplicaContext.all_reduce` inside `run`: through the configured cross-device ops.
-
-    With none configured and no options, a plain `lax.psum` / `lax.pmean` per leaf. Either way a SUM of
-    traced leaves that are already the same on every replica warns (`AlreadyReplicatedWarning`).
-    """
-    op = ReduceOp.from_value(reduce_op)
-    if self._cross_device_ops is None and options is None:
-      collectives.warn_if_already_replicated("ReplicaContext.all_reduce", jax.tree.leaves(value), axis_name,
-                                             lax.axis_size(axis_name), "num_replicas_in_sync", op.name)
-      reducer = lax.psum if op is ReduceOp.SUM else lax.pmean
-      return jax.tree.map(lambda x: reducer(jnp.asarray(x), axis_name), value)
-    return self._get_cross_device_ops().all_reduce_in_replica_context(op, value, options, axis_name=axis_name)

@@ -1,0 +1,349 @@
+"""The iterator over a distributed dataset, and its position in the data.
+
+`DistributedIterator` hands out one batch per `next` (or ``k`` stacked batches per `take_steps(k)`, in
+the layout of `tpustrat._src.steps`), taking elements from its dataset's producer, in a `Prefetcher`
+thread by default. `get_state` / `set_state` save and restore the position after the batches handed
+out: a small JSON-serialisable dict (``{"format": "tpustrat.DistributedIterator/1", "batches": ...,
+"elements": ..., "source": ..., "source_encoding": ...}``) that `tpustrat.checkpoint` stores.
+
+`ProduceState` is what the producer keeps between elements; it is shared by the iterator and the
+producer, which holds no reference to the iterator (so dropping the iterator stops its thread).
+"""
+
+from __future__ import annotations
+
+import collections
+import collections.abc
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from tpustrat._src import steps as steps_lib
+from tpustrat._src.input.encoding import bytes_to_text, text_to_bytes
+from tpustrat._src.input.prefetch import ERROR, ITEM, Prefetcher
+from tpustrat._src.validation import check_int
+
+__all__ = ["DistributedIterator", "Feed", "Live", "ProduceState"]
+
+
+class Feed(NamedTuple):
+  """What a `DistributedIterator` needs of its dataset, which makes it (`DistributedDataset.__iter__`)."""
+
+  produce: Callable[[Iterator[Any], ProduceState], tuple[Any, int | None]]  # the next chunk (prefetch thread)
+  spec_known: Callable[[], bool]  # whether the dataset's element_spec is known without reading a batch
+  one_shot: bool  # the source is a one-shot iterator (a generator): one open iterator at a time
+  opened: Callable[[Live], None]  # a one-shot source's new iterator is the open one
+  # For set_state: the source positioned after `elements` raw elements (`source`: its saved state, or
+  # None); on a one-shot source the iterator becomes the open one (RuntimeError if another is open).
+  reopen: Callable[[Live, int, Any], Iterator[Any]]
+
+
+class Live(NamedTuple):
+  """What a one-shot dataset keeps of its open iterator."""
+
+  iterator: DistributedIterator
+  closed: Callable[[], bool]  # whether close() was called
+  stop_prefetch: Callable[[str], None]  # stops the prefetch thread and waits for it (see `close`)
+
+
+class DistributedIterator:
+  """An iterator over a `DistributedDataset` (TF's distributed iterator).
+
+  `next(it)` returns the next batch (a pytree of `PerReplica` values) and raises `StopIteration` at the
+  end, every time it is called after that. `take_steps(k)` returns the next ``k`` batches at once,
+  stacked for a multi-step program. With `InputOptions.experimental_fetch_to_device` (the default)
+  batches are put on the devices by a background thread (started by the first request), at most
+  `experimental_per_replica_buffer_size` elements ahead (with `take_steps(k)`, an element is a group of
+  ``k`` batches). `close()` stops that thread early (it also stops when the iterator is
+  garbage-collected).
+
+  `get_state()` / `set_state(state)` save and restore the position in the data (as grain's iterators
+  do; `tpustrat.checkpoint.CheckpointManager` stores it with the model): the position after the last
+  batch *handed out*, whatever the prefetch thread has read ahead.
+  """
+
+  def __init__(self, dataset: Any, it: Iterator[Any], feed: Feed) -> None:
+    self._dataset = dataset
+    self._feed = feed
+    self._done = False
+    self._closed = False  # close() was called (a one-shot dataset may then open a new iterator)
+    self._error: BaseException | None = None  # raised by the next call (met while filling a group)
+    # Elements handed back or read ahead: (batch, None) for one step, (stacked, n) for n stacked steps.
+    self._chunks: collections.deque[tuple[Any, int | None]] = collections.deque()
+    self._state = ProduceState(it)  # shared with the producer: it holds no reference to the iterator
+    self._handed = 0  # batches handed out so far
+    self._position: tuple[int, Any] = (0, None)  # the source after the batches handed out (see _advance)
+    self._produce = functools.partial(feed.produce, it, self._state)
+    # The prefetch thread starts with the first request, once it is known whether the consumer takes one
+    # batch or groups of k at a time (so that groups are stacked on the host from the start).
+    self._prefetcher: Prefetcher | None = None
+    if feed.one_shot:
+      feed.opened(self._live())
+
+  def _live(self) -> Live:
+    return Live(self, lambda: self._closed, self._stop_prefetch)
+
+  def __iter__(self) -> DistributedIterator:
+    return self
+
+  def _next_chunk(self) -> tuple[Any, int | None]:
+    if self._chunks:
+      return self._chunks.popleft()
+    if self._error is not None:
+      error, self._error = self._error, None
+      raise error
+    if self._done:
+      raise StopIteration
+    options = self._dataset.options
+    if not options.experimental_fetch_to_device:
+      try:
+        return self._produce()
+      except BaseException:
+        self._done = True
+        raise
+    if self._prefetcher is None:
+      self._prefetcher = Prefetcher(self._produce, options.experimental_per_replica_buffer_size)
+    kind, value = self._prefetcher.get()
+    if kind == ITEM:
+      return value
+    self._done = True
+    self._prefetcher.close()
+    if kind == ERROR:
+      raise value
+    raise StopIteration
+
+  def __next__(self) -> Any:
+    self._state.grid = (1, 0)
+    batch, n = self._next_chunk()
+    if n is not None:  # after take_steps: a group read ahead
+      batch, *rest = steps_lib.unstack_steps(batch)
+      self._chunks.extendleft((b, None) for b in reversed(rest))
+    self._advance(1)
+    return batch
+
+  def _advance(self, n: int) -> None:
+    """Counts `n` more batches handed out; the source position moves past them."""
+    self._handed += n
+    for _ in range(n):  # the producer recorded one position per batch, before handing it over
+      self._position = self._state.positions.popleft()
+
+  def get_next(self) -> Any:
+    """Returns the next element, like `next(iterator)` (TF's `get_next`)."""
+    return next(self)
+
+  def take_steps(self, k: int) -> Any:
+    """The next `k` batches, stacked on a new leading steps axis, for a multi-step program.
+
+    The result has the structure of one batch; every `PerReplica` array is ``[steps, num_replicas, ...]``,
+    split over the replicas on its second axis, and padded batches keep their real-row counts per step
+    (``[steps, num_replicas]``), so partial batches are counted exactly inside the program. A `lax.scan`
+    over it gives the body one ordinary batch per step; `strategy.experimental_run_steps` calls this.
+    With prefetching, the background thread stacks the next `k` batches on the host and transfers them
+    at once, while earlier steps run.
+
+    Near the end of the data the group holds fewer than `k` batches (a new shape: one more compilation
+    of a scanned program). A batch with other shapes than the group's (a larger later batch; under the
+    default strategy, the unpadded partial batch) ends the group early and starts the next one.
+
+    >>> strategy = tpustrat.TPUStrategy()
+    >>> batches = [np.ones(16, np.float32)] * 4 + [np.ones(4, np.float32)]
+    >>> it = iter(strategy.experimental_distribute_dataset(batches))
+    >>> it.take_steps(3)
+    PerReplica(steps=3, num_replicas=8, component=float32[2], padded)
+    >>> last = it.take_steps(3)   # the two batches left, the second one partial
+    >>> [float(strategy.reduce("SUM", b, axis=0)) for b in tpustrat.unstack_steps(last)]
+    [16.0, 4.0]
+
+    Args:
+      k: the number of batches (steps), an int >= 1.
+
+    Returns:
+      The stacked batches.
+
+    Raises:
+      StopIteration: if no batch is left.
+      TypeError: if `k` is not an int.
+      ValueError: if `k` < 1.
+    """
+    k = check_int(k, "take_steps", "k", minimum=1)
+    self._state.grid = (k, self._handed)  # the producer stacks the next batches k at a time
+    parts: list[tuple[Any, int | None]] = []
+    have = 0
+    while have < k:
+      try:
+        chunk = self._next_chunk()
+      except StopIteration:
+        break
+      except Exception as e:  # pylint: disable=broad-except
+        if not parts:
+          raise
+        self._error = e  # hand out the steps read so far; raise on the next call
+        break
+      steps = 1 if chunk[1] is None else chunk[1]
+      if parts and not _same_step(parts[0], chunk):
+        self._chunks.appendleft(chunk)
+        break
+      if have + steps > k:  # read ahead with another group size: keep the rest for later
+        first, rest = steps_lib.cut_chunk(chunk[0], k - have)
+        self._chunks.appendleft((rest, steps - (k - have)))
+        chunk, steps = (first, k - have), k - have
+      parts.append(chunk)
+      have += steps
+    if not parts:
+      raise StopIteration
+    self._advance(have)
+    if len(parts) == 1 and parts[0][1] is not None:
+      return parts[0][0]
+    return steps_lib.concat_chunks(parts, "take_steps")
+
+  @property
+  def element_spec(self) -> Any:
+    """The type of the elements (see `DistributedDataset.element_spec`)."""
+    if not self._feed.spec_known() and not self._done:
+      try:
+        position = self._position
+        self._chunks.appendleft((next(self), None))
+        self._state.positions.appendleft(self._position)  # not handed out after all
+        self._position = position
+        self._handed -= 1
+      except StopIteration:
+        pass
+    return self._dataset.element_spec
+
+  def get_state(self) -> dict[str, Any]:
+    """The position in the data: what `set_state` needs to continue after the batches handed out.
+
+    Batches read ahead by the prefetch thread (or by `take_steps`) but not yet returned do not count:
+    after `set_state`, the next batch is the one `next` would have returned. The state is a small
+    JSON-serialisable dict: the number of batches handed out, of elements read from the dataset, and
+    the dataset iterator's own state when it has one (grain's iterators: ``{"next_index": ...}``).
+
+    >>> strategy = tpustrat.TPUStrategy()
+    >>> dist = strategy.experimental_distribute_dataset([np.full(8, i, np.float32) for i in range(5)])
+    >>> it = iter(dist)
+    >>> _ = next(it), next(it)
+    >>> state = it.get_state()
+    >>> state["batches"], state["elements"]
+    (2, 2)
+    >>> again = iter(dist)
+    >>> again.set_state(state)
+    >>> print(strategy.experimental_local_results(next(again))[0])
+    [2.]
+    """
+    elements, source = self._position
+    encoding = None
+    if isinstance(source, bytes):  # grain's DataLoader iterators give bytes
+      source, encoding = bytes_to_text(source), "base64"
+    return {"format": _STATE_FORMAT, "batches": self._handed, "elements": elements, "source": source,
+            "source_encoding": encoding}
+
+  def set_state(self, state: collections.abc.Mapping[str, Any]) -> None:
+    """Moves to the position `state` (from `get_state`, possibly of another iterator, strategy or process).
+
+    The next batch is the one that followed the batches handed out when `state` was taken; batches read
+    ahead are dropped and the prefetch thread restarts from there. The dataset iterator goes to its
+    position with its own `set_state` when it has one (grain), else a new pass over the dataset skips
+    the elements already read (the dataset must then yield the same elements in the same order on
+    every pass). The position is counted in elements of the dataset, so it carries over to another
+    number of replicas as long as the dataset itself is the same.
+
+    Raises:
+      ValueError: if `state` is not an iterator state, or the dataset cannot be repositioned (a one-shot
+        iterator without `set_state`, or fewer elements than `state` has read).
+    """
+    batches, elements, source = _check_state(state)
+    self._stop_prefetch("set_state")  # stop reading ahead from the old position
+    it = self._feed.reopen(self._live(), elements, source)
+    self._chunks.clear()
+    self._error = None
+    self._done = False
+    self._closed = False
+    self._state = ProduceState(it, produced=batches, read=elements)
+    self._handed = batches
+    self._position = (elements, source)
+    self._produce = functools.partial(self._feed.produce, it, self._state)
+
+  def _stop_prefetch(self, what: str) -> None:
+    """Stops the prefetch thread and waits for it, so that it no longer reads the source, and for the
+    transfer out of the source's memory it may have left (the batch handed out last, which the thread
+    would have waited for before reading on): the source may be read again after this."""
+    if self._prefetcher is None:
+      return
+    self._prefetcher.close()
+    self._prefetcher.join(30.0)
+    if self._feed.one_shot and self._prefetcher.is_alive():
+      raise RuntimeError(f"{what}: the prefetch thread is still reading from the (one-shot) dataset.")
+    self._prefetcher = None
+    pending, self._state.pending = self._state.pending, None
+    if pending is not None:
+      jax.block_until_ready(pending)
+
+  def close(self) -> None:
+    """Stops the background prefetch thread; later `next` calls raise `StopIteration`.
+
+    Batches read ahead and not yet returned are discarded. On a one-shot source (a generator), a later
+    `iter()` of the dataset starts a new iterator on the elements the source has not given yet.
+    """
+    self._closed = True
+    self._done = True
+    self._chunks.clear()
+    self._error = None
+    if self._prefetcher is not None:
+      self._prefetcher.close()
+
+  def __del__(self) -> None:
+    prefetcher = getattr(self, "_prefetcher", None)
+    if prefetcher is not None:
+      prefetcher.close()
+
+
+_STATE_FORMAT = "tpustrat.DistributedIterator/1"
+
+
+def _check_state(state: Any) -> tuple[int, int, Any]:
+  """(batches, elements, source state) of a `DistributedIterator.get_state()` dict, validated."""
+  if not isinstance(state, collections.abc.Mapping) or state.get("format") != _STATE_FORMAT:
+    raise ValueError(
+        f"DistributedIterator.set_state expects a state from DistributedIterator.get_state() (a dict with "
+        f"format {_STATE_FORMAT!r}), got {state!r:.200}.")
+  counts = [state.get("batches"), state.get("elements")]
+  if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in counts):
+    raise ValueError(f"DistributedIterator.set_state: `batches` and `elements` must be ints >= 0, got {counts}.")
+  source = state.get("source")
+  if state.get("source_encoding") == "base64":
+    source = text_to_bytes(source)
+  return counts[0], counts[1], source
+
+
+def _same_step(a: tuple[Any, int | None], b: tuple[Any, int | None]) -> bool:
+  """Whether two chunks hold steps of one structure and shape (so that they can be stacked)."""
+  (ta, na), (tb, nb) = a, b
+  la, da = jax.tree.flatten(ta)
+  lb, db = jax.tree.flatten(tb)
+  if da != db:
+    return False
+  return all(np.shape(x)[0 if na is None else 1:] == np.shape(y)[0 if nb is None else 1:] for x, y in zip(la, lb))
+
+
+class ProduceState:
+  """What the producer of a `DistributedIterator` keeps between elements."""
+
+  __slots__ = ("grid", "produced", "held", "error", "read", "positions", "source_state", "pending")
+
+  def __init__(self, it: Iterator[Any], produced: int = 0, read: int = 0) -> None:
+    # Set by the consumer: (1, 0) for one batch at a time, (k, i) for groups of k from batch i on.
+    self.grid = (1, produced)
+    self.produced = produced  # batches placed so far
+    self.held: Any = None  # a prepared batch that did not fit the last group
+    self.error: Exception | None = None  # raised after the group that was being filled
+    self.read = read  # raw elements read from the source so far
+    # Where the source stood after each batch kept, in order: (elements read, source state or None).
+    # The consumer pops one per batch it hands out (`DistributedIterator.get_state`).
+    self.positions: collections.deque[tuple[int, Any]] = collections.deque()
+    get_state = getattr(it, "get_state", None)  # grain iterators: their own, exact, cheap position
+    self.source_state: Callable[[], Any] | None = get_state if callable(get_state) else None
+    # Device arrays still being copied out of the source's memory: waited for before the next read.
+    self.pending: Any = None

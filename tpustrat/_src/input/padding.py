@@ -1,0 +1,190 @@
+"""Padding of partial batches: which rows are real.
+
+XLA compiles static shapes, so every batch of a distributed dataset keeps the per-replica size ``k`` of
+the first one; a partial batch is padded at the end, and its `PerReplica` carries how many rows of each
+component are real (see `tpustrat._src.values`).
+
+* On the host, the dataset pads with `pad_rows`, `pad_rows_per_replica`, `stack_padded` and `take_rows`
+  (into library memory, see `tpustrat._src.host_memory`).
+* Inside `strategy.run`, `valid_mask(x)` / `num_valid_examples(x)` say which rows of this replica's part
+  of batch `x` are real, and `per_example(tree)` marks outputs whose rows are the batch's examples, so
+  that `reduce`, `gather` and `experimental_local_results` skip their padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpustrat._src import context as context_lib
+from tpustrat._src.host_memory import host_empty
+from tpustrat._src.jax_compat import varying_axes
+
+__all__ = [
+    "num_valid_examples", "pad_rows", "pad_rows_per_replica", "per_example", "stack_padded", "take_rows",
+    "valid_mask",
+]
+
+
+# -- which rows are real (inside `run`) -----------------------------------------------------------
+
+
+def _first_leaf_rows(x: Any, fn: str) -> int:
+  leaves = jax.tree.leaves(x)
+  if not leaves or jnp.ndim(leaves[0]) == 0:
+    raise ValueError(f"tpustrat.{fn}(x) needs `x` with a batch axis (an array or a batch pytree), got {x!r:.100}.")
+  return jnp.shape(leaves[0])[0]
+
+
+def _real_rows(x: Any, fn: str) -> tuple[int, Any]:
+  """(padded batch size, this replica's number of real rows) for batch `x` in the current replica."""
+  ctx = context_lib.get_replica_context()
+  known = ctx.real_rows
+  if x is None:
+    sizes = {k for k, _ in known}
+    if len(sizes) != 1:
+      raise ValueError(
+          f"tpustrat.{fn}() without an argument needs exactly one padded batch size among the "
+          f"arguments of strategy.run, found {sorted(sizes) or 'none'}; pass the batch (or one of its "
+          f"arrays) to tpustrat.{fn}(x).")
+    return known[0]
+  k = _first_leaf_rows(x, fn)
+  for size, count in known:
+    if size == k:
+      return size, count
+  return k, k  # not a padded batch of this step: every row is real
+
+
+def num_valid_examples(x: Any = None) -> jax.Array:
+  """The number of real (not padding) rows of this replica's part of a batch, inside `strategy.run`.
+
+  Batches from a distributed dataset always have the same per-replica size ``k``; the last, partial
+  batch is padded at the end. This returns an int32 scalar (traced inside `run`, different on each
+  replica): ``k`` for full batches, fewer (possibly 0) for padding.
+
+  Args:
+    x: the batch, or any array of it with the batch on its leading axis. May be omitted when `run`
+      received exactly one padded batch size. An `x` whose leading size is not that of a padded
+      batch of this step counts as all real.
+
+  Outside `run` (or with the default strategy) every row is real:
+
+  >>> int(num_valid_examples(np.zeros((5, 3))))
+  5
+  """
+  k, count = _real_rows(x, "num_valid_examples")
+  return jnp.asarray(count, jnp.int32)
+
+
+def valid_mask(x: Any = None) -> jax.Array:
+  """A bool ``[k]`` mask, True for the real rows of this replica's part of a batch (inside `run`).
+
+  Use it to keep padding out of losses and metrics on partial batches, for example
+  ``jnp.sum(jnp.where(tpustrat.valid_mask(x), per_example_loss, 0)) / global_batch_size``. The
+  library's own `strategy.reduce` / `gather` skip padding along ``axis=0`` of `run`'s outputs, and
+  everywhere in outputs marked with `per_example`.
+
+  Args:
+    x: as for `num_valid_examples`.
+
+  >>> print(valid_mask(np.zeros((3, 2))))
+  [ True  True  True]
+  """
+  k, count = _real_rows(x, "valid_mask")
+  return jnp.arange(k) < count
+
+
+def per_example(tree: Any) -> Any:
+  """Marks arrays returned by a `strategy.run` step as per-example: their rows are the batch's rows.
+
+  A partial global batch reaches the replicas padded to the usual per-replica size ``k``. Returning
+  ``tpustrat.per_example(x)`` says that the rows of ``x`` are that batch's examples, so its padding rows
+  are skipped wherever the value goes: `experimental_local_results` shows only the real rows,
+  `strategy.reduce` leaves padding out along every ``axis`` (``None`` included), `strategy.gather`
+  returns only the real rows, and the value enters the next `run` as a padded batch (`valid_mask`
+  works on it). Unmarked outputs are kept whole, as the replicas returned them, except where the caller
+  says that axis 0 is the batch (``reduce(op, v, axis=0)``, ``gather(v, axis=0)``).
+
+  Args:
+    tree: an array or a pytree of arrays computed inside the step; every leaf has the padded batch's
+      per-replica size ``k`` on its leading axis and differs between replicas. Mark the arrays that the
+      step returns (the mark belongs to the array object: an array computed from a marked one is not
+      marked).
+
+  Returns:
+    `tree` itself. Outside `run`, and in a step with no padded batch among its arguments, nothing is
+    marked (every row is real there).
+
+  Raises:
+    ValueError: a leaf is a scalar, has another leading size than the step's padded batches (with
+      several padded batches of that size, the first one's counts are used, as for `valid_mask`), or is
+      the same on every replica (it cannot hold one replica's examples).
+
+  >>> tree = {"logits": np.zeros((4, 10))}
+  >>> tpustrat.per_example(tree) is tree   # outside run: nothing to mark
+  True
+  """
+  ctx = context_lib.get_replica_context()
+  known = ctx.real_rows
+  if not known:
+    return tree
+  sizes = [k for k, _ in known]
+  axis = context_lib.replica_axis(ctx)
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    where = jax.tree_util.keystr(path) or "<root>"
+    if jnp.ndim(x) == 0:
+      raise ValueError(f"tpustrat.per_example: the value at {where} is a scalar; a per-example array has the "
+                       f"batch on its leading axis (per-replica size {sizes[0]}).")
+    k = jnp.shape(x)[0]
+    if k not in sizes:
+      raise ValueError(
+          f"tpustrat.per_example: the array at {where} has leading size {k}, but the padded batches of this "
+          f"step have per-replica sizes {sorted(set(sizes))}; only arrays whose rows are a batch's rows "
+          "can be marked.")
+    if axis is not None and axis not in varying_axes(x):
+      raise ValueError(
+          f"tpustrat.per_example: the array at {where} is the same on every replica (it does not vary over "
+          f"the replica axis {axis!r}), so its rows cannot be one replica's examples. Mark the per-replica "
+          "array before it is combined across replicas.")
+    ctx.per_example_marks.append((x, sizes.index(k)))
+  return tree
+
+
+# -- padding on the host --------------------------------------------------------------------------
+
+
+def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+  if x.shape[0] == rows:
+    return x
+  out = host_empty((rows,) + x.shape[1:], x.dtype)
+  out[:x.shape[0]] = x
+  out[x.shape[0]:] = 0
+  return out
+
+
+def pad_rows_per_replica(x: np.ndarray, k: int) -> np.ndarray:
+  """``[n, k, ...]`` from ``[n, k0, ...]`` (k0 <= k), zero-padded."""
+  out = host_empty((x.shape[0], k) + x.shape[2:], x.dtype)
+  out[:, :x.shape[1]] = x
+  out[:, x.shape[1]:] = 0
+  return out
+
+
+def take_rows(x: np.ndarray, rows: list[int]) -> np.ndarray:
+  """``x[rows]``, into library memory."""
+  out = host_empty((len(rows),) + x.shape[1:], x.dtype)
+  np.take(x, rows, axis=0, out=out)
+  return out
+
+
+def stack_padded(parts: list[np.ndarray], n: int, k: int) -> np.ndarray:
+  """``[n, k, ...]`` from up to `n` per-replica batches of at most `k` rows, zero-padded."""
+  out = host_empty((n, k) + parts[0].shape[1:], parts[0].dtype)
+  for i, p in enumerate(parts):
+    out[i, :p.shape[0]] = p
+    out[i, p.shape[0]:] = 0
+  out[len(parts):] = 0
+  return out
