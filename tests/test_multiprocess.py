@@ -57,11 +57,8 @@ def across():
   return _load("across_processes", SCRIPTS / "across_processes.py")
 
 
-@pytest.fixture(scope="module")
-def job():
-  """One launch of tests/_mp_scripts/across_processes.py: {process index: its RESULT}."""
-  out = _launch("--timeout", "240", str(SCRIPTS / "across_processes.py"), timeout=300)
-  assert out.returncode == 0, out.stderr[-4000:]
+def _results(out):
+  """{process index: its RESULT} from the launcher's prefixed output of a 2-process job."""
   results = {}
   for line in out.stdout.splitlines():
     prefix, _, payload = line.partition(" RESULT ")
@@ -69,6 +66,14 @@ def job():
       results[int(prefix.removeprefix("[proc ").rstrip("]"))] = json.loads(payload)
   assert sorted(results) == [0, 1], out.stdout[-4000:]
   return results
+
+
+@pytest.fixture(scope="module")
+def job():
+  """One launch of tests/_mp_scripts/across_processes.py: {process index: its RESULT}."""
+  out = _launch("--timeout", "240", str(SCRIPTS / "across_processes.py"), timeout=300)
+  assert out.returncode == 0, out.stderr[-4000:]
+  return _results(out)
 
 
 def _assert_close(got, want, path="result"):
@@ -151,12 +156,7 @@ def test_a_process_that_holds_no_replica_builds_values_from_function_too():
   # value_fn ran there once, for replica 0, only for the value's structure, shapes and dtypes.
   out = _launch("--timeout", "90", "--", "-c", _NO_REPLICA, timeout=120)
   assert out.returncode == 0, out.stderr[-4000:]
-  results = {}
-  for line in out.stdout.splitlines():
-    prefix, _, payload = line.partition(" RESULT ")
-    if payload:
-      results[int(prefix.removeprefix("[proc ").rstrip("]"))] = json.loads(payload)
-  assert sorted(results) == [0, 1], out.stdout[-4000:]
+  results = _results(out)
   want = dict(shapes=[[4], [4, 2]], dtypes=["int32", "float32"])  # leaves in key order: n, x
   # total: the sum over replicas r = 0..3 of 2 * r + r
   assert results[0] == dict(want, calls=[0, 1, 2, 3], workers=4, shards=[4, 4], total=[18.0, 18.0])
