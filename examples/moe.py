@@ -329,7 +329,8 @@ def check_against_dense(strategy: tpustrat.Strategy, layout: ExpertLayout, param
   def forward_and_grads(params: dict[str, Any], batch: dict[str, jax.Array]):
     (loss, _), grads = loss_and_grads(params, batch)
     y, _ = moe_layer(params, batch["x"], layout, cap)
-    return y, tpustrat.get_replica_context().all_reduce("sum", loss), grads
+    # y's rows are the batch's tokens (they went to their experts and came back in order): marked so.
+    return tpustrat.per_example(y), tpustrat.get_replica_context().all_reduce("sum", loss), grads
 
   dist_batch = next(iter(strategy.experimental_distribute_dataset([batch])))
   y, loss, grads = strategy.run(forward_and_grads, args=(params, dist_batch))

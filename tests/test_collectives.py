@@ -3,6 +3,7 @@
 import logging
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -154,12 +155,66 @@ def test_cross_replica_sum_rejects_other_dtypes(strategy, dtype):
     strategy.run(lambda: ops.cross_replica_sum(np.ones(2, dtype), SPEC))
 
 
-def test_grouped_sum_of_identical_values_is_mirrored(strategy):
-  # Deliberately sums a value that is the same on every replica: group size times it, and a warning.
+def test_grouped_sum_of_identical_values_is_per_replica(strategy):
+  # Deliberately sums a value that is the same on every replica: group size times it, and a warning. The
+  # result is typed as a grouped result (PerReplica), as the README says, although here its groups agree.
   with pytest.warns(collectives.AlreadyReplicatedWarning, match=r"multiplies it by N=4 \(the group size\)"):
     out = strategy.run(lambda: ops.cross_replica_sum(jnp.array([1.0, 2.0]), SPEC))
-  assert isinstance(out, tpustrat.Mirrored)
-  np.testing.assert_array_equal(local(out), [4.0, 8.0])
+  assert isinstance(out, tpustrat.PerReplica)
+  np.testing.assert_array_equal(stacked(out), np_group_sum(np.tile([1.0, 2.0], (N, 1)), SPEC))
+
+
+# Every op with a group assignment: (the op, its numpy reference on stacked inputs, whether its result is
+# the same on every replica, which holds only for one group of all replicas).
+RESULT_TYPE_CASES = {
+    "cross_replica_sum_spec": (lambda v: ops.cross_replica_sum(v, SPEC), lambda x: np_group_sum(x, SPEC), False),
+    "cross_replica_sum_singletons": (lambda v: ops.cross_replica_sum(v, GROUPS["singletons"]), lambda x: x, False),
+    "cross_replica_sum_all": (lambda v: ops.cross_replica_sum(v), lambda x: np_group_sum(x, None), True),
+    "cross_replica_sum_all_reversed": (lambda v: ops.cross_replica_sum(v, GROUPS["all_reversed"]),
+                                       lambda x: np_group_sum(x, None), True),
+    "all_reduce_sum_shuffled": (
+        lambda v: tpustrat.get_replica_context().all_reduce("sum", v, group_assignment=GROUPS["shuffled"]),
+        lambda x: np_group_sum(x, GROUPS["shuffled"]), False),
+    "all_reduce_mean_quads": (
+        lambda v: tpustrat.get_replica_context().all_reduce("mean", v, group_assignment=GROUPS["quads"]),
+        lambda x: np_group_sum(x, GROUPS["quads"]) / 4, False),
+    "all_reduce_sum": (lambda v: tpustrat.get_replica_context().all_reduce("sum", v),
+                       lambda x: np_group_sum(x, None), True),
+    "all_gather_spec": (lambda v: ops.all_gather(v, SPEC), lambda x: np_all_gather(x, SPEC, 0), False),
+    "all_gather_all": (lambda v: ops.all_gather(v), lambda x: np_all_gather(x, None, 0), True),
+    "all_to_all_pairs": (lambda v: ops.all_to_all(v, GROUPS["pairs"], 0, 0, 2),
+                         lambda x: np_all_to_all(x, GROUPS["pairs"], 0, 0, 2), False),
+    "reduce_scatter_pairs": (lambda v: ops.reduce_scatter(v, GROUPS["pairs"]),
+                             lambda x: np_reduce_scatter(x, GROUPS["pairs"], 0), False),
+    "collective_permute": (lambda v: ops.collective_permute(v, [[0, 3], [3, 0]]),
+                           lambda x: np_permute(x, [[0, 3], [3, 0]]), False),
+}
+
+
+@pytest.mark.parametrize("given", ["mirrored", "constant", "per_replica"])
+@pytest.mark.parametrize("name", list(RESULT_TYPE_CASES))
+def test_result_types_follow_the_groups_not_the_input(strategy, name, given):
+  # A grouped result is PerReplica whether the input is Mirrored (a run argument given whole), a constant
+  # of the step, or PerReplica; only one group of every replica gives Mirrored.
+  fn, np_fn, same_everywhere = RESULT_TYPE_CASES[name]
+  x = np.arange(N * 4, dtype=np.float32).reshape(N, 4) - 5.0
+  if given == "per_replica":
+    args, stacked_in = (distribute(strategy, x),), x
+  elif given == "mirrored":
+    args, stacked_in = (strategy.experimental_mirror(x[3]),), np.tile(x[3], (N, 1))
+  else:
+    args, stacked_in = (), np.tile(x[3], (N, 1))
+  step = (lambda v: fn(v)) if args else (lambda: fn(jnp.asarray(x[3])))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", collectives.AlreadyReplicatedWarning)  # a SUM of a Mirrored value
+    out = strategy.run(step, args=args)
+  want = np_fn(stacked_in.astype(np.float64))
+  if same_everywhere:
+    assert isinstance(out, tpustrat.Mirrored), type(out)
+    np.testing.assert_array_equal(local(out), want[0])
+  else:
+    assert isinstance(out, tpustrat.PerReplica), type(out)
+    np.testing.assert_array_equal(stacked(out), want)
 
 
 @pytest.mark.parametrize("as_type", [np.array, jnp.array, lambda g: tuple(map(tuple, g))])
@@ -391,7 +446,9 @@ def test_replica_context_all_reduce_with_groups(strategy, rng):
   sums, means, full = strategy.run(step, args=(distribute(strategy, x),))
   want, scale = np_group_sum(x.astype(np.float64), SPEC), np_group_sum(np.abs(x), SPEC)
   assert_close(stacked(sums["a"]), want, scale=scale)
-  assert isinstance(sums["b"], tpustrat.Mirrored) and float(local(sums["b"])) == 4.0
+  # A grouped result is PerReplica even for a constant (here the same in every group: the group size).
+  assert isinstance(sums["b"], tpustrat.PerReplica)
+  np.testing.assert_array_equal(stacked(sums["b"]), [4.0] * N)
   assert_close(stacked(means), want / 4, scale=scale / 4)
   assert isinstance(full, tpustrat.Mirrored)
   assert_close(local(full), x.astype(np.float64).sum(0), scale=np.abs(x).sum(0))

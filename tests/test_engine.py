@@ -338,3 +338,40 @@ def test_a_passed_through_output_is_a_fresh_buffer_written_by_the_step(strategy)
   assert not in_ptrs & out_ptrs
   np.testing.assert_array_equal(
       [float(v) for v in strategy.experimental_local_results(total)], np.arange(N * 3).reshape(N, 3).sum(1))
+
+
+# -- 64-bit host integers without jax_enable_x64 ------------------------------------------------------
+
+BIG = 3_000_000_000
+
+
+def test_run_raises_on_a_host_int64_argument_beyond_int32_naming_its_path(strategy):
+  assert not jax.config.jax_enable_x64
+  traces = []
+
+  def fn(w, batch, scale=1):
+    traces.append(1)
+    return batch["ids"] * scale
+
+  ids = np.arange(4, dtype=np.int64)
+  ids[2] = BIG
+  wrapped = int(np.int64(BIG).astype(np.int32))  # -1294967296: what JAX would have passed on
+  with pytest.raises(OverflowError, match=(
+      rf"^strategy\.run: the argument at args\[1\]\['ids'\] is int64 and holds {BIG} at index \(2,\), outside the "
+      rf"int32 range .* would arrive as {wrapped}\. Enable 64-bit values")):
+    strategy.run(fn, args=(np.ones(2, np.float32), {"ids": ids}))
+  with pytest.raises(OverflowError, match=rf"^strategy\.run: the argument at kwargs\['scale'\] is int64 and holds {-BIG}"):
+    strategy.run(fn, args=(np.ones(2, np.float32), {"ids": np.arange(4)}), kwargs={"scale": np.int64(-BIG)})
+  per_replica = tpustrat.PerReplica.from_stacked({"ids": np.full((N, 2), BIG, np.int64)})  # host leaves
+  with pytest.raises(OverflowError, match=r"^strategy\.run: the argument at args\[1\]\['ids'\] is int64 .* at index \(0, 0\) "
+                                          r"\(16 of its 16 values are out of range\)"):
+    strategy.run(fn, args=(np.ones(2, np.float32), per_replica))
+  assert not traces  # raised before fn was traced
+
+
+def test_run_passes_host_int64_arguments_that_fit_exactly(strategy):
+  ids = np.array([-2**31, 2**31 - 1, 0, -1], np.int64)
+  out = strategy.run(lambda x, y: (x, y + 0), args=(ids, np.uint64(2**32 - 1)))
+  np.testing.assert_array_equal(np.asarray(out[0].values[0]), ids.astype(np.int32))
+  assert out[0].values[0].dtype == np.int32
+  assert int(out[1].values[0]) == 2**32 - 1 and out[1].values[0].dtype == np.uint32

@@ -303,3 +303,192 @@ def test_public_names():
   assert tpustrat.local_copy is local_copy
   assert tpustrat.AlreadyReplicatedWarning is AlreadyReplicatedWarning
   assert issubclass(tpustrat.AlreadyReplicatedWarning, UserWarning)
+
+
+# -- grouped collectives: the gradient does not depend on the input's type ---------------------------
+#
+# A loss computed from a grouped result differs between groups, so `jax.grad` w.r.t. a Mirrored `w` (one
+# value given to every replica) is the gradient of the sum of every replica's loss, the same as w.r.t.
+# `local_copy(w)`. A result of one all-replica group is the same everywhere (Mirrored): its loss counts once.
+
+SPEC = [[0, 2, 4, 6], [1, 3, 5, 7]]
+QUADS = [[0, 1, 2, 3], [4, 5, 6, 7]]
+RING = [[r, (r + 1) % N] for r in range(N)]
+
+
+def np_groups(groups):
+  return [list(range(N))] if groups is None else [list(g) for g in groups]
+
+
+def np_group_sum(x, groups):
+  out = np.empty_like(x)
+  for g in np_groups(groups):
+    out[g] = x[g].sum(0)
+  return out
+
+
+def np_all_gather(x, groups):
+  out = np.empty((N, len(np_groups(groups)[0]) * x.shape[1]), x.dtype)
+  for g in np_groups(groups):
+    out[g] = np.concatenate([x[m] for m in g])
+  return out
+
+
+def np_all_to_all(x, groups):  # split axis 0 into len(g) blocks, concatenate along axis 0, in group order
+  out = np.empty_like(x)
+  for g in np_groups(groups):
+    for i, r in enumerate(g):
+      out[r] = np.concatenate([np.split(x[m], len(g))[i] for m in g])
+  return out
+
+
+def np_reduce_scatter(x, groups):
+  out = np.empty((N, x.shape[1] // len(np_groups(groups)[0])), x.dtype)
+  for g in np_groups(groups):
+    for i, r in enumerate(g):
+      out[r] = np.split(x[g].sum(0), len(g))[i]
+  return out
+
+
+def np_permute(x, pairs):
+  out = np.zeros_like(x)
+  for s, t in pairs:
+    out[t] = x[s]
+  return out
+
+
+def ctx():
+  return tpustrat.get_replica_context()
+
+
+# name: (the op inside run, its numpy reference on stacked [N, ...] inputs, whether the result is Mirrored)
+GROUPED_CASES = {
+    "cross_replica_sum_spec": (lambda v: ops.cross_replica_sum(v, SPEC), lambda x: np_group_sum(x, SPEC), False),
+    "cross_replica_sum_singletons": (lambda v: ops.cross_replica_sum(v, [[r] for r in range(N)]), lambda x: x, False),
+    "cross_replica_sum_all": (lambda v: ops.cross_replica_sum(v), lambda x: np_group_sum(x, None), True),
+    "cross_replica_sum_one_reversed_group": (lambda v: ops.cross_replica_sum(v, [list(range(N))[::-1]]),
+                                             lambda x: np_group_sum(x, None), True),
+    "all_reduce_sum_spec": (lambda v: ctx().all_reduce("sum", v, group_assignment=SPEC),
+                            lambda x: np_group_sum(x, SPEC), False),
+    "all_reduce_mean_spec": (lambda v: ctx().all_reduce("mean", v, group_assignment=SPEC),
+                             lambda x: np_group_sum(x, SPEC) / 4, False),
+    "all_reduce_sum_quads": (lambda v: ctx().all_reduce("sum", v, group_assignment=QUADS),
+                             lambda x: np_group_sum(x, QUADS), False),
+    "all_reduce_sum": (lambda v: ctx().all_reduce("sum", v), lambda x: np_group_sum(x, None), True),
+    "all_reduce_mean": (lambda v: ctx().all_reduce("mean", v), lambda x: np_group_sum(x, None) / N, True),
+    "all_gather_spec": (lambda v: ops.all_gather(v, SPEC), lambda x: np_all_gather(x, SPEC), False),
+    "all_gather_all": (lambda v: ops.all_gather(v), lambda x: np_all_gather(x, None), True),
+    "replica_context_all_gather_spec": (lambda v: ctx().all_gather(v, 0, group_assignment=SPEC),
+                                        lambda x: np_all_gather(x, SPEC), False),
+    "replica_context_all_gather": (lambda v: ctx().all_gather(v, 0), lambda x: np_all_gather(x, None), True),
+    "all_to_all_quads": (lambda v: ops.all_to_all(v, QUADS, 0, 0, 4), lambda x: np_all_to_all(x, QUADS), False),
+    "reduce_scatter_quads": (lambda v: ops.reduce_scatter(v, QUADS), lambda x: np_reduce_scatter(x, QUADS), False),
+    "reduce_scatter_all": (lambda v: ops.reduce_scatter(v), lambda x: np_reduce_scatter(x, None), False),
+    "reduce_scatter_mean_spec": (lambda v: ops.reduce_scatter(v, SPEC, reduce_op="mean"),
+                                 lambda x: np_reduce_scatter(x, SPEC) / 4, False),
+    "collective_permute_ring": (lambda v: ops.collective_permute(v, RING), lambda x: np_permute(x, RING), False),
+    "collective_permute_one_pair": (lambda v: ops.collective_permute(v, [[0, 5]]),
+                                    lambda x: np_permute(x, [[0, 5]]), False),
+}
+
+
+def np_shared_gradient(np_fn, w, c, mirrored_result):
+  """d/dw of the loss `sum(c * tanh(y_r))` of replica r's result y_r, where every replica's input is `w`:
+  summed over the replicas' losses when the result differs between replicas; one replica's loss when the
+  result is Mirrored (an invariant loss counts once). The ops are linear, so the adjoint is built column by
+  column from `np_fn`."""
+  x = np.broadcast_to(w.astype(np.float64), (N,) + w.shape)
+  y = np_fn(x)
+  ct = c * (1 - np.tanh(y) ** 2)
+  if mirrored_result:
+    ct[1:] = 0.0
+  grad = np.zeros(x.size)
+  for k in range(x.size):
+    basis = np.zeros(x.size)
+    basis[k] = 1.0
+    grad[k] = np.sum(ct * np_fn(basis.reshape(x.shape)))
+  return y, grad.reshape(x.shape).sum(0)  # every replica's input is w: the chain rule sums over them
+
+
+@pytest.mark.parametrize("how", ["mirrored", "local_copy"])
+@pytest.mark.parametrize("name", list(GROUPED_CASES))
+def test_gradient_through_a_collective_of_a_mirrored_value(strategy, name, how):
+  fn, np_fn, mirrored_result = GROUPED_CASES[name]
+  rng = np.random.default_rng(1)
+  w = rng.normal(size=(8,)).astype(np.float32)
+  out_shape = np_fn(np.zeros((N,) + w.shape)).shape[1:]
+  c = rng.normal(size=out_shape).astype(np.float32)  # a constant weighting, the same everywhere
+  want_y, want_grad = np_shared_gradient(np_fn, w, c, mirrored_result)
+
+  def step(w):
+    loss = lambda w: jnp.sum(c * jnp.tanh(fn(local_copy(w) if how == "local_copy" else w)))
+    return fn(w), jax.grad(loss)(w)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", AlreadyReplicatedWarning)  # SUMs of a Mirrored w: tested above
+    y, grad = strategy.run(step, args=(strategy.experimental_mirror(w),))
+  assert isinstance(y, tpustrat.Mirrored if mirrored_result else tpustrat.PerReplica), type(y)
+  assert isinstance(grad, tpustrat.Mirrored), type(grad)  # w.r.t. a shared w: the same everywhere
+  got_y = np.stack([np.asarray(v) for v in y.values]) if isinstance(y, tpustrat.PerReplica) else first(y)[None]
+  np.testing.assert_allclose(got_y, want_y if not mirrored_result else want_y[:1], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(first(grad), want_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_sum_gradient_of_a_mirrored_value_is_summed_over_replicas(strategy):
+  # The plain repro: d/dw of the sum over every replica of sum(cross_replica_sum(w, SPEC)). Each replica's
+  # result holds its group's 4 copies of w, and there are 8 replicas: 32 per element, Mirrored or not.
+  w = np.array([1.0, -2.0, 0.5], np.float32)
+  _, want = np_shared_gradient(lambda x: np_group_sum(x, SPEC), w, 1.0, mirrored_result=False)
+  want = want / (1 - np.tanh(4 * w.astype(np.float64)) ** 2)  # undo tanh: plain sum
+  np.testing.assert_allclose(want, [32.0] * 3)
+
+  def step(w):
+    plain = jax.grad(lambda w: jnp.sum(ops.cross_replica_sum(w, SPEC)))(w)
+    copied = jax.grad(lambda w: jnp.sum(ops.cross_replica_sum(local_copy(w), SPEC)))(w)
+    via_ctx = jax.grad(lambda w: jnp.sum(ctx().all_reduce("sum", w, group_assignment=SPEC)))(w)
+    return plain, copied, via_ctx
+
+  with pytest.warns(AlreadyReplicatedWarning):
+    plain, copied, via_ctx = strategy.run(step, args=(strategy.experimental_mirror(w),))
+  for got in (plain, copied, via_ctx):
+    np.testing.assert_array_equal(first(got), want)
+
+
+def test_grouped_all_reduce_of_a_mirrored_value_on_mirrored_strategy():
+  # MirroredStrategy's ReplicaContext.all_reduce with groups takes the same path as TPUStrategy's.
+  strategy = MirroredStrategy(cross_device_ops=NcclAllReduce())
+  w = np.array([1.0, 2.0], np.float32)
+
+  def step(w):
+    out = ctx().all_reduce("sum", w, group_assignment=QUADS)
+    return out, jax.grad(lambda w: jnp.sum(ctx().all_reduce("sum", w, group_assignment=QUADS)))(w)
+
+  with pytest.warns(AlreadyReplicatedWarning):
+    out, grad = strategy.run(step, args=(strategy.experimental_mirror(w),))
+  assert isinstance(out, tpustrat.PerReplica)
+  np.testing.assert_array_equal(np.stack([np.asarray(v) for v in out.values]), np_group_sum(np.tile(w, (N, 1)), QUADS))
+  np.testing.assert_array_equal(first(grad), [4.0 * N] * 2)
+
+
+def test_to_varying_keeps_the_numbers_and_its_transpose_sums_over_replicas():
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  from tpustrat._src import jax_compat
+
+  mesh = Mesh(np.array(jax.devices()), ("replica",))
+  w = np.array([1.0, -2.0], np.float32)
+
+  def body(w, v):
+    cast = jax_compat.to_varying(w, "replica")
+    again = jax_compat.to_varying(cast, "replica")  # already varying: returned as it is
+    assert "replica" in jax_compat.varying_axes(cast) and "replica" not in jax_compat.varying_axes(w)
+    assert again is cast
+    grad = jax.grad(lambda w: jnp.sum(v * jax_compat.to_varying(w, "replica")))(w)
+    return cast[None], grad
+
+  v = np.arange(N, dtype=np.float32)[:, None] * np.ones(2, np.float32)
+  cast, grad = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("replica")),
+                                     out_specs=(P("replica"), P())))(w, v)
+  np.testing.assert_array_equal(np.asarray(cast), np.tile(w, (N, 1)))
+  np.testing.assert_array_equal(np.asarray(grad), v.sum(0))  # d/dw sum_r v_r * w = sum_r v_r

@@ -152,7 +152,7 @@ def _epoch_ids(strategy, dist):
   for batch in dist:
     ids, _, _ = strategy.run(per_example_step, args=(batch,))
     seen.append(np.asarray(strategy.gather(ids, axis=0)))
-    count += int(strategy.reduce("SUM", strategy.run(lambda i: jnp.ones_like(i), args=(ids,)), axis=0))
+    count += int(strategy.reduce("SUM", strategy.run(lambda i: i * 0 + 1, args=(ids,)), axis=0))  # one per row
   return np.concatenate(seen), count
 
 
@@ -468,7 +468,7 @@ def test_bad_dataset_fn(strategy):
 
 def test_valid_mask_needs_a_batch_when_ambiguous(strategy):
   batch = next(iter(strategy.experimental_distribute_dataset([np.zeros(16, np.float32)])))
-  with pytest.raises(ValueError, match="exactly one padded batch size"):
+  with pytest.raises(ValueError, match=r"exactly one padded batch among the arguments.*found 0"):
     strategy.run(lambda: tpustrat.valid_mask())
   # Arrays that are not a padded batch of this step count as all real.
   out = strategy.run(lambda b, w: jnp.sum(tpustrat.valid_mask(w)) + 0 * b.sum(), args=(batch, jnp.ones(5)))
@@ -580,3 +580,98 @@ def test_only_grain_batch_with_default_stacking_is_read_by_rows(strategy):
   for other in (ds, ds.batch(4).map(lambda b: b), ds.batch(4).to_iter_dataset(), ds.batch(4)[1:],
                 ds.batch(4, batch_fn=lambda xs: xs), ds.to_iter_dataset().batch(4), list(ds.batch(4)), [1, 2]):
     assert batched_examples(other) is None
+
+
+# -- 64-bit integers without jax_enable_x64 ----------------------------------------------------------
+#
+# JAX narrows int64 to int32 (uint64 to uint32) without x64, wrapping what does not fit: hashed ids of
+# 3_000_000_000 would arrive as -1294967296, and an embedding would treat them as padding. The pipeline
+# raises before the batch is padded or transferred; values that fit arrive exactly.
+
+BIG = 3_000_000_000
+
+
+def hashed_batches(ids):
+  """Two global batches of 16 rows: {"ids": int64, "x": float32}; `ids` goes in the second one."""
+  first = np.arange(16, dtype=np.int64)
+  return [{"ids": first, "x": np.ones((16, 2), np.float32)}, {"ids": ids, "x": np.ones((16, 2), np.float32)}]
+
+
+def wrapped(value, dtype):
+  return int(np.asarray(value).astype(dtype))  # what JAX would have made of it (numpy's wrap-around)
+
+
+@pytest.mark.parametrize("source", ["list", "grain", "generator", "datasets_from_function"])
+def test_int64_ids_beyond_int32_raise_naming_the_batch_the_leaf_and_the_fix(strategy, source):
+  assert not jax.config.jax_enable_x64
+  ids = np.arange(16, dtype=np.int64)
+  ids[5] = BIG
+  batches = hashed_batches(ids)
+  if source == "list":
+    dist = strategy.experimental_distribute_dataset(batches)
+  elif source == "grain":
+    ds = strategy.experimental_make_numpy_dataset({k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
+    dist = strategy.experimental_distribute_dataset(ds.batch(16))
+  elif source == "generator":
+    dist = strategy.experimental_distribute_dataset(b for b in batches)
+  else:  # one per-replica batch of 2 rows per replica and step: rows 4-5 are replica 2's batch of step 1
+    per_replica = [{k: b[k][i:i + 2] for k in b} for b in batches for i in range(0, 16, 2)]
+    dist = strategy.experimental_distribute_datasets_from_function(lambda ctx: per_replica)
+  it = iter(dist)
+  first = next(it)  # the first batch fits: it arrives exactly, as int32
+  assert first["ids"].values[0].dtype == np.int32
+  np.testing.assert_array_equal(np.concatenate(local_rows(strategy, first["ids"])), np.arange(16))
+  with pytest.raises(OverflowError) as caught:
+    next(it)
+  message = str(caught.value)
+  number = "10" if source == "datasets_from_function" else "1"  # per-replica batch 10 (step 1, replica 2)
+  assert f" batch {number}: the leaf at ['ids'] is int64 and holds {BIG} at index (" in message, message
+  assert "outside the int32 range [-2147483648, 2147483647]" in message
+  assert f"would arrive as {wrapped(BIG, np.int32)}" in message  # -1294967296
+  assert "jax_enable_x64" in message and "into the int32 range" in message
+
+
+def test_int64_values_that_fit_arrive_exactly_at_the_int32_bounds(strategy):
+  ids = np.array([-2**31, 2**31 - 1, -1, 0, 7, 2**31 - 2, -2**31 + 1, 123456789] * 2, np.int64)
+  (batch,) = list(strategy.experimental_distribute_dataset([{"ids": ids}]))
+  assert batch["ids"].values[0].dtype == np.int32
+  np.testing.assert_array_equal(np.concatenate(local_rows(strategy, batch["ids"])), ids.astype(np.int32))
+  np.testing.assert_array_equal(np.concatenate(local_rows(strategy, batch["ids"])).astype(np.int64), ids)
+
+
+def test_uint64_beyond_uint32_raises_and_uint32_is_kept_whole(strategy):
+  # JAX narrows uint64 to uint32 but keeps uint32 as it is: only the former can lose values.
+  big = np.full(16, 2**32 + 5, np.uint64)
+  with pytest.raises(OverflowError, match=r"batch 0: the leaf at \['u'\] is uint64 and holds 4294967301 at index "
+                     r"\(0,\) \(16 of its 16 values are out of range\), outside the uint32 range \[0, 4294967295\]"):
+    list(strategy.experimental_distribute_dataset([{"u": big}]))
+  u32 = np.full(16, BIG, np.uint32)  # above int32's range, inside uint32's
+  (batch,) = list(strategy.experimental_distribute_dataset([{"u": u32}]))
+  assert batch["u"].values[0].dtype == np.uint32
+  np.testing.assert_array_equal(np.concatenate(local_rows(strategy, batch["u"])), u32)
+
+
+def test_int64_with_x64_enabled_arrives_as_int64():
+  with jax.enable_x64(True):
+    strategy = tpustrat.TPUStrategy()
+    ids = np.arange(16, dtype=np.int64) + BIG
+    (batch,) = list(strategy.experimental_distribute_dataset([{"ids": ids}]))
+    assert batch["ids"].values[0].dtype == np.int64
+    np.testing.assert_array_equal(np.concatenate(local_rows(strategy, batch["ids"])), ids)
+
+
+def test_float64_becomes_float32_without_x64_as_in_jax(strategy):
+  # The stated rule (README, "Input"): float64 arrives as float32, rounded to nearest as numpy rounds it;
+  # no warning from tpustrat (pytest turns warnings into errors), no error.
+  x = np.array([1 / 3, 1e-40, 3e38, -1e-300, 2.0**-149, 0.1, 2.0**24 + 1, -7.0] * 2, np.float64)
+  (batch,) = list(strategy.experimental_distribute_dataset([{"x": x}]))
+  assert batch["x"].values[0].dtype == np.float32
+  np.testing.assert_array_equal(np.concatenate(local_rows(strategy, batch["x"])), x.astype(np.float32))
+
+
+def test_int64_batches_left_on_the_host_are_checked_too(strategy):
+  ids = np.arange(16, dtype=np.int64)
+  ids[15] = -BIG
+  options = tpustrat.InputOptions(experimental_fetch_to_device=False)
+  with pytest.raises(OverflowError, match=rf"batch 0: the leaf at \['ids'\] is int64 and holds {-BIG} at index \(15,\)"):
+    list(strategy.experimental_distribute_dataset([{"ids": ids}], options))

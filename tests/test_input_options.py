@@ -67,3 +67,39 @@ def test_input_context():
 def test_bad_options(strategy):
   with pytest.raises(TypeError, match="tpustrat.InputOptions"):
     strategy.experimental_distribute_dataset([np.zeros(16)], options={"experimental_fetch_to_device": False})
+
+
+def _per_replica_pipelines(sizes_by_replica):
+  """`dataset_fn` for datasets_from_function (one process: one input pipeline, whose consecutive batches
+  go to replicas 0, 1, ..., 7 in each step): replica r's batches have the given sizes, its rows numbered
+  ``1000 * r + i`` so that every row is known."""
+  def dataset_fn(ctx):
+    assert ctx.num_input_pipelines == 1
+    batches, starts = [], [0] * len(sizes_by_replica)
+    for step in range(max(len(s) for s in sizes_by_replica)):
+      for r, sizes in enumerate(sizes_by_replica):
+        if step < len(sizes):
+          batches.append(np.arange(starts[r], starts[r] + sizes[step], dtype=np.float32) + 1000 * r)
+          starts[r] += sizes[step]
+    return batches
+  return dataset_fn
+
+
+def test_drop_remainder_from_function_is_tfs_rule_per_pipeline(strategy):
+  options = tpustrat.InputOptions(drop_remainder=True)
+  # One pipeline batches 1 row where the others batch 2, from the first step on: its batch size, not a
+  # remainder. Nothing is dropped (the step is padded); TF's per-pipeline drop_remainder drops nothing either.
+  sizes = [[2, 2]] * 7 + [[1, 1]]
+  dist = strategy.experimental_distribute_datasets_from_function(_per_replica_pipelines(sizes), options=options)
+  steps = [sorted(np.asarray(strategy.gather(b, axis=0)).tolist()) for b in dist]
+  want = [sorted([1000.0 * r + i for r in range(8) for i in ((0, 1) if r < 7 else (0,))]),
+          sorted([1000.0 * r + i for r in range(8) for i in ((2, 3) if r < 7 else (1,))])]
+  assert steps == want
+  # A pipeline's last batch smaller than its earlier ones is its remainder: that step is dropped (TF's
+  # iterator ends where a pipeline runs out), the full steps before it are kept.
+  sizes = [[2, 2, 2]] * 7 + [[2, 2, 1]]
+  dist = strategy.experimental_distribute_datasets_from_function(_per_replica_pipelines(sizes), options=options)
+  assert [len(s) for s in (np.asarray(strategy.gather(b, axis=0)) for b in dist)] == [16, 16]
+  # Without drop_remainder every row is used.
+  dist = strategy.experimental_distribute_datasets_from_function(_per_replica_pipelines(sizes))
+  assert [len(s) for s in (np.asarray(strategy.gather(b, axis=0)) for b in dist)] == [16, 16, 15]

@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "tpustrat"
 LAYERS: list[tuple[str, ...]] = [
     # JAX compatibility; names and validation shared with the launcher; host buffers.
     ("tpustrat._src.jax_compat", "tpustrat._src.names", "tpustrat._src.validation", "tpustrat._src.host_memory",
-     "tpustrat._src.watchdog"),
+     "tpustrat._src.watchdog", "tpustrat._src.termination_notice"),
     # Values and the reduce op.
     ("tpustrat._src.values", "tpustrat._src.reduce_op"),
     # The context: thread-local state only.
@@ -23,12 +23,13 @@ LAYERS: list[tuple[str, ...]] = [
     # Collectives and reductions.
     ("tpustrat._src.collectives", "tpustrat._src.all_reduce", "tpustrat._src.reduce"),
     # The engine (a mesh and a replica count), and the logical-core annotations it honours.
-    ("tpustrat._src.logical", "tpustrat._src.logical_interpreter", "tpustrat._src.engine"),
+    ("tpustrat._src.logical", "tpustrat._src.logical_interpreter", "tpustrat._src.batch_rows", "tpustrat._src.engine"),
     # Input, and the stacked-steps layout it shares with multistep.
     ("tpustrat._src.steps", "tpustrat._src.input"),
     # Multistep; cross-device ops; the cluster and its topology.
     ("tpustrat._src.multistep", "tpustrat._src.cross_device", "tpustrat._src.distributed",
-     "tpustrat._src.cluster_resolver", "tpustrat._src.topology"),
+     "tpustrat._src.cluster_resolver", "tpustrat._src.slurm_cluster_resolver",
+     "tpustrat._src.tfconfig_cluster_resolver", "tpustrat._src.topology"),
     # Strategies.
     ("tpustrat._src.strategy", "tpustrat._src.mirrored_strategy"),
     # State beyond the loop: checkpoint, the preemption handler that saves through it, sharded embeddings.

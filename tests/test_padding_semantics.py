@@ -1,11 +1,13 @@
 """Which rows of a step's outputs are padding: the rule behind reduce, gather and local results.
 
 A partial global batch is padded to the usual per-replica size ``k`` (XLA needs static shapes). Padding is
-skipped only where the user has said which axis is the batch: ``reduce(op, v, axis=0)``,
-``gather(v, axis=0)``, or `tpustrat.per_example` inside the step. Everything else sees every replica's
-component whole, as TF does: ``axis=None`` never drops data.
+skipped only where the user has said which axis is the batch: ``reduce(op, v, axis=0)`` and
+``gather(v, axis=0)`` of an output whose axis 0 the step's program shows to hold a batch's rows, or
+`tpustrat.per_example` inside the step. Everything else sees every replica's component whole, as TF does:
+``axis=None`` never drops data, and a size that merely equals ``k`` means nothing.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,7 +85,11 @@ def test_per_example_marks_an_output_whose_rows_are_the_batchs(strategy):
   out, stat = strategy.run(step, args=(batch,))
   real = x * 2.0
   assert repr(out) == "PerReplica(num_replicas=8, component=float32[2, 3], padded)"
-  assert repr(stat) == "PerReplica(num_replicas=8, component=float32[2, 3], axis 0: a padded batch's rows)"
+  # The statistic has k = 2 rows too, but its rows are not the batch's (the step's program shows it):
+  # nothing about padding follows it, not even along axis 0.
+  assert repr(stat) == "PerReplica(num_replicas=8, component=float32[2, 3])"
+  np.testing.assert_array_equal(strategy.gather(stat, axis=0),
+                                np.concatenate([np.full((2, 3), r + 1.0) for r in range(N)]))
   # Marked: local results hold only the real rows, and axis=None leaves padding out.
   got = components(strategy, out)
   assert [c.shape for c in got] == [(2, 3)] * 6 + [(0, 3)] * 2
@@ -179,3 +185,176 @@ def test_public_submodules_need_no_import():
 def test_per_replica_values_built_by_hand_are_whole(strategy):
   v = PerReplica([np.full((2,), r, np.float32) for r in range(N)])
   np.testing.assert_array_equal(strategy.reduce("SUM", v, axis=None), np.full((2,), sum(range(N))))
+
+
+# -- several batches in one step: each keeps its own counts --------------------------------------------
+
+
+def two_batches(strategy, rows_a=16, rows_b=12, cols=3):
+  """Batch A (16 rows: k = 2, all real) and batch B (12 rows: k = 2, replicas 6 and 7 padding only), each
+  from its own distributed dataset."""
+  rng = np.random.default_rng(1)
+  a = rng.normal(size=(rows_a, cols)).astype(np.float32)
+  b = rng.normal(size=(rows_b, cols)).astype(np.float32)
+  return a, b, (next(iter(strategy.experimental_distribute_dataset([a]))),
+                next(iter(strategy.experimental_distribute_dataset([b]))))
+
+
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_two_batches_of_one_size_keep_their_own_padding(strategy, order):
+  a, b, (da, db) = two_batches(strategy)
+  x, y = (da, db) if order == "ab" else (db, da)
+  host_x, host_y = (a, b) if order == "ab" else (b, a)
+
+  def step(x, y):
+    return (tpustrat.num_valid_examples(x)[None], tpustrat.num_valid_examples(y)[None],
+            jnp.sum(tpustrat.valid_mask(y)).astype(jnp.int32)[None],
+            tpustrat.per_example(x * 2.0), tpustrat.per_example(y * 3.0), x.sum(axis=1), y.sum(axis=1))
+
+  nx, ny, my, px, py, sx, sy = strategy.run(step, args=(x, y))
+  assert int(strategy.reduce("SUM", nx, axis=None)[0]) == len(host_x)
+  assert int(strategy.reduce("SUM", ny, axis=None)[0]) == len(host_y)
+  assert int(strategy.reduce("SUM", my, axis=None)[0]) == len(host_y)
+  np.testing.assert_array_equal(strategy.gather(px, axis=0), host_x * 2.0)
+  np.testing.assert_array_equal(strategy.gather(py, axis=0), host_y * 3.0)
+  # Unmarked outputs traced to their batch: axis 0 skips that batch's padding, and only that batch's.
+  np.testing.assert_allclose(strategy.gather(sx, axis=0), host_x.sum(axis=1), rtol=1e-6, atol=1e-5)
+  np.testing.assert_allclose(strategy.gather(sy, axis=0), host_y.sum(axis=1), rtol=1e-6, atol=1e-5)
+  np.testing.assert_allclose(strategy.reduce("MEAN", sy, axis=0), host_y.sum(axis=1).mean(), rtol=1e-5,
+                             atol=1e-5 * np.abs(host_y).sum())
+
+
+def test_a_per_example_output_fed_back_beside_a_fresh_batch_keeps_its_counts(strategy):
+  a, b, (da, db) = two_batches(strategy)
+  marked = strategy.run(lambda v: tpustrat.per_example(v * 1.0), args=(db,))  # 12 rows of B
+
+  def step(prev, fresh):
+    return (tpustrat.num_valid_examples(prev)[None], tpustrat.num_valid_examples(fresh)[None],
+            tpustrat.per_example(prev + 1.0), tpustrat.per_example(fresh - 1.0))
+
+  n_prev, n_fresh, p, f = strategy.run(step, args=(marked, da))
+  assert int(strategy.reduce("SUM", n_prev, axis=None)[0]) == 12
+  assert int(strategy.reduce("SUM", n_fresh, axis=None)[0]) == 16
+  np.testing.assert_array_equal(strategy.gather(p, axis=0), b + 1.0)
+  np.testing.assert_array_equal(strategy.gather(f, axis=0), a - 1.0)
+
+
+def test_the_leaves_of_one_dataset_element_are_one_batch(strategy):
+  x = np.arange(12 * 3, dtype=np.float32).reshape(12, 3)
+  y = np.arange(12, dtype=np.int32)
+  batch = next(iter(strategy.experimental_distribute_dataset([{"x": x, "y": y}])))
+  # valid_mask() without an argument: one batch, although it reaches run as two PerReplica leaves.
+  out = strategy.run(lambda b: jnp.sum(tpustrat.valid_mask()).astype(jnp.int32)[None], args=(batch,))
+  assert int(strategy.reduce("SUM", out, axis=None)[0]) == 12
+  # An output computed from both leaves holds the rows of that one batch.
+  combined = strategy.run(lambda b: b["x"].sum(axis=1) + b["y"], args=(batch,))
+  np.testing.assert_allclose(strategy.gather(combined, axis=0), x.sum(axis=1) + y, rtol=1e-6)
+
+
+def test_which_batch_cannot_be_told_from_a_size_shared_by_two_batches(strategy):
+  _, b, (da, db) = two_batches(strategy)
+  with pytest.raises(ValueError, match=r"valid_mask\(x\).*several padded batches.*size 2"):
+    strategy.run(lambda x, y: tpustrat.valid_mask(jnp.zeros((2,))), args=(da, db))
+  with pytest.raises(ValueError, match=r"valid_mask\(\) without an argument.*found 2"):
+    strategy.run(lambda x, y: tpustrat.valid_mask(), args=(da, db))
+  # A marked output that combines the rows of both batches: per_example needs to be told whose rows.
+  with pytest.raises(ValueError, match=r"per_example: the output at <root>.*cannot be traced.*batch="):
+    strategy.run(lambda x, y: tpustrat.per_example(x + y), args=(da, db))
+  out = strategy.run(lambda x, y: tpustrat.per_example(x + y, batch=y), args=(da, db))
+  assert [c.shape[0] for c in out.values] == [2] * 6 + [0] * 2
+  with pytest.raises(ValueError, match=r"per_example\(tree, batch=...\).*not one of the padded batches"):
+    strategy.run(lambda x, y: tpustrat.per_example(x + y, batch=jnp.zeros((2, 3))), args=(da, db))
+  assert b.shape == (12, 3)
+
+
+# -- a shape coincidence is not a batch's rows -------------------------------------------------------
+
+
+def test_a_statistic_with_the_batchs_size_is_whole_along_axis_0(strategy):
+  x, batch = partial_batch(strategy)  # k = 2; replicas 6 and 7 hold padding only
+
+  def step(v):
+    stat = jnp.stack([jnp.sum(v), jnp.max(v)])  # a per-replica [2] statistic, not per-example
+    return stat, v.mean(axis=0)[:2], jnp.sort(v, axis=0)
+
+  stat, firsts, sorted_rows = strategy.run(step, args=(batch,))
+  padded = np.zeros((16, 3), np.float32)
+  padded[:12] = x
+  comps = padded.reshape(N, 2, 3)
+  want = np.concatenate([np.stack([c.sum(), c.max()]) for c in comps])
+  np.testing.assert_allclose(strategy.gather(stat, axis=0), want, rtol=1e-6, atol=1e-5)
+  np.testing.assert_allclose(strategy.reduce("SUM", stat, axis=0), want.sum(), rtol=1e-5,
+                             atol=1e-5 * np.abs(want).sum())
+  np.testing.assert_allclose(strategy.gather(firsts, axis=0), np.concatenate([c.mean(0)[:2] for c in comps]),
+                             rtol=1e-6, atol=1e-6)
+  assert strategy.gather(sorted_rows, axis=0).shape == (16, 3)  # rows moved along axis 0: not the batch's
+
+
+def test_rows_are_traced_through_a_model(strategy):
+  x, batch = partial_batch(strategy, rows=13, cols=4)  # k = 2
+  w1 = np.random.default_rng(3).normal(size=(4, 5)).astype(np.float32)
+  w2 = np.random.default_rng(4).normal(size=(5, 3)).astype(np.float32)
+
+  def step(v, w1, w2):
+    h = jax.nn.relu(v @ w1)
+    logits = jax.nn.log_softmax(jnp.transpose(h.reshape(2, 5, 1), (0, 2, 1))[:, 0] @ w2, axis=-1)
+    return jax.jit(lambda z: z * 1.0)(logits), jax.lax.stop_gradient(logits).argmax(axis=1)
+
+  logits, labels = strategy.run(step, args=(batch, w1, w2))
+  h = np.maximum(x @ w1, 0) @ w2
+  want = h - np.log(np.exp(h - h.max(1, keepdims=True)).sum(1, keepdims=True)) - h.max(1, keepdims=True)
+  np.testing.assert_allclose(strategy.gather(logits, axis=0), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+  np.testing.assert_array_equal(strategy.gather(labels, axis=0), want.argmax(axis=1))
+
+
+def test_rows_through_an_untraced_operation_warn_and_say_what_happens(strategy):
+  x, batch = partial_batch(strategy)
+
+  def step(v):
+    return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] + 1.0, c[1] + 1), (v[:, 0], 0))[0]
+
+  with pytest.warns(tpustrat.BatchRowsWarning, match=r"output at <root>.*`while`.*skip the padding.*per_example"):
+    out = strategy.run(step, args=(batch,))
+  np.testing.assert_allclose(strategy.gather(out, axis=0), x[:, 0] + 3.0, rtol=1e-6)
+
+
+def test_run_steps_keeps_one_batch_per_dataset_element(strategy):
+  x = np.arange(20 * 3, dtype=np.float32).reshape(20, 3)
+  y = np.arange(20, dtype=np.int32)
+  it = iter(strategy.experimental_distribute_dataset(
+      tpustrat.experimental_make_numpy_dataset({"x": x, "y": y}).batch(16)
+      if hasattr(tpustrat, "experimental_make_numpy_dataset")
+      else strategy.experimental_make_numpy_dataset({"x": x, "y": y}).batch(16)))
+
+  def step(total, b):
+    n = tpustrat.get_replica_context().all_reduce("sum", jnp.sum(tpustrat.valid_mask()).astype(jnp.int32))
+    return total + n, tpustrat.per_example(b["x"].sum(axis=1) + b["y"])
+
+  total, outs = strategy.experimental_run_steps(step, it, steps=2, init=jnp.int32(0))
+  assert int(np.asarray(total.values[0] if isinstance(total, Mirrored) else total)) == 20
+  got = [strategy.gather(o, axis=0) for o in tpustrat.unstack_steps(outs)]
+  np.testing.assert_allclose(np.concatenate(got), x.sum(axis=1) + y, rtol=1e-6)
+
+
+def test_run_inside_jit_keeps_one_batch_per_dataset_element_and_datasets_apart(strategy):
+  a, b, (da, db) = two_batches(strategy)
+  y = np.arange(12, dtype=np.int32)
+  element = next(iter(strategy.experimental_distribute_dataset([{"x": b, "y": y}])))
+
+  @jax.jit
+  def outer(e, other):
+    def step(e, other):
+      n = tpustrat.num_valid_examples(e["x"])
+      return n[None], tpustrat.num_valid_examples(other)[None], tpustrat.per_example(e["x"].sum(1) + e["y"])
+    return strategy.run(step, args=(e, other))
+
+  n_e, n_other, rows = outer(element, da)
+  assert int(strategy.reduce("SUM", n_e, axis=None)[0]) == 12
+  assert int(strategy.reduce("SUM", n_other, axis=None)[0]) == 16
+  np.testing.assert_allclose(strategy.gather(rows, axis=0), b.sum(1) + y, rtol=1e-6)
+
+  @jax.jit
+  def no_argument(e):
+    return strategy.run(lambda e: jnp.sum(tpustrat.valid_mask()).astype(jnp.int32)[None], args=(e,))
+
+  assert int(strategy.reduce("SUM", no_argument(element), axis=None)[0]) == 12

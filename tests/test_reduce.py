@@ -202,3 +202,49 @@ def test_values_from_function_rejects_mismatched_dtypes(strategy):
   with pytest.raises(ValueError, match="dtype int32 for replica 1 but float32 for replica 0"):
     strategy.experimental_distribute_values_from_function(
         lambda ctx: np.float32(1) if ctx.replica_id_in_sync_group == 0 else np.int32(1))
+
+
+# -- integer MEAN: summed without wrapping around ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,values", [
+    (np.int32, [2**28] * 8),  # the int32 sum is 2**31: it used to wrap to -2**31
+    (np.int32, [2**30 + r for r in range(8)]),
+    (np.int32, [-(2**31) + r for r in range(8)]),
+    (np.uint32, [2**32 - 1 - r for r in range(8)]),
+    (np.int16, [2**14 + r for r in range(8)]),
+])
+def test_integer_mean_does_not_overflow(strategy, dtype, values):
+  v = strategy.experimental_distribute_values_from_function(
+      lambda ctx: np.full((3,), values[ctx.replica_id_in_sync_group], dtype))
+  want = np.mean(np.asarray(values, np.float64))
+  for axis in (None, 0):
+    got = np.asarray(strategy.reduce("MEAN", v, axis=axis), np.float64)
+    np.testing.assert_allclose(got, want, rtol=2 * np.finfo(np.float32).eps)
+
+
+def test_integer_mean_of_a_padded_batch_does_not_overflow(strategy):
+  rows = np.full((12,), 2**29, np.int32) + np.arange(12, dtype=np.int32)
+  batch = next(iter(strategy.experimental_distribute_dataset([rows])))
+  want = np.mean(rows.astype(np.float64))
+  for axis in (None, 0):
+    got = np.asarray(strategy.reduce("MEAN", batch, axis=axis), np.float64)
+    np.testing.assert_allclose(got, want, rtol=2 * np.finfo(np.float32).eps)
+
+
+def test_integer_mean_of_a_mirrored_value_is_the_value(strategy):
+  ctx = tpustrat.get_replica_context
+  m = strategy.run(lambda: ctx().all_reduce("sum", jnp.int32(2**27) + 0 * ctx().replica_id_in_sync_group))
+  assert isinstance(m, tpustrat.Mirrored)
+  np.testing.assert_allclose(np.asarray(strategy.reduce("MEAN", m, axis=None), np.float64), 2**30,
+                             rtol=2 * np.finfo(np.float32).eps)
+
+
+def test_integer_mean_over_many_elements_is_exact_to_float32(strategy):
+  # More elements than one exact int32 chunk of 16-bit halves holds (2**15): chunks are added in float32.
+  n = 3 * 2**15 + 5
+  v = strategy.experimental_distribute_values_from_function(
+      lambda ctx: (np.arange(n, dtype=np.int64) * 7919 % 2**31).astype(np.int32) - ctx.replica_id_in_sync_group)
+  host = np.stack([(np.arange(n, dtype=np.int64) * 7919 % 2**31) - r for r in range(8)]).astype(np.float64)
+  np.testing.assert_allclose(np.asarray(strategy.reduce("MEAN", v, axis=0), np.float64), host.mean(),
+                             rtol=4 * np.finfo(np.float32).eps)

@@ -80,3 +80,49 @@ def test_repr_of_values_whose_leaves_are_not_arrays():
   assert "PerReplica(" in text and "Mirrored(" in text and "(8, 3)" in text and "(3,)" in text
   assert repr(per_replica) == "PerReplica(num_replicas=8, component=float32[3])"
   assert repr(mirrored) == "Mirrored(float32[3])"
+
+
+# -- 64-bit host integers without jax_enable_x64, and PerReplica dtypes -------------------------------
+
+BIG = 3_000_000_000
+
+
+def test_values_from_function_raises_on_int64_beyond_int32_naming_the_replica(strategy):
+  assert not jax.config.jax_enable_x64
+
+  def value_fn(ctx):
+    r = ctx.replica_id_in_sync_group
+    return {"ids": np.array([r, BIG if r == 5 else r], np.int64), "w": np.float32(r)}
+
+  with pytest.raises(OverflowError, match=(
+      r"^experimental_distribute_values_from_function: value_fn's value for replica 5 at \['ids'\] is int64 and "
+      rf"holds {BIG} at index \(1,\), outside the int32 range")):
+    strategy.experimental_distribute_values_from_function(value_fn)
+  ok = strategy.experimental_distribute_values_from_function(
+      lambda ctx: np.array([2**31 - 1 - ctx.replica_id_in_sync_group], np.int64))
+  np.testing.assert_array_equal(np.stack([np.asarray(v) for v in ok.values]),
+                                (2**31 - 1 - np.arange(8))[:, None].astype(np.int32))
+
+
+def test_experimental_mirror_and_run_steps_raise_on_int64_beyond_int32(strategy):
+  with pytest.raises(OverflowError, match=r"the value given to experimental_mirror .* at \['step'\] is int64 and holds 3000000000"):
+    strategy.experimental_mirror({"w": np.ones(2, np.float32), "step": np.int64(BIG)})
+  stacked = {"ids": np.full((3, 8, 2), BIG, np.int64)}  # 3 steps, stacked host batches
+  with pytest.raises(OverflowError, match=r"^experimental_run_steps: the stacked batches at \['ids'\] is int64"):
+    strategy.experimental_run_steps(lambda c, b: (c, b["ids"]), stacked, init=np.float32(0))
+
+
+def test_per_replica_components_of_different_dtypes_raise(strategy):
+  with pytest.raises(ValueError, match=(
+      r"^PerReplica components must share one dtype .* the leaf at \['b'\] is float32 in components 0, 1, 2, 3, "
+      r"5, 6, 7; int32 in component 4\.")):
+    tpustrat.PerReplica([{"a": np.zeros(2, np.int32), "b": np.float32(1) if r != 4 else np.int32(1)} for r in range(8)])
+  with pytest.raises(ValueError, match=r"is float32 in components 0, 1, 2, 3; bfloat16 in components 4, 5, 6, 7\."):
+    tpustrat.PerReplica([jax.numpy.zeros(2, jax.numpy.float32)] * 4 + [jax.numpy.zeros(2, jax.numpy.bfloat16)] * 4)
+  with pytest.raises(OverflowError, match=rf"^PerReplica: component 3, the leaf at <root>, is int64 and holds {BIG}"):
+    tpustrat.PerReplica([np.int64(BIG if r == 3 else r) for r in range(8)])
+  # float64 is float32 on the devices without x64 (as in JAX): those components agree there.
+  mixed = tpustrat.PerReplica([np.float64(r / 3) if r % 2 else np.float32(r / 3) for r in range(8)])
+  np.testing.assert_array_equal(np.stack([np.asarray(v) for v in mixed.values]), (np.arange(8) / 3).astype(np.float32))
+  out = strategy.run(lambda v: v * 2, args=(mixed,))
+  np.testing.assert_array_equal(np.stack([np.asarray(v) for v in out.values]), (np.arange(8) / 3).astype(np.float32) * 2)

@@ -10,6 +10,7 @@ from tpustrat import checkpoint as checkpoint  # orbax itself is imported on fir
 from tpustrat import cluster_resolver as cluster_resolver
 from tpustrat import embedding as embedding
 from tpustrat import ops as ops
+from tpustrat._src.batch_rows import BatchRowsWarning as BatchRowsWarning
 from tpustrat._src.cluster_resolver import experimental_connect_to_cluster as experimental_connect_to_cluster
 from tpustrat._src.cluster_resolver import initialize_tpu_system as initialize_tpu_system
 from tpustrat._src.collectives import AlreadyReplicatedWarning as AlreadyReplicatedWarning
@@ -55,6 +56,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AllReduceCrossDeviceOps",
     "AlreadyReplicatedWarning",
+    "BatchRowsWarning",
     "CommunicationImplementation",
     "CommunicationOptions",
     "CrossDeviceOps",

@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from tpustrat._src import jax_compat
 from tpustrat._src.jax_compat import varying_axes
 
 __all__ = [
@@ -258,7 +259,8 @@ def as_replicated(algorithm: Callable[[list[jax.Array]], list[jax.Array]], piece
 
 
 def to_varying(x: jax.Array, axis: str) -> jax.Array:
-  return x if axis in varying_axes(x) else lax.pcast(x, axis, to="varying")
+  """`x` typed as varying over `axis` (`jax_compat.to_varying`): an all-reduce's input is a local value."""
+  return jax_compat.to_varying(x, axis)
 
 
 def divide_by(x: jax.Array, n: int) -> jax.Array:

@@ -5,11 +5,18 @@ TF finds its TPUs through a cluster resolver, connects to them (`tf.config.exper
 and initialises the TPU system, which returns a `Topology` (`tpustrat._src.topology`). tpustrat keeps those
 names and meanings:
 
+* `ClusterResolver` is the base of every resolver (TF's `tf.distribute.cluster_resolver.ClusterResolver`):
+  what `experimental_connect_to_cluster` reads from one (`coordinator_address`, `num_processes`,
+  `process_id`, `local_device_ids`, the timeouts of JAX's distributed runtime and the step timeout),
+  whatever the resolver reads it from. `ClusterSpec` is TF's job-name-to-addresses map, without protos.
 * `TPUClusterResolver` describes the processes of a job. One process (a laptop, a GPU box, a single TPU
   VM) needs nothing. For several processes it takes a coordinator address, a process count and a process
   id (arguments, or the environment variables ``TPUSTRAT_COORDINATOR_ADDRESS``,
   ``TPUSTRAT_NUM_PROCESSES``, ``TPUSTRAT_PROCESS_ID``, ``TPUSTRAT_LOCAL_DEVICE_IDS``); on a multi-host
   Cloud TPU slice it asks JAX's own TPU cluster detection.
+* `SlurmClusterResolver` (`tpustrat._src.slurm_cluster_resolver`) and `TFConfigClusterResolver`
+  (`tpustrat._src.tfconfig_cluster_resolver`) read a Slurm job step's variables and ``TF_CONFIG``; they
+  are opt-in, as in TF: nothing detects Slurm or ``TF_CONFIG`` unless one of them is constructed.
 * `experimental_connect_to_cluster` starts JAX's distributed runtime (`jax.distributed.initialize`) when
   more than one process is involved; for one process it does nothing. Calling it again is a no-op.
 * `initialize_tpu_system` returns the `Topology` of every device of the job. On TPU it is built from the
@@ -37,6 +44,8 @@ from tpustrat._src import names, validation, watchdog
 from tpustrat._src.topology import Topology, topology_of_devices
 
 __all__ = [
+    "ClusterResolver",
+    "ClusterSpec",
     "TPUClusterResolver",
     "connect_from_environment",
     "experimental_connect_to_cluster",
@@ -55,10 +64,18 @@ def _is_loopback(host: str) -> bool:
   return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
-def _check_address(value: Any, what: str) -> str:
+def _check_address(value: Any, what: str, where: str = _WHERE) -> str:
   if not isinstance(value, str) or ":" not in value:
-    raise ValueError(f"TPUClusterResolver: {what} must be a 'host:port' string, got {value!r}.")
+    raise ValueError(f"{where}: {what} must be a 'host:port' string, got {value!r}.")
   return value
+
+
+def is_address(value: Any) -> bool:
+  """Whether `value` is a ``host:port`` string with a non-empty host and a port in [0, 65535]."""
+  if not isinstance(value, str):
+    return False
+  host, sep, port = value.rpartition(":")
+  return bool(sep and host.strip("[]") and port.isdigit() and int(port) <= 65535)
 
 
 def _check_ids(value: Any) -> list[int]:
@@ -70,7 +87,7 @@ def _check_ids(value: Any) -> list[int]:
   return [validation.check_int(v, _WHERE, f"local_device_ids[{i}]", minimum=0) for i, v in enumerate(value)]
 
 
-def _env_int(name: str, minimum: int) -> int | None:
+def _env_int(name: str, minimum: int, where: str = _WHERE) -> int | None:
   text = os.environ.get(name, "").strip()
   if not text:
     return None
@@ -79,7 +96,7 @@ def _env_int(name: str, minimum: int) -> int | None:
   except ValueError:
     value = None
   if value is None or value < minimum:
-    raise ValueError(f"TPUClusterResolver: environment variable {name}={text!r} must be an int >= {minimum}.")
+    raise ValueError(f"{where}: environment variable {name}={text!r} must be an int >= {minimum}.")
   return value
 
 
@@ -117,7 +134,213 @@ def _detect_cluster() -> tuple[str | None, int, int] | None:
     return None
 
 
-class TPUClusterResolver:
+class ClusterSpec:
+  """Job names and their tasks' ``host:port`` addresses: TF's `tf.train.ClusterSpec`, without protos.
+
+  `SlurmClusterResolver.cluster_spec` and `TFConfigClusterResolver.cluster_spec` return one. It has TF's
+  read-only queries (`jobs`, `num_tasks`, `task_indices`, `task_address`, `job_tasks`, `as_dict`) and
+  compares equal to another `ClusterSpec` with the same jobs and tasks. It has no `as_cluster_def`: there
+  is no TF server to give a proto to. tpustrat's connection never reads it: `experimental_connect_to_cluster`
+  uses the resolver's `coordinator_address` (the first task's address), `num_processes` and `process_id`.
+
+  Args:
+    cluster: ``{job name: [address, ...]}`` (task ``i`` at position ``i``) or ``{job name: {index:
+      address}}`` (sparse, as TF allows; indices may be ints or decimal strings, as JSON writes them), or
+      a `ClusterSpec`.
+
+  >>> spec = ClusterSpec({"worker": ["w0:2222", "w1:2222"], "chief": ["c:2222"]})
+  >>> spec.jobs, spec.num_tasks("worker"), spec.task_address("worker", 1)
+  (['chief', 'worker'], 2, 'w1:2222')
+  >>> spec.as_dict()
+  {'chief': ['c:2222'], 'worker': ['w0:2222', 'w1:2222']}
+  """
+
+  def __init__(self, cluster: Any) -> None:
+    if isinstance(cluster, ClusterSpec):
+      self._jobs: dict[str, dict[int, str]] = {job: dict(tasks) for job, tasks in cluster._jobs.items()}
+      return
+    if not isinstance(cluster, dict):
+      raise TypeError(f"ClusterSpec: expected a dict {{job name: [address, ...]}}, got {cluster!r:.200}.")
+    self._jobs = {}
+    for job, tasks in cluster.items():
+      if not isinstance(job, str) or not job:
+        raise ValueError(f"ClusterSpec: job names must be non-empty strings, got {job!r}.")
+      if isinstance(tasks, dict):
+        items = []
+        for index, address in tasks.items():
+          if isinstance(index, str) and index.isdigit():
+            index = int(index)
+          if not validation.is_int(index) or index < 0:
+            raise ValueError(f"ClusterSpec: job {job!r} has a task index {index!r}; expected an int >= 0.")
+          items.append((int(index), address))
+      elif isinstance(tasks, (list, tuple)):
+        items = list(enumerate(tasks))
+      else:
+        raise ValueError(
+            f"ClusterSpec: job {job!r} must map to a list of 'host:port' addresses (or a dict "
+            f"{{task index: address}}), got {tasks!r:.200}.")
+      for index, address in items:
+        if not is_address(address):
+          raise ValueError(
+              f"ClusterSpec: task {index} of job {job!r} must be a 'host:port' address, got {address!r}.")
+      if len({index for index, _ in items}) != len(items):
+        raise ValueError(f"ClusterSpec: job {job!r} names a task index twice: {tasks!r:.200}.")
+      self._jobs[job] = dict(sorted(items))
+
+  @property
+  def jobs(self) -> list[str]:
+    """The job names, sorted (as TF's `ClusterSpec.jobs`)."""
+    return sorted(self._jobs)
+
+  def _job(self, job_name: str) -> dict[int, str]:
+    try:
+      return self._jobs[job_name]
+    except KeyError:
+      raise ValueError(f"No such job in cluster: {job_name!r}") from None
+
+  def num_tasks(self, job_name: str) -> int:
+    """The number of tasks of `job_name`."""
+    return len(self._job(job_name))
+
+  def task_indices(self, job_name: str) -> list[int]:
+    """The task indices of `job_name`, sorted."""
+    return list(self._job(job_name))
+
+  def task_address(self, job_name: str, task_index: int) -> str:
+    """The ``host:port`` of task `task_index` of `job_name` (a `ValueError` if there is no such task)."""
+    try:
+      return self._job(job_name)[task_index]
+    except KeyError:
+      raise ValueError(f"No task with index {task_index!r} in job {job_name!r}") from None
+
+  def job_tasks(self, job_name: str) -> list[str | None]:
+    """The addresses of `job_name`'s tasks, by index, with None where a sparse job has no task."""
+    tasks = self._job(job_name)
+    if not tasks:
+      return []
+    return [tasks.get(i) for i in range(max(tasks) + 1)]
+
+  def as_dict(self) -> dict[str, list[str] | dict[int, str]]:
+    """``{job: [addresses]}``, or ``{job: {index: address}}`` for a sparse job (as TF's `as_dict`)."""
+    out: dict[str, list[str] | dict[int, str]] = {}
+    for job in self.jobs:
+      tasks = self._jobs[job]
+      out[job] = list(tasks.values()) if list(tasks) == list(range(len(tasks))) else dict(tasks)
+    return out
+
+  def __bool__(self) -> bool:
+    return bool(self._jobs)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, ClusterSpec) and self._jobs == other._jobs
+
+  def __hash__(self) -> int:
+    return hash(tuple((job, tuple(tasks.items())) for job, tasks in sorted(self._jobs.items())))
+
+  def __repr__(self) -> str:
+    return f"ClusterSpec({self.as_dict()!r})"
+
+
+class ClusterResolver:
+  """The base of tpustrat's cluster resolvers (TF's `tf.distribute.cluster_resolver.ClusterResolver`).
+
+  A resolver says what `experimental_connect_to_cluster` (and so ``TPUStrategy(resolver)``) hands to
+  `jax.distributed.initialize`: the coordinator's ``host:port`` (process 0 runs it), the number of
+  processes, this process's id and, optionally, the devices this process uses. Each subclass reads them
+  from somewhere else (`TPUClusterResolver`: arguments, ``TPUSTRAT_*`` variables or a Cloud TPU slice;
+  `SlurmClusterResolver`: a Slurm job step; `TFConfigClusterResolver`: ``TF_CONFIG``) and implements
+  `_resolve`; the connection code reads only the properties below, so it treats every resolver alike.
+
+  The keyword-only arguments set how the processes watch each other (seconds; when an argument is None,
+  the variable in brackets, else JAX's default): ``initialization_timeout``
+  [``TPUSTRAT_INITIALIZATION_TIMEOUT``; 300], ``heartbeat_timeout`` [``TPUSTRAT_HEARTBEAT_TIMEOUT``; 100],
+  ``shutdown_timeout`` [``TPUSTRAT_SHUTDOWN_TIMEOUT``; 300], ``coordinator_bind_address``
+  [``TPUSTRAT_COORDINATOR_BIND_ADDRESS`` or ``JAX_COORDINATOR_BIND_ADDRESS``; the coordinator address
+  itself when it is a loopback address, else every interface] and ``step_timeout``
+  [``TPUSTRAT_STEP_TIMEOUT``; off]; `TPUClusterResolver` describes each.
+  """
+
+  def __init__(self, *, coordinator_bind_address: str | None = None, initialization_timeout: int | None = None,
+               heartbeat_timeout: int | None = None, shutdown_timeout: int | None = None,
+               step_timeout: float | None = None) -> None:
+    where = type(self).__name__
+    self._bind_address = (None if coordinator_bind_address is None
+                          else _check_address(coordinator_bind_address, "coordinator_bind_address", where))
+    timeouts = (("initialization_timeout", initialization_timeout), ("heartbeat_timeout", heartbeat_timeout),
+                ("shutdown_timeout", shutdown_timeout))
+    self._timeouts = {name: None if value is None else validation.check_int(value, where, name, minimum=1)
+                      for name, value in timeouts}
+    self._step_timeout = None if step_timeout is None else watchdog.check_timeout(step_timeout, where)
+
+  def _resolve(self) -> tuple[str | None, int, int, list[int] | None]:
+    """(coordinator address, process count, process id, local device ids); each subclass says how."""
+    raise NotImplementedError(f"{type(self).__name__} does not implement _resolve.")
+
+  def _runtime_options(self) -> dict[str, Any]:
+    """Keyword arguments of `jax.distributed.initialize` beyond the cluster's shape: timeouts, bind address."""
+    where = type(self).__name__
+    timeouts = {}
+    for name, env in (("initialization_timeout", names.ENV_INITIALIZATION_TIMEOUT),
+                      ("heartbeat_timeout", names.ENV_HEARTBEAT_TIMEOUT),
+                      ("shutdown_timeout", names.ENV_SHUTDOWN_TIMEOUT)):
+      value = self._timeouts[name]
+      if value is None:
+        value = _env_int(env, 1, where)
+      timeouts[name] = _DEFAULT_TIMEOUTS[name] if value is None else value
+    bind = (self._bind_address or os.environ.get(names.ENV_COORDINATOR_BIND_ADDRESS, "").strip()
+            or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").strip() or None)
+    if bind is None:
+      coordinator = self._resolve()[0]
+      if coordinator and _is_loopback(coordinator.rsplit(":", 1)[0]):
+        bind = coordinator
+    else:
+      _check_address(bind, f"the coordinator bind address (from {names.ENV_COORDINATOR_BIND_ADDRESS} or "
+                     "JAX_COORDINATOR_BIND_ADDRESS)", where)
+    return {"coordinator_bind_address": bind, **timeouts}
+
+  @property
+  def step_timeout(self) -> float | None:
+    """Seconds a step may wait for its peers before the job is stopped (None: no step watchdog); the
+    argument, else ``TPUSTRAT_STEP_TIMEOUT``."""
+    if self._step_timeout is not None:
+      return self._step_timeout
+    return watchdog.timeout_from_environment()
+
+  @property
+  def coordinator_address(self) -> str | None:
+    """``host:port`` of the coordinator (process 0 runs it), or None for a one-process job without one."""
+    return self._resolve()[0]
+
+  @property
+  def num_processes(self) -> int:
+    """Number of processes in the job."""
+    return self._resolve()[1]
+
+  @property
+  def process_id(self) -> int:
+    """This process's index in the job, ``0 <= process_id < num_processes``."""
+    return self._resolve()[2]
+
+  @property
+  def local_device_ids(self) -> list[int] | None:
+    """The devices this process uses (ids as `jax.distributed.initialize` takes them), or None for all."""
+    return self._resolve()[3]
+
+  @property
+  def environment(self) -> str:
+    """TF's environment string: ``''`` (not a Google-internal environment)."""
+    return ""
+
+  def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
+                       config_proto: Any = None) -> dict[str, int]:
+    """``{'TPU' | 'GPU' | 'CPU': number of devices of this process}`` (starts JAX's backends)."""
+    del task_type, task_id, config_proto
+    devices = jax.local_devices()
+    kind = {"tpu": "TPU", "gpu": "GPU", "cuda": "GPU", "rocm": "GPU"}.get(devices[0].platform, "CPU")
+    return {kind: len(devices)}
+
+
+class TPUClusterResolver(ClusterResolver):
   """Where the job's devices are: this host's, a Cloud TPU slice's, or a multi-process cluster's.
 
   TF's `tf.distribute.cluster_resolver.TPUClusterResolver`. JAX runs on TPU VMs (the accelerators are
@@ -205,13 +428,9 @@ class TPUClusterResolver:
         None if local_device_ids is None else _check_ids(local_device_ids),
     )
     self._resolved: tuple[str | None, int, int, list[int] | None] | None = None
-    self._bind_address = (None if coordinator_bind_address is None
-                          else _check_address(coordinator_bind_address, "coordinator_bind_address"))
-    timeouts = (("initialization_timeout", initialization_timeout), ("heartbeat_timeout", heartbeat_timeout),
-                ("shutdown_timeout", shutdown_timeout))
-    self._timeouts = {name: None if value is None else validation.check_int(value, _WHERE, name, minimum=1)
-                      for name, value in timeouts}
-    self._step_timeout = None if step_timeout is None else watchdog.check_timeout(step_timeout, _WHERE)
+    super().__init__(coordinator_bind_address=coordinator_bind_address,
+                     initialization_timeout=initialization_timeout, heartbeat_timeout=heartbeat_timeout,
+                     shutdown_timeout=shutdown_timeout, step_timeout=step_timeout)
     if self._args[1] is not None and self._args[2] is not None and self._args[2] >= self._args[1]:
       raise ValueError(
           f"TPUClusterResolver: process_id={self._args[2]} is out of range for num_processes="
@@ -249,59 +468,10 @@ class TPUClusterResolver:
     self._resolved = (coordinator, count, index, local)
     return self._resolved
 
-  def _runtime_options(self) -> dict[str, Any]:
-    """Keyword arguments of `jax.distributed.initialize` beyond the cluster's shape: timeouts, bind address."""
-    timeouts = {}
-    for name, env in (("initialization_timeout", names.ENV_INITIALIZATION_TIMEOUT),
-                      ("heartbeat_timeout", names.ENV_HEARTBEAT_TIMEOUT),
-                      ("shutdown_timeout", names.ENV_SHUTDOWN_TIMEOUT)):
-      value = self._timeouts[name]
-      if value is None:
-        value = _env_int(env, 1)
-      timeouts[name] = _DEFAULT_TIMEOUTS[name] if value is None else value
-    bind = (self._bind_address or os.environ.get(names.ENV_COORDINATOR_BIND_ADDRESS, "").strip()
-            or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").strip() or None)
-    if bind is None:
-      coordinator = self._resolve()[0]
-      if coordinator and _is_loopback(coordinator.rsplit(":", 1)[0]):
-        bind = coordinator
-    else:
-      _check_address(bind, f"the coordinator bind address (from {names.ENV_COORDINATOR_BIND_ADDRESS} or "
-                     "JAX_COORDINATOR_BIND_ADDRESS)")
-    return {"coordinator_bind_address": bind, **timeouts}
-
-  @property
-  def step_timeout(self) -> float | None:
-    """Seconds a step may wait for its peers before the job is stopped (None: no step watchdog); the
-    argument, else ``TPUSTRAT_STEP_TIMEOUT``."""
-    if self._step_timeout is not None:
-      return self._step_timeout
-    return watchdog.timeout_from_environment()
-
   @property
   def tpu(self) -> str | None:
     """The `tpu` argument."""
     return self._tpu
-
-  @property
-  def coordinator_address(self) -> str | None:
-    """``host:port`` of the coordinator, or None for a one-process job without one."""
-    return self._resolve()[0]
-
-  @property
-  def num_processes(self) -> int:
-    """Number of processes in the job (1 unless configured or detected)."""
-    return self._resolve()[1]
-
-  @property
-  def process_id(self) -> int:
-    """This process's index in the job."""
-    return self._resolve()[2]
-
-  @property
-  def local_device_ids(self) -> list[int] | None:
-    """The devices this process was told to use, or None for all of them."""
-    return self._resolve()[3]
 
   @property
   def task_type(self) -> str:
@@ -313,11 +483,6 @@ class TPUClusterResolver:
     """TF's task id: this process's index."""
     return self.process_id
 
-  @property
-  def environment(self) -> str:
-    """TF's environment string: always ``''`` (not a Google-internal environment)."""
-    return ""
-
   def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
     """The coordinator's ``host:port`` for a multi-process job, ``''`` for one process (TF: local TPU)."""
     del task_type, task_id, rpc_layer
@@ -325,14 +490,6 @@ class TPUClusterResolver:
     return coordinator if count > 1 else ""
 
   get_master = master
-
-  def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
-                       config_proto: Any = None) -> dict[str, int]:
-    """``{'TPU' | 'GPU' | 'CPU': number of devices of this process}`` (starts JAX's backends)."""
-    del task_type, task_id, config_proto
-    devices = jax.local_devices()
-    kind = {"tpu": "TPU", "gpu": "GPU", "cuda": "GPU", "rocm": "GPU"}.get(devices[0].platform, "CPU")
-    return {kind: len(devices)}
 
   @staticmethod
   def connect(tpu: str | None = None, zone: str | None = None, project: str | None = None) -> TPUClusterResolver:
@@ -350,6 +507,7 @@ class TPUClusterResolver:
 
 
 _CONNECTED: list[tuple[str | None, int, int, Any]] = []  # what experimental_connect_to_cluster started
+_CONNECTED_ONE: list[list[int]] = []  # the local devices a one-process job was restricted to, if any
 
 
 def _backends_initialized() -> bool:
@@ -360,7 +518,21 @@ def _backends_initialized() -> bool:
     return False
 
 
-def experimental_connect_to_cluster(cluster_spec_or_resolver: TPUClusterResolver | None = None,
+def _restrict_local_devices(local: list[int]) -> None:
+  """A one-process job's `local_device_ids`: what `jax.distributed.initialize` does with them for several
+  (JAX's ``jax_cuda_visible_devices`` / ``jax_rocm_visible_devices``; no effect on CPU and TPU)."""
+  if _backends_initialized():
+    raise RuntimeError(
+        f"experimental_connect_to_cluster: the resolver gives this process the devices {local} "
+        "(local_device_ids), which must be chosen before JAX initialises its backends, but they are "
+        "already initialised (something called jax.devices() or ran a computation). Connect first, at the "
+        "top of the program.")
+  visible = ",".join(str(i) for i in local)
+  jax.config.update("jax_cuda_visible_devices", visible)
+  jax.config.update("jax_rocm_visible_devices", visible)
+
+
+def experimental_connect_to_cluster(cluster_spec_or_resolver: ClusterResolver | None = None,
                                     job_name: str = "localhost", task_index: int = 0, protocol: Any = None,
                                     make_master_device_default: bool = True,
                                     cluster_device_filters: Any = None) -> None:
@@ -368,8 +540,13 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver: TPUClusterResolver
 
   With more than one process this calls `jax.distributed.initialize` with the resolver's coordinator
   address, process count, process id, local device ids and timeouts; it must then run before JAX starts
-  its backends (before the first `jax.devices()` or computation). With one process it does nothing.
-  Calling it again with the same cluster is a no-op; with a different one, a `ValueError`.
+  its backends (before the first `jax.devices()` or computation). With one process it starts nothing,
+  but a resolver that names this process's devices (`local_device_ids`, e.g. a one-task Slurm step with
+  ``gpus_per_task`` of the node's GPUs) restricts JAX's GPUs to them as `jax.distributed.initialize`
+  would (then it too must run before the backends start). Calling it again with the same cluster is a
+  no-op; with a different one, a `ValueError`. Any `ClusterResolver` will do (`TPUClusterResolver`,
+  `SlurmClusterResolver`, `TFConfigClusterResolver`): only its `coordinator_address`, `num_processes`,
+  `process_id`, `local_device_ids`, timeouts and `step_timeout` are read.
 
   It returns once every process has connected and JAX's backends are up (with all the job's devices),
   and checks the job on the way (`tpustrat._src.distributed`): a coordinator that cannot be reached
@@ -383,7 +560,7 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver: TPUClusterResolver
   starts the step watchdog, one-process jobs included.
 
   Args:
-    cluster_spec_or_resolver: a `TPUClusterResolver` (None: ``TPUClusterResolver()``).
+    cluster_spec_or_resolver: a `ClusterResolver` (None: ``TPUClusterResolver()``).
     job_name, task_index, protocol, make_master_device_default, cluster_device_filters: accepted for TF
       compatibility; unused (JAX has no remote eager devices).
 
@@ -391,14 +568,17 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver: TPUClusterResolver
   """
   del job_name, task_index, protocol, make_master_device_default, cluster_device_filters
   resolver = cluster_spec_or_resolver if cluster_spec_or_resolver is not None else TPUClusterResolver()
-  if not isinstance(resolver, TPUClusterResolver):
+  if not isinstance(resolver, ClusterResolver):
     raise TypeError(
-        "experimental_connect_to_cluster expects a tpustrat.cluster_resolver.TPUClusterResolver, got "
-        f"{type(resolver).__name__}: {resolver!r:.100}.")
+        "experimental_connect_to_cluster expects a tpustrat.cluster_resolver resolver (TPUClusterResolver, "
+        f"SlurmClusterResolver, TFConfigClusterResolver), got {type(resolver).__name__}: {resolver!r:.100}.")
   coordinator, count, index, local = (resolver.coordinator_address, resolver.num_processes, resolver.process_id,
                                       resolver.local_device_ids)
   step_timeout = resolver.step_timeout
   if count == 1:
+    if local is not None and _CONNECTED_ONE != [local]:
+      _restrict_local_devices(local)
+      _CONNECTED_ONE[:] = [local]
     if step_timeout is not None:
       watchdog.start(step_timeout, process_index=0, process_count=1)
     return
@@ -445,7 +625,7 @@ def connect_from_environment() -> None:
   experimental_connect_to_cluster(TPUClusterResolver())
 
 
-def initialize_tpu_system(cluster_resolver: TPUClusterResolver | None = None) -> Topology:
+def initialize_tpu_system(cluster_resolver: ClusterResolver | None = None) -> Topology:
   """Connects to the cluster if needed and returns the `Topology` of all its devices (TF's
   `tf.tpu.experimental.initialize_tpu_system`).
 

@@ -21,8 +21,13 @@ assignment, `split_count` or dimension is a `ValueError` that quotes the offendi
 Result types follow JAX's varying-axis analysis, which `strategy.run` uses to pick `Mirrored` or
 `PerReplica`: a sum or gather over one group of all replicas is the same everywhere (invariant,
 `Mirrored`); grouped sums and gathers differ between groups (varying, `PerReplica`), and so do
-scatters, all-to-alls and permutes. A grouped sum of a value that is already identical on every replica
-is ``group_size * x`` and stays invariant.
+scatters, all-to-alls and permutes. A grouped result is varying even when the input is the same on every
+replica (a `Mirrored` value: the grouped sum is then ``group_size * x``, still typed varying), so that
+its type, and its gradient, do not depend on the input's type: the gradient w.r.t. a `Mirrored` input of
+a loss computed from a grouped result is summed over the replicas, the same as w.r.t.
+`local_copy(input)`. This holds for grouped SUM and MEAN alike, and matches the grouped `all_gather`,
+`all_to_all`, `reduce_scatter` and `collective_permute`, whose JAX collectives cast an invariant input
+to varying themselves.
 
 Grouped sums
 ------------
@@ -70,7 +75,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
-from tpustrat._src.jax_compat import all_gather_invariant, varying_axes
+from tpustrat._src.jax_compat import all_gather_invariant, to_varying, varying_axes
 from tpustrat._src.reduce_op import ReduceOp
 
 __all__ = ["AlreadyReplicatedWarning", "all_gather", "all_to_all", "collective_permute", "cross_replica_sum",
@@ -245,11 +250,7 @@ def local_copy(value: Any) -> Any:
   if axis is None:
     return value  # one replica: every gradient is already its own
 
-  def one(x: Any) -> jax.Array:
-    x = jnp.asarray(x)
-    return x if axis in varying_axes(x) else lax.pcast(x, axis, to="varying")
-
-  return jax.tree.map(one, value)
+  return jax.tree.map(lambda x: to_varying(x, axis), value)
 
 
 # -- validation ---------------------------------------------------------------------------------------
@@ -475,16 +476,35 @@ def _grouped_psum_varying(x: jax.Array, axis: str, groups: Groups) -> jax.Array:
 
 
 def _grouped_sum(x: jax.Array, axis: str, groups: Groups | None) -> jax.Array:
+  """The sum of `x` over each replica's group: invariant for one group of all replicas, else varying.
+
+  A grouped result is typed varying whatever the input (`run` returns it as `PerReplica`), as JAX types
+  `lax.all_gather` with groups, so its gradient is the same for a value given whole to every replica as
+  for `local_copy` of it: summed over the replicas (see `_grouped_sum_of_invariant`).
+  """
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.int32)  # as lax.psum does
   if groups is None or len(groups) == 1:
     return lax.psum(x, axis)  # one group: the ordinary, invariant all-reduce
-  g = len(groups[0])
-  if g == 1:
-    return x
   if axis not in varying_axes(x):
-    return x * jnp.asarray(g, x.dtype)  # identical inputs: the same on every replica
+    return _grouped_sum_of_invariant(x, axis, len(groups[0]))
+  if len(groups[0]) == 1:
+    return x
   return _grouped_psum_varying(x, axis, groups)
+
+
+def _grouped_sum_of_invariant(x: jax.Array, axis: str, g: int) -> jax.Array:
+  """The grouped sum of a value that is the same on every replica: ``g * x``, typed varying; no collective.
+
+  Equal to casting `x` to varying and summing it within the groups, gradient included: the grouped sum's
+  adjoint gives replica ``s`` the sum of its group's cotangents, and the cast's adjoint sums that over
+  every replica, ``sum_s sum_{r in group(s)} ct_r = g * sum_r ct_r``, which is the adjoint of this product.
+  Typing it invariant instead (the value is the same everywhere) would make the gradient w.r.t. a
+  `Mirrored` `x` count one replica's loss only, differing from `local_copy(x)`'s and from the grouped
+  `all_gather`'s.
+  """
+  x = to_varying(x, axis)
+  return x if g == 1 else x * jnp.asarray(g, x.dtype)
 
 
 def _check_sum_dtype(x: jax.Array, op: str) -> None:
@@ -534,12 +554,13 @@ def cross_replica_sum(input: jax.typing.ArrayLike, group_assignment: Any = None,
 
   Returns:
     An array like `input`. With one group it is the same on every replica (`strategy.run` returns it
-    as `Mirrored`); with several groups it differs between groups (`PerReplica`). An `input` that is
-    already the same on every replica is multiplied by the group size; when it is traced (for example
-    a gradient w.r.t. `Mirrored` parameters, already summed over replicas by `jax.grad`) an
-    `AlreadyReplicatedWarning` is emitted at trace time. Differentiable in
+    as `Mirrored`); with several groups it differs between groups and is typed so (`PerReplica`), even
+    for an `input` that is the same on every replica. Such an `input` is multiplied by the group size;
+    when it is traced (for example a gradient w.r.t. `Mirrored` parameters, already summed over
+    replicas by `jax.grad`) an `AlreadyReplicatedWarning` is emitted at trace time. Differentiable in
     reverse mode to any order (`jax.grad`, `jax.vjp`): the gradient of a grouped sum is the grouped
-    sum of the cotangents. Forward mode (`jax.jvp`, `jax.jacfwd`) through a grouped sum of values
+    sum of the cotangents, and w.r.t. a `Mirrored` `input` (one value given to every replica) that is
+    further summed over the replicas, the same as w.r.t. ``tpustrat.local_copy(input)``. Forward mode (`jax.jvp`, `jax.jacfwd`) through a grouped sum of values
     that differ between replicas is not supported (JAX raises a `TypeError` for `custom_vjp`).
 
   Raises:

@@ -195,9 +195,27 @@ class ReplicaContext:
     self._axis_name = axis_name
     self._active = axis_name is None  # the default context is always usable
     self.real_rows = tuple(real_rows)
-    """(padded size ``k``, this replica's real rows) of each padded batch among `run`'s arguments."""
-    self.per_example_marks: list[tuple[Any, int]] = []
-    """(array, index into `real_rows`) for each array `tpustrat.per_example` marked in this step."""
+    """(padded size ``k``, this replica's real rows) of each padded batch among `run`'s arguments (one
+    entry per batch: the arguments that carry the same real-row counts, the leaves of one dataset
+    element, are one batch)."""
+    self.batch_names: tuple[str, ...] = ()
+    """Where each padded batch of `real_rows` is among `run`'s arguments (for messages)."""
+    self.per_example_marks: list[tuple[Any, int | None]] = []
+    """(array, index into `real_rows`, or None where the rows must be traced) for each array
+    `tpustrat.per_example` marked in this step."""
+    self._batch_of: dict[int, tuple[Any, int]] = {}
+
+  def note_batch_leaves(self, leaves: Any, index: int) -> None:
+    """Records that the arrays `leaves` (as the step function receives them) are rows of padded batch
+    `index` of `real_rows`, so that `batch_index` finds a batch by its arrays, not by their size."""
+    for x in leaves:
+      self._batch_of[id(x)] = (x, index)  # the array is kept: its id stays its own while the step traces
+
+  def batch_index(self, x: Any) -> int | None:
+    """The index into `real_rows` of the padded batch that array `x` is (one of the arrays the step
+    function received), or None."""
+    hit = self._batch_of.get(id(x))
+    return hit[1] if hit is not None and hit[0] is x else None
 
   @property
   def strategy(self) -> Strategy:

@@ -15,9 +15,12 @@
   counts enter as one more `P('replica')` input, so full and partial batches share a program; inside
   `fn` they back `tpustrat.valid_mask` / `num_valid_examples`. An output that `fn` marked with
   `tpustrat.per_example` leaves `run` as a padded batch (its padding is skipped everywhere). An unmarked
-  varying output whose leading axis has a padded batch's size leaves carrying that batch's counts as
+  varying output whose axis 0 holds one padded batch's rows leaves carrying that batch's counts as
   *batch rows*, used only by ``reduce(op, v, axis=0)`` and ``gather(v, axis=0)``: the caller's word
-  that axis 0 is the batch. Nothing else about an output is inferred from its shape.
+  that axis 0 is the batch. Which outputs hold which batch's rows is read from the step's jaxpr
+  (`tpustrat._src.batch_rows`; the step is traced once to a jaxpr and evaluated into the body), never
+  from a size. A batch is identified by its counts (`batch_groups`), so two batches of one size keep
+  their own.
 * Caching: one `jax.jit` per `(fn, argument structure)`; it takes the flattened argument leaves and
   returns the flattened result, so `jax.jit`'s C++ fast path sees plain arrays in and out, and the host
   work per step is one flatten, one dict lookup, one sharding check per leaf and one unflatten. `jax.jit`
@@ -50,7 +53,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -63,10 +68,11 @@ from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
 from tpustrat._src import host_memory, watchdog
-from tpustrat._src.jax_compat import varying_axes
+from tpustrat._src.batch_rows import BatchRowsWarning, Rows, leading_rows
+from tpustrat._src.jax_compat import eval_closed_jaxpr, open_jaxpr, varying_axes
 from tpustrat._src.logical_interpreter import place_on_logical_devices
 from tpustrat._src.names import REPLICA_AXIS
-from tpustrat._src.validation import check_int
+from tpustrat._src.validation import check_fits_32_bits, check_int, tree_path
 from tpustrat._src.values import Mirrored, PerReplica, check_components, is_distributed, stacked_steps
 
 __all__ = ["RunOptions", "Engine", "InFlight", "dispatch", "wait_leaf", "DEFAULT_STEPS_IN_FLIGHT"]
@@ -221,17 +227,19 @@ class Engine:
     key = (fn_key, in_tree)
     entries = self._entries
     try:
-      program, targets = entries[key]
+      entry = entries[key]
       entries.move_to_end(key)  # least recently used first out
     except KeyError:
-      program, targets = entries[key] = self._entry(fn, fn_key, in_tree)
+      entry = entries[key] = self._entry(fn, fn_key, in_tree)
       if len(entries) > _CACHE_SIZE:
         entries.popitem(last=False)
     except TypeError:  # an unhashable callable (or tree): compile without caching
-      program, targets = self._entry(fn, fn_key, in_tree)
+      entry = self._entry(fn, fn_key, in_tree)
+    program, targets = entry.program(batch_groups(leaves, entry.count_positions, entry.tags)), entry.targets
     array_types = self._array_types
     for i, x in enumerate(leaves):  # arrays already where the program wants them pass untouched
       if type(x) not in array_types or x.sharding != targets[i]:
+        _check_host_integers(x, in_tree, i)
         leaves[i] = self._place(x, targets[i])
     return self.dispatch(program, leaves, limit=limit, steps=1)
 
@@ -244,9 +252,10 @@ class Engine:
     return dispatch(program, *args, in_flight=self._in_flight, limit=limit or self.max_steps_in_flight,
                     steps=steps)
 
-  def _entry(self, fn: Callable[..., Any], fn_key: Any, in_tree: Any) -> tuple[_FlatProgram, list[NamedSharding]]:
-    """The program for `fn` called with arguments of structure `in_tree` (`PerReplica` and `Mirrored`
-    nodes included), and the sharding each flattened argument leaf must have.
+  def _entry(self, fn: Callable[..., Any], fn_key: Any, in_tree: Any) -> _Entry:
+    """The programs for `fn` called with arguments of structure `in_tree` (`PerReplica` and `Mirrored`
+    nodes included), the sharding each flattened argument leaf must have, and where the real-row counts
+    of padded batches are among the leaves.
 
     `Mirrored` values enter like plain arrays: structures that differ only by `Mirrored` wrappers (a plain
     array on step 1, the `Mirrored` result on step 2) share one program and one compilation.
@@ -254,29 +263,45 @@ class Engine:
     dummy = jax.tree.unflatten(in_tree, list(range(in_tree.num_leaves)))
     top, outer = jax.tree.flatten(dummy, is_leaf=is_distributed)
     targets = [self._replicated] * in_tree.num_leaves
-    nodes = []
+    nodes, counts, tags, seen_tags = [], [], [], []
     for node in top:
       if isinstance(node, PerReplica):
         for i in jax.tree.leaves((node.tree, node.real_rows_array)):
           targets[i] = self._split
+        if node.padding_is_marked:
+          counts.append(node.real_rows_array)
+          # The dataset's tag, numbered in order of appearance: a new dataset of the same kind (a new
+          # epoch's) shares the program.
+          tag = node.batch_tag
+          if tag is not None and not any(t is tag for t in seen_tags):
+            seen_tags.append(tag)
+          tags.append(None if tag is None else next(j for j, t in enumerate(seen_tags) if t is tag))
+          node = PerReplica.from_stacked(node.tree, node.real_rows_array, tag=tags[-1])
         nodes.append(node)
       elif isinstance(node, Mirrored):
         nodes.append(node.tree)
       else:
         nodes.append(node)
     seen_tree = jax.tree.structure(jax.tree.unflatten(outer, nodes))
-    key = (fn_key, seen_tree)
-    programs = self._programs
-    try:
-      program = programs[key]
-      programs.move_to_end(key)
-    except KeyError:
-      program = programs[key] = _FlatProgram(self._make_program(fn), seen_tree)
-      if len(programs) > _CACHE_SIZE:
-        programs.popitem(last=False)
-    except TypeError:
-      program = _FlatProgram(self._make_program(fn), seen_tree)
-    return program, targets
+    name = getattr(fn, "__name__", "fn")
+    fn = weak_callable(fn)  # the cache must not keep the user's function (and its closure) alive
+
+    def program(groups: tuple[int, ...]) -> _FlatProgram:
+      key = (fn_key, seen_tree, groups)
+      programs = self._programs
+      try:
+        found = programs[key]
+        programs.move_to_end(key)
+        return found
+      except KeyError:
+        found = programs[key] = _FlatProgram(self._make_program(fn, groups, name), seen_tree)
+        if len(programs) > _CACHE_SIZE:
+          programs.popitem(last=False)
+        return found
+      except TypeError:
+        return _FlatProgram(self._make_program(fn, groups, name), seen_tree)
+
+    return _Entry(functools.lru_cache(maxsize=8)(program), targets, tuple(counts), tuple(tags))
 
   def _place(self, x: Any, target: NamedSharding) -> Any:
     """Puts an argument leaf on the sharding the program expects, so that each step sees the same input
@@ -314,9 +339,9 @@ class Engine:
     """Blocks until every step dispatched by `run` has finished."""
     self._in_flight.drain()
 
-  def _make_program(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-    name = getattr(fn, "__name__", "fn")
-    fn = weak_callable(fn)  # the cache must not keep the user's function (and its closure) alive
+  def _make_program(self, fn: Callable[..., Any], groups: tuple[int, ...], name: str) -> Callable[..., Any]:
+    """The structured program of `fn` (a `weak_callable`, named `name`); `groups` (see `batch_groups`)
+    says which padded batch arguments share their real-row counts (are one batch)."""
     make_context, mesh, axis = self._make_context, self._mesh, self._axis
     n = self._num_replicas
     core_axes = self._core_axes
@@ -327,6 +352,7 @@ class Engine:
       top, outer = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
       flat, specs, rebuild = [], [], []
       padded: list[int] = []  # positions in `flat` of the real-row counts of padded batches
+      padded_paths: list[str] = []
       for path, node in zip(_leaf_paths(outer), top):
         if isinstance(node, PerReplica):
           leaves, inner = jax.tree.flatten(node.tree)
@@ -338,6 +364,7 @@ class Engine:
           if valid is not None:
             _check_padded(leaves, path)
             padded.append(len(flat) + len(leaves))
+            padded_paths.append(path)
             leaves = leaves + [valid]
           rebuild.append(("padded" if valid is not None else "per_replica", inner, len(leaves)))
           flat.extend(leaves)
@@ -352,13 +379,16 @@ class Engine:
           flat.append(node)
           specs.append(P())
 
+      # One batch per group of padded arguments with the same counts (and size): its first argument's.
+      batch_of_arg = [groups[j] if j < len(groups) else j for j in range(len(padded))]
+      batches = sorted(set(batch_of_arg))
       record: dict[str, Any] = {}
 
       def marking(*args: Any, **kwargs: Any) -> Any:
         # `tpustrat.per_example` marks arrays by identity; resolved to output positions here, where `fn`'s
         # own results are seen (before a logical-core re-evaluation makes new ones).
         out = fn(*args, **kwargs)
-        marks = context_lib.get_replica_context().per_example_marks
+        marks = context_lib.get_replica_context().per_example_marks  # (array, batch or None)
         leaves = jax.tree.leaves(out, is_leaf=is_distributed)
         record["marked"] = {i: j for i, x in enumerate(leaves) for m, j in marks if x is m}
         return out
@@ -367,40 +397,40 @@ class Engine:
       call = place_on_logical_devices(marking, core_axes, n) if core_axes else marking
 
       def body(*flat_in: Any) -> Any:
-        it = iter(flat_in)
-        nodes = []
-        real_rows = []  # (padded batch size, this replica's number of real rows) per padded batch
-        for kind, inner, count in rebuild:
-          leaves = [next(it) for _ in range(count)]
-          if kind == "padded":
-            *leaves, valid = leaves
-            real_rows.append((leaves[0].shape[1], valid.reshape(()).astype(jnp.int32)))
-            kind = "per_replica"
-          if kind == "per_replica":
-            nodes.append(jax.tree.unflatten(inner, [x.reshape(x.shape[1:]) for x in leaves]))
-          elif kind == "mirrored":
-            nodes.append(jax.tree.unflatten(inner, leaves))
-          else:
-            nodes.append(leaves[0])
-        call_args, call_kwargs = jax.tree.unflatten(outer, nodes)
-        ctx = make_context(real_rows)
-        with context_lib.enter_replica_context(ctx):
-          out = call(*call_args, **call_kwargs)
-        # Distributed values stay whole (trace time only), so that returning one is reported by name.
-        out_leaves, out_tree = jax.tree.flatten(out, is_leaf=is_distributed)
-        paths = _leaf_paths(out_tree)
-        marked = record.pop("marked")
-        out_leaves = [_as_output_array(x, p) for x, p in zip(out_leaves, paths)]
+        nodes, row_leaves, sizes = _unpack(flat_in, rebuild, batch_of_arg)
+        batch_leaves = [(batches.index(batch_of_arg[arg]), leaves) for arg, leaves in row_leaves]
+        sizes = [sizes[b] for b in batches]  # per padded batch
+        counts = [flat_in[padded[b]].reshape(()).astype(jnp.int32) for b in batches]  # this replica's real rows
+        names = tuple(f"the argument at {padded_paths[b]}" for b in batches)
+        if batches and not core_axes:
+          # A step on padded batches is traced to a jaxpr, read (which outputs hold which batch's rows,
+          # `batch_rows`), and evaluated here: `fn` is still traced once.
+          step = _StepJaxpr(fn, nodes, outer, batch_leaves, sizes, counts, names, make_context)
+          out_leaves = [jnp.asarray(x) for x in step.evaluate()]
+          out_tree, paths, marked = step.tree, step.paths, step.marked
+          rows = step.rows
+        else:
+          call_args, call_kwargs = jax.tree.unflatten(outer, nodes)
+          ctx = make_context(list(zip(sizes, counts)))
+          ctx.batch_names = names
+          for b, leaves in batch_leaves:
+            ctx.note_batch_leaves(leaves, b)
+          with context_lib.enter_replica_context(ctx):
+            out = call(*call_args, **call_kwargs)
+          # Distributed values stay whole (trace time only), so that returning one is reported by name.
+          out_leaves, out_tree = jax.tree.flatten(out, is_leaf=is_distributed)
+          paths = _leaf_paths(out_tree)
+          marked = record.pop("marked")
+          out_leaves = [_as_output_array(x, p) for x, p in zip(out_leaves, paths)]
+          # With logical cores (and padded batches), the rows are read from one more trace of `fn`.
+          rows = (lambda: _StepJaxpr(fn, nodes, outer, batch_leaves, sizes, counts, names, make_context,
+                                     quiet=True).rows)
         is_varying = [axis in varying_axes(x) for x in out_leaves]
         record["tree"], record["varying"] = out_tree, is_varying
         # Padding follows an output only as the user said: (batch, True) for a marked per-example output;
-        # (batch, False), batch rows for `axis=0`, for an unmarked one whose leading axis has a padded
-        # batch's size (the first such batch's, as for `valid_mask`).
-        sizes = [k for k, _ in real_rows]
-        record["padded"] = [
-            (marked[i], True) if i in marked
-            else (sizes.index(x.shape[0]), False) if v and x.ndim and x.shape[0] in sizes else None
-            for i, (x, v) in enumerate(zip(out_leaves, is_varying))]
+        # (batch, False), batch rows for `axis=0`, for an unmarked one whose axis 0 the program shows to
+        # hold one padded batch's rows (`batch_rows`: traced, not read off its size).
+        record["padded"] = _output_padding(out_leaves, paths, is_varying, marked, sizes, names, rows)
         invariant = tuple(x for x, v in zip(out_leaves, is_varying) if not v)
         varying = tuple(x[None] for x, v in zip(out_leaves, is_varying) if v)
         return invariant, varying
@@ -409,7 +439,7 @@ class Engine:
           body, mesh=mesh, in_specs=tuple(specs), out_specs=(P(), P(axis)), check_vma=True, **manual)(*flat)
       inv, var = iter(invariant), iter(varying)
       outs = [PerReplica.from_stacked(next(var)) if v and p is None
-              else PerReplica.from_stacked(next(var), flat[padded[p[0]]], per_example=p[1]) if v
+              else PerReplica.from_stacked(next(var), flat[padded[batches[p[0]]]], per_example=p[1]) if v
               else Mirrored.from_global(next(inv))
               for v, p in zip(record["varying"], record["padded"])]
       return jax.tree.unflatten(record["tree"], outs)
@@ -484,22 +514,27 @@ class _FlatProgram:
     self._traced: tuple[Any, int] | None = None  # what the latest trace recorded
     self._fallback: Callable[..., Any] | None = None
 
-    def flat(*leaves: Any) -> tuple[list[Any], Any, int]:
+    def flat(*leaves: Any) -> tuple[list[Any], Any, int, tuple[tuple[int, int], ...]]:
       args, kwargs = jax.tree.unflatten(seen_tree, leaves)
       out, out_tree = jax.tree.flatten(structured(args, kwargs))
       wait = wait_leaf(out, leaves)
       if wait is None:  # nothing small computed: a one-byte token to wait on
         out.append(jnp.zeros((), jnp.int8))
         wait = len(out) - 1
-      return out, out_tree, wait
+      # Arguments returned as they are (the real-row counts a padded output shares with its batch): the
+      # caller gets the argument itself back, so the counts stay one object per batch (`batch_groups`).
+      position = {id(x): j for j, x in enumerate(leaves)}
+      forwards = tuple((i, position[id(x)]) for i, x in enumerate(out[:out_tree.num_leaves])
+                       if id(x) in position and leaves[position[id(x)]] is x)
+      return out, out_tree, wait, forwards
 
     def flat_program(*leaves: Any) -> list[Any]:
-      out, out_tree, wait = flat(*leaves)
-      self._traced = (out_tree, wait)
+      out, out_tree, wait, forwards = flat(*leaves)
+      self._traced = (out_tree, wait, forwards)
       return out
 
     def tree_program(*leaves: Any) -> tuple[Any, Any]:
-      out, out_tree, wait = flat(*leaves)
+      out, out_tree, wait, _ = flat(*leaves)
       return out_tree.unflatten(out[:out_tree.num_leaves]), out[wait]
 
     self.__name__ = getattr(structured, "__name__", "run_fn")
@@ -518,7 +553,11 @@ class _FlatProgram:
       self._fallback = self._tree  # two result structures: let jax.jit keep them apart from now on
     elif traced is not None and self._out is None:
       self._out = traced
-    out_tree, wait = traced or self._out
+    out_tree, wait, forwards = traced or self._out
+    if forwards:
+      out = list(out)
+      for i, j in forwards:
+        out[i] = leaves[j]
     return out_tree.unflatten(out[:out_tree.num_leaves]), out[wait]
 
 
@@ -558,6 +597,164 @@ def _same_over_replicas(sharding: Any, target: NamedSharding, axis: str) -> bool
   return not replica_dims(spec)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+  """What `run` keeps per (function, argument structure): `program(groups)` (see `batch_groups`), the
+  sharding of each argument leaf, and the leaf positions of the padded batches' real-row counts."""
+
+  program: Callable[[tuple[int, ...]], _FlatProgram]
+  targets: list[NamedSharding]
+  count_positions: tuple[int, ...]
+  tags: tuple[int | None, ...]  # each padded batch argument's dataset, numbered (None: not from one)
+
+
+def batch_groups(leaves: list[Any], count_positions: tuple[int, ...],
+                 tags: tuple[int | None, ...] = ()) -> tuple[int, ...]:
+  """Which padded batch arguments are one batch: for the ``i``-th, the index of the first whose real-row
+  counts are the same array object (the leaves of one dataset element share theirs; a `per_example`
+  output shares its batch's). Batches from different datasets, or different steps, have their own.
+
+  Inside a transformation (`jax.jit` around `run`) each leaf's counts are a tracer of their own: there,
+  arguments from one dataset (`tags`, static) are one batch too.
+  """
+  if len(count_positions) < 2:
+    return (0,) * len(count_positions)
+  counts = [leaves[p] for p in count_positions]
+  traced = tags and any(isinstance(c, jax.core.Tracer) for c in counts)
+  return tuple(next(j for j in range(i + 1)
+                    if counts[j] is c or (traced and tags[i] is not None and tags[j] == tags[i]))
+               for i, c in enumerate(counts))
+
+
+def _unpack(flat_in: Any, rebuild: list[tuple[str, Any, int]],
+            batch_of_arg: list[int]) -> tuple[list[Any], list[tuple[int, list[Any]]], dict[int, int]]:
+  """The arguments `fn` sees, from the shard_map body's inputs: (nodes, the per-replica leaves of each
+  padded batch argument, the per-replica size of each batch)."""
+  it = iter(flat_in)
+  nodes, row_leaves, sizes = [], [], {}
+  arg = 0
+  for kind, inner, count in rebuild:
+    leaves = [next(it) for _ in range(count)]
+    if kind == "padded":
+      *leaves, _ = leaves
+      b = batch_of_arg[arg]
+      k = leaves[0].shape[1]
+      if sizes.setdefault(b, k) != k:
+        raise ValueError(
+            f"strategy.run: two padded batch arguments share their real-row counts but have per-replica "
+            f"sizes {sizes[b]} and {k}; a batch's arrays all have its size.")
+      local = [x.reshape(x.shape[1:]) for x in leaves]
+      row_leaves.append((arg, local))
+      arg += 1
+      nodes.append(jax.tree.unflatten(inner, local))
+      continue
+    if kind == "per_replica":
+      nodes.append(jax.tree.unflatten(inner, [x.reshape(x.shape[1:]) for x in leaves]))
+    elif kind == "mirrored":
+      nodes.append(jax.tree.unflatten(inner, leaves))
+    else:
+      nodes.append(leaves[0])
+  return nodes, row_leaves, sizes
+
+
+class _StepJaxpr:
+  """`fn` traced to a jaxpr on the arguments it sees in the body of `run`'s `shard_map` (`nodes`; the
+  arrays of each padded batch in `batch_leaves`, with its per-replica size and this replica's real rows),
+  in a replica context of its own: `rows` says which outputs hold which batch's rows (`batch_rows`),
+  `evaluate()` emits the step into the current trace."""
+
+  def __init__(self, fn: Callable[..., Any], nodes: list[Any], outer: Any,
+               batch_leaves: list[tuple[int, list[Any]]], sizes: list[int], counts: list[Any],
+               names: tuple[str, ...], make_context: Callable[..., Any], *, quiet: bool = False) -> None:
+    leaves, treedef = jax.tree.flatten(nodes)
+    batch_at = {id(x): b for b, xs in batch_leaves for x in xs}
+    labels = [Rows.of({batch_at[id(x)]}) if id(x) in batch_at else Rows.NONE for x in leaves]
+    where = [(i, batch_at[id(x)]) for i, x in enumerate(leaves) if id(x) in batch_at]
+    num = len(leaves)
+
+    def flat_fn(*flat: Any) -> list[Any]:
+      ctx = make_context(list(zip(sizes, flat[num:])))
+      ctx.batch_names = names
+      for i, b in where:
+        ctx.note_batch_leaves([flat[i]], b)
+      args, kwargs = jax.tree.unflatten(outer, jax.tree.unflatten(treedef, list(flat[:num])))
+      with context_lib.enter_replica_context(ctx), warnings.catch_warnings():
+        if quiet:  # a second trace: the step's own has said what it had to say
+          warnings.simplefilter("ignore")
+        out = fn(*args, **kwargs)
+      # Distributed values stay whole here, so that returning one is reported by name.
+      out_leaves, self.tree = jax.tree.flatten(out, is_leaf=is_distributed)
+      self.paths = _leaf_paths(self.tree)
+      # `tpustrat.per_example` marks arrays by identity: resolved to output positions here.
+      self.marked = {i: j for i, x in enumerate(out_leaves) for m, j in ctx.per_example_marks if x is m}
+      return [_as_output_array(x, p) for x, p in zip(out_leaves, self.paths)]
+
+    self._args = [*leaves, *counts]
+    self._jaxpr, self._consts = open_jaxpr(jax.make_jaxpr(flat_fn)(*self._args))
+    self.rows = leading_rows(self._jaxpr, labels + [Rows.NONE] * len(counts))
+
+  def evaluate(self) -> list[Any]:
+    return eval_closed_jaxpr(self._jaxpr, self._consts, self._args)
+
+
+def _output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[bool],
+                    marked: dict[int, int | None], sizes: list[int], names: tuple[str, ...],
+                    rows: list[Rows] | Callable[[], list[Rows]]) -> list[Any]:
+  """For each output leaf: None (whole), ``(batch, True)`` (marked per-example: its padding skipped
+  everywhere) or ``(batch, False)`` (axis 0 holds that batch's rows: skipped along ``axis=0``).
+  `rows`: the `Rows` of every output, or a function that traces them when first needed."""
+  traced: list[list[Rows]] = [] if callable(rows) else [rows]
+
+  def rows_of(i: int) -> Rows:
+    if not traced:
+      traced.append(rows())
+    return traced[0][i]
+
+  def describe(r: Rows) -> str:
+    if r.is_unknown:
+      return f"they pass through `{r.unknown_via}`, whose effect on axis 0 is not traced"
+    return "it combines, row by row, the rows of " + " and ".join(names[b] for b in sorted(r.batches))
+
+  result: list[Any] = []
+  for i, (x, v) in enumerate(zip(out_leaves, is_varying)):
+    k = x.shape[0] if x.ndim else None
+    if i in marked:
+      b = marked[i]
+      if b is None:
+        r = rows_of(i)
+        if r.is_unknown or len(r.batches) != 1 or sizes[next(iter(r.batches))] != k:
+          candidates = ", ".join(names[j] for j, size in enumerate(sizes) if size == k)
+          why = describe(r) if r.carries_rows else "its axis 0 does not hold any batch's rows"
+          raise ValueError(
+              f"tpustrat.per_example: the output at {paths[i]} has leading size {k}, like several padded "
+              f"batches of this step ({candidates}), and its rows cannot be traced to one of them ({why}). "
+              "Say which with tpustrat.per_example(x, batch=the_batch).")
+        b = next(iter(r.batches))
+      result.append((b, True))
+      continue
+    if not v or k is None or k not in sizes:
+      result.append(None)
+      continue
+    r = rows_of(i)
+    candidates = [j for j, size in enumerate(sizes) if size == k]
+    if not r.is_unknown and len(r.batches) == 1 and sizes[next(iter(r.batches))] == k:
+      result.append((next(iter(r.batches)), False))
+    elif r.carries_rows:
+      chosen = candidates[0] if r.is_unknown and len(candidates) == 1 else None
+      effect = (f"skip the padding of {names[chosen]}" if chosen is not None
+                else "keep every row, padding included")
+      warnings.warn(
+          f"strategy.run: the output at {paths[i]} ({x.dtype}{list(x.shape)}) has the per-replica size of "
+          f"the padded batch {' / '.join(names[j] for j in candidates)} on axis 0, but its rows cannot be "
+          f"traced to one batch: {describe(r)}. strategy.reduce(..., axis=0) and gather(..., axis=0) "
+          f"will {effect}. Mark it with tpustrat.per_example(x, batch=...) to say whose rows it holds.",
+          BatchRowsWarning, stacklevel=2)
+      result.append(None if chosen is None else (chosen, False))
+    else:
+      result.append(None)  # its axis 0 is not a batch's rows, whatever its size
+  return result
+
+
 def _check_padded(leaves: list[Any], path: str) -> None:
   """Every leaf of a padded batch is ``[num_replicas, padded_batch, ...]`` with one padded batch size."""
   sizes = {jnp.shape(x)[1] if jnp.ndim(x) >= 2 else None for x in leaves}
@@ -574,3 +771,17 @@ def _leaf_paths(treedef: Any) -> list[str]:
   return [jax.tree_util.keystr(p) or "<root>"
           for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
 
+
+def _check_host_integers(x: Any, in_tree: Any, i: int) -> None:
+  """Raises `OverflowError` before argument leaf `i` (of `run`'s ``(args, kwargs)`` tree `in_tree`) is
+  transferred if it is a host int64 / uint64 array holding a value that JAX, without ``jax_enable_x64``,
+  would wrap into 32 bits (`validation.check_fits_32_bits`: a type test for anything else)."""
+  if isinstance(x, (np.ndarray, np.generic)):
+    check_fits_32_bits(x, lambda: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}")
+
+
+def _run_arg_path(in_tree: Any, i: int) -> str:
+  """Leaf `i` of `run`'s ``(args, kwargs)`` tree as the user wrote it: ``args[1]['ids']``, ``kwargs['x']``."""
+  dummy = jax.tree.unflatten(in_tree, list(range(in_tree.num_leaves)))
+  path = jax.tree_util.tree_flatten_with_path(dummy)[0][i][0]
+  return ("args" if path[0].idx == 0 else "kwargs") + tree_path(path[1:])

@@ -38,6 +38,7 @@ __all__ = [
     "collective_axes",
     "coordination_client",
     "eval_jaxpr",
+    "host_callback_frames",
     "identity_primitive",
     "is_drop_var",
     "is_literal",
@@ -49,8 +50,10 @@ __all__ = [
     "open_jaxpr",
     "scan_signature",
     "sub_jaxprs",
+    "to_varying",
     "unnamed_debug_info",
     "varying_axes",
+    "watch_compiles",
 ]
 
 # The JAX versions this module was written for and tested with. The lower bound is also `pyproject.toml`'s;
@@ -82,6 +85,23 @@ def varying_axes(x: Any) -> frozenset[str]:
   `x` is a value (tracer or array); see `aval_varying_axes` for the versions this reads.
   """
   return aval_varying_axes(jax.typeof(x))
+
+
+def to_varying(x: Any, axis: str) -> jax.Array:
+  """`x` typed as varying over the manual mesh axis `axis` (the same numbers; no communication).
+
+  A value already varying over `axis` is returned as it is. The cast's transpose is a sum over `axis`, so
+  a gradient flowing back through it is summed over the replicas, which is what makes a value given whole
+  to every replica (invariant) count once per replica. JAX 0.10.2 and 0.12.0.1 spell the cast
+  ``lax.pcast(x, axis, to="varying")``; JAX 0.7 to 0.9 spelled it ``lax.pvary(x, axis)``.
+  """
+  x = jax.numpy.asarray(x)
+  if axis in varying_axes(x):
+    return x
+  pcast = getattr(jax.lax, "pcast", None)
+  if pcast is not None:
+    return pcast(x, axis, to="varying")
+  return jax.lax.pvary(x, axis)  # JAX 0.7 to 0.9
 
 
 # -- a primitive of our own ----------------------------------------------------------------------------
@@ -198,6 +218,12 @@ def eval_jaxpr(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
   context (abstract mesh, name stack) recorded when it was traced.
   """
   return jax.core.eval_jaxpr(jaxpr, [], *args)
+
+
+def eval_closed_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+  """Evaluates `jaxpr` (with `consts` for its constvars, as `open_jaxpr` gives them) on `args` in the
+  current trace: `jax.core.eval_jaxpr`, as `eval_jaxpr`."""
+  return jax.core.eval_jaxpr(jaxpr, list(consts), *args)
 
 
 def bind_equation(eqn: Any, args: Sequence[Any]) -> list[Any]:
@@ -350,3 +376,83 @@ def coordination_client() -> Any | None:
   except ImportError:  # pragma: no cover - private module moved
     return None
   return getattr(jax_distributed.global_state, "client", None)
+
+
+# -- what this process is doing: compiling, or running a host callback (the step watchdog's view) -------
+
+# The phases of turning a `jax.jit` call into an executable, as JAX names them in `jax.monitoring`
+# (`jax._src.dispatch.JAXPR_TRACE_EVENT`, `JAXPR_TO_MLIR_MODULE_EVENT`, `BACKEND_COMPILE_EVENT`).
+_COMPILE_EVENTS = frozenset({"/jax/core/compile/jaxpr_trace_duration",
+                             "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                             "/jax/core/compile/backend_compile_duration"})
+
+
+def watch_compiles(begin: Callable[[], None], end: Callable[[], None]) -> Callable[[], None]:
+  """Calls `begin()` when this process starts a phase of compiling a program, and `end()` when the phase
+  is over; returns a function that stops the calls.
+
+  The phases are JAX's: the trace of a top-level `jax.jit` call (the user's Python function runs here),
+  its lowering to MLIR, and the XLA compilation (or the load from the persistent compilation cache). They
+  follow one another, so `begin` and `end` alternate, on the thread that compiles (any thread).
+
+  `jax.monitoring` is public, the event names and when they are recorded are not: JAX 0.10.2's
+  ``jax._src.dispatch.log_elapsed_time`` records each phase as a scalar event (its start time) when the
+  phase starts and as a duration event when it ends, exception or not. A JAX version that records no
+  start event never calls `begin` (tests/test_watchdog.py checks that this one does).
+  """
+  from jax import monitoring  # pylint: disable=import-outside-toplevel
+
+  def on_start(event: str, value: float, **kwargs: Any) -> None:
+    del value, kwargs
+    if event in _COMPILE_EVENTS:
+      begin()
+
+  def on_end(event: str, duration: float, **kwargs: Any) -> None:
+    del duration, kwargs
+    if event in _COMPILE_EVENTS:
+      end()
+
+  monitoring.register_scalar_listener(on_start)
+  monitoring.register_event_duration_secs_listener(on_end)
+
+  def unwatch() -> None:
+    for unregister, listener in ((monitoring.unregister_scalar_listener, on_start),
+                                 (monitoring.unregister_event_duration_listener, on_end)):
+      try:
+        unregister(listener)
+      except (AssertionError, ValueError):  # already gone (`jax.monitoring.clear_event_listeners`)
+        pass
+
+  return unwatch
+
+
+def host_callback_frames() -> list[tuple[int, Any]]:
+  """``(thread id, frame)`` for each thread of this process that is running a host callback of a compiled
+  program now (`jax.debug.callback`, `jax.pure_callback`, `jax.experimental.io_callback`); `frame` is the
+  callback's own frame: the outermost one outside JAX inside JAX's callback entry (the entry's own frame if
+  there is none, as for a callback written in C).
+
+  Found from `sys._current_frames()`. In JAX 0.10.2 every host callback enters Python through
+  ``jax._src.callback`` (``_wrapped_callback``), on a thread of the runtime (or on the thread that runs
+  the program); a JAX that enters elsewhere makes this list empty (tests/test_watchdog.py checks it).
+  """
+  import os  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  try:
+    from jax._src import callback as jax_callback  # pylint: disable=import-outside-toplevel
+  except ImportError:  # pragma: no cover - private module moved
+    return []
+  entry_file = jax_callback.__file__
+  jax_dir = os.path.dirname(jax.__file__) + os.sep
+  found = []
+  for ident, frame in sys._current_frames().items():  # pylint: disable=protected-access
+    stack = []  # innermost first
+    while frame is not None:
+      stack.append(frame)
+      frame = frame.f_back
+    entry = next((i for i in range(len(stack) - 1, -1, -1) if stack[i].f_code.co_filename == entry_file), None)
+    if entry is None:
+      continue
+    inner = stack[entry::-1]  # from the entry inwards
+    found.append((ident, next((f for f in inner if not f.f_code.co_filename.startswith(jax_dir)), stack[entry])))
+  return found

@@ -40,8 +40,16 @@ from tpustrat._src.jax_compat import varying_axes
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.steps import check_not_stacked as check_not_stacked
 from tpustrat._src.steps import concat_chunks, named_leaves, num_steps
-from tpustrat._src.validation import check_int
-from tpustrat._src.values import Mirrored, PerReplica, is_distributed, name_replica_axis, stacked_steps
+from tpustrat._src.validation import check_int, check_tree_fits_32_bits
+from tpustrat._src.values import (
+    Mirrored,
+    PerReplica,
+    count_groups,
+    is_distributed,
+    name_replica_axis,
+    share_counts,
+    stacked_steps,
+)
 
 __all__ = ["as_carry", "check_not_stacked", "run_steps", "take"]
 
@@ -90,6 +98,8 @@ def as_carry(strategy: Strategy, value: Any) -> Any:
   mesh = strategy.mesh
   if mesh is None:  # the default strategy: run returns fn's values as they are
     return jax.tree.map(_strong, value)
+  check_tree_fits_32_bits(value, lambda path: "the value given to experimental_mirror (or experimental_run_steps's "
+                          "init)" + (f" at {path}" if path else ""))
   replicated, split = _shardings(mesh)
 
   def one(node: Any) -> Any:
@@ -181,17 +191,19 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any]) -> Callable[..., A
   step = _ReplicaStep(fn)
   strategy_ref = weakref.ref(strategy)  # the cache entry must not keep its strategy alive
 
-  def run_steps_program(carry: Any, batches: Any) -> Any:
+  def run_steps_program(carry: Any, batches: Any, groups: tuple[int, ...]) -> Any:
     run = strategy_ref().run
 
     def body(c: Any, batch: Any) -> Any:
-      c, out = run(step, args=(c, batch))
+      # The leaves of one batch share their real-row counts (one batch for `valid_mask`), as outside.
+      c, out = run(step, args=(c, share_counts(batch, groups)))
       return _drop_counts(c), out
 
     return lax.scan(body, carry, batches)
 
   run_steps_program.__name__ = f"run_steps_{step.__name__}"
-  return jax.jit(run_steps_program)
+  jitted = jax.jit(run_steps_program, static_argnums=2)
+  return lambda carry, batches: jitted(carry, batches, count_groups(batches))
 
 
 def _program(strategy: Strategy, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -274,6 +286,7 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
     k = num_steps(batches, what)
     if steps is not None and steps != k:
       raise ValueError(f"{what}: `steps` is {steps} but the stacked batches hold {k} steps.")
+  check_tree_fits_32_bits(batches, lambda path: f"{what}: the stacked batches" + (f" at {path}" if path else ""))
   carry = as_carry(strategy, init)
   program = _program(strategy, fn)
   engine = strategy.extended.engine

@@ -36,16 +36,51 @@ from tpustrat._src.values import Mirrored, PerReplica, check_components, is_dist
 __all__ = ["reduce", "gather", "local_results"]
 
 
+_CHUNK = 1 << 15  # int32 sums of this many 16-bit halves cannot overflow
+
+
+def _wide_sum(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  """The sum of integer `x` over `axes` as float32, without the wrap-around of an int32 sum.
+
+  Without ``jax_enable_x64`` there is no 64-bit integer to sum in, so each value is split into 16-bit
+  halves; the halves are summed exactly in int32, in chunks of `_CHUNK` values, and only the chunk sums
+  are added in float32 (the result is float32 anyway: one rounding per chunk, not a wrapped sum).
+  """
+  x = jnp.moveaxis(x, axes, tuple(range(len(axes))))
+  m = int(np.prod(x.shape[:len(axes)], dtype=np.int64))
+  x = x.reshape((m,) + x.shape[len(axes):])
+  chunks = -(-m // _CHUNK) if m else 1
+  if chunks * _CHUNK != m and chunks > 1:
+    x = jnp.concatenate([x, jnp.zeros((chunks * _CHUNK - m,) + x.shape[1:], x.dtype)])
+  x = x.reshape((chunks, -1) + x.shape[1:])
+  if jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+    x = x.astype(jnp.uint32)
+    lo, hi = (x & 0xFFFF).astype(jnp.int32), (x >> 16).astype(jnp.int32)
+  else:
+    x = x.astype(jnp.int32)
+    lo, hi = x & 0xFFFF, x >> 16  # hi: arithmetic shift, so hi * 65536 + lo == x
+  lo, hi = jnp.sum(lo, axis=1), jnp.sum(hi, axis=1)
+  return jnp.sum(hi.astype(jnp.float32), axis=0) * 65536.0 + jnp.sum(lo.astype(jnp.float32), axis=0)
+
+
+def _narrow_int(x: jax.Array) -> bool:
+  """Whether `x` is an integer type of at most 32 bits (summed with `_wide_sum` for MEAN)."""
+  return jnp.issubdtype(x.dtype, jnp.integer) and jnp.dtype(x.dtype).itemsize <= 4
+
+
 @functools.partial(jax.jit, static_argnames=("op", "axis", "stacked", "copies"))
 def _reduce_leaf(x: jax.Array, *, op: ReduceOp, axis: int | None, stacked: bool, copies: int) -> jax.Array:
   """Reduces one leaf. `stacked`: x has a leading replica axis; else x is one value held `copies` times."""
+  wide = op is ReduceOp.MEAN and _narrow_int(x)  # a MEAN of ints: summed without wrapping around
   if stacked:
     axes = (0,) if axis is None else (0, axis + 1)
-    total = jnp.sum(x, axis=axes)
+    total = _wide_sum(x, axes) if wide else jnp.sum(x, axis=axes)
     count = x.shape[0] * (1 if axis is None else x.shape[axis + 1])
   else:
-    total = x if axis is None else jnp.sum(x, axis=axis)
+    total = x if axis is None else (_wide_sum(x, (axis,)) if wide else jnp.sum(x, axis=axis))
     count = 1 if axis is None else x.shape[axis]
+    if op is ReduceOp.MEAN:  # the same value `copies` times: its mean is its own
+      return total / count if jnp.issubdtype(total.dtype, jnp.inexact) else total / jnp.float32(count)
     total = total * copies
     count *= copies
   if op is ReduceOp.SUM:
@@ -64,9 +99,10 @@ def _reduce_padded_leaf(x: jax.Array, valid: jax.Array, *, op: ReduceOp, axis: i
   mask = (jnp.arange(k)[None, :] < jnp.asarray(valid).astype(jnp.int32)[:, None])
   mask = mask.reshape((n, k) + (1,) * (x.ndim - 2))
   axes = (0,) if axis is None else (0, axis + 1)
-  total = jnp.sum(jnp.where(mask, x, jnp.zeros((), x.dtype)), axis=axes)
+  kept = jnp.where(mask, x, jnp.zeros((), x.dtype))
   if op is ReduceOp.SUM:
-    return total
+    return jnp.sum(kept, axis=axes)
+  total = _wide_sum(kept, axes) if _narrow_int(x) else jnp.sum(kept, axis=axes)  # no int32 wrap-around
   count = jnp.sum(jnp.broadcast_to(mask, x.shape), axis=axes)
   if not jnp.issubdtype(total.dtype, jnp.inexact):
     total = total.astype(jnp.float32)

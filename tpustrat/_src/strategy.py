@@ -23,14 +23,14 @@ from tpustrat._src import context as context_lib
 from tpustrat._src import input as input_lib
 from tpustrat._src import logical as logical_lib
 from tpustrat._src import reduce as reduce_lib
-from tpustrat._src.cluster_resolver import TPUClusterResolver, experimental_connect_to_cluster
+from tpustrat._src.cluster_resolver import ClusterResolver, experimental_connect_to_cluster
 from tpustrat._src.cross_device import CrossDeviceExtendedMixin
 from tpustrat._src.engine import DEFAULT_STEPS_IN_FLIGHT, Engine, RunOptions, check_run_call
 from tpustrat._src.jax_compat import all_gather_invariant
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.reduce_op import ReduceOp
 from tpustrat._src.topology import DeviceAssignment, device_grid
-from tpustrat._src.validation import check_int
+from tpustrat._src.validation import check_int, check_tree_fits_32_bits
 from tpustrat._src.values import PerReplica
 
 __all__ = ["Strategy", "StrategyExtended", "TPUStrategy"]
@@ -375,6 +375,10 @@ class Strategy:
     if not mine:
       return self._values_from_function_elsewhere(value_fn, n)
     components = {r: value_fn(context_lib.ValueContext(r, n)) for r in mine}
+    for r in mine:  # before any transfer: a 64-bit integer JAX would wrap into 32 bits raises
+      check_tree_fits_32_bits(components[r], lambda path, r=r: (
+          f"experimental_distribute_values_from_function: value_fn's value for replica {r}"
+          + (f" at {path}" if path else "")))
     treedef = jax.tree.structure(components[mine[0]])
     leaves0 = [jax.numpy.asarray(x) for x in jax.tree.leaves(components[mine[0]])]
     per_leaf: list[list[Any]] = [[] for _ in leaves0]
@@ -520,8 +524,9 @@ class TPUStrategy(Strategy):
   to lay tensors out on a replica's cores (`tpustrat._src.logical`).
 
   Args:
-    tpu_cluster_resolver: optional `tpustrat.cluster_resolver.TPUClusterResolver`; kept as
-      `cluster_resolver`. It is connected (`tpustrat.experimental_connect_to_cluster`, a no-op for one
+    tpu_cluster_resolver: optional `tpustrat.cluster_resolver.TPUClusterResolver` (or another
+      `tpustrat.cluster_resolver.ClusterResolver`: `SlurmClusterResolver`, `TFConfigClusterResolver`); kept
+      as `cluster_resolver`. It is connected (`tpustrat.experimental_connect_to_cluster`, a no-op for one
       process) before the devices are listed. Without one, the strategy joins the multi-process job
       that the ``TPUSTRAT_*`` environment variables describe (as `python -m tpustrat.launch` sets
       them), if any.
@@ -547,10 +552,11 @@ class TPUStrategy(Strategy):
 
   def __init__(self, tpu_cluster_resolver: Any = None, device_assignment: Any = None) -> None:
     if tpu_cluster_resolver is not None:
-      if not isinstance(tpu_cluster_resolver, TPUClusterResolver):
+      if not isinstance(tpu_cluster_resolver, ClusterResolver):
         raise TypeError(
-            "tpu_cluster_resolver must be None or a tpustrat.cluster_resolver.TPUClusterResolver, got "
-            f"{type(tpu_cluster_resolver).__name__}: {tpu_cluster_resolver!r:.100}.")
+            "tpu_cluster_resolver must be None or a tpustrat.cluster_resolver resolver (TPUClusterResolver, "
+            f"SlurmClusterResolver, TFConfigClusterResolver), got {type(tpu_cluster_resolver).__name__}: "
+            f"{tpu_cluster_resolver!r:.100}.")
       experimental_connect_to_cluster(tpu_cluster_resolver)
     else:
       cluster_resolver_lib.connect_from_environment()  # the launcher's job

@@ -20,8 +20,8 @@ mean one of two things, and nothing else decides which:
 * per-example (a batch from the input pipeline, or an output of `run` marked with `tpustrat.per_example`):
   the rows *are* examples. `values`, `strategy.reduce` (any `axis`) and `strategy.gather` see only the real
   rows, and the value enters the next `run` as a padded batch.
-* batch rows (an unmarked output of `run` on a padded batch whose leading axis has that batch's size
-  ``k``): the counts are used only where the caller says that axis 0 is the batch, with
+* batch rows (an unmarked output of `run` whose axis 0 the step's program shows to hold a padded batch's
+  rows): the counts are used only where the caller says that axis 0 is the batch, with
   ``reduce(op, v, axis=0)`` or ``gather(v, axis=0)``. Everywhere else the components are whole, as the
   replicas returned them.
 """
@@ -36,8 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.validation import check_fits_32_bits, tree_path
 
-__all__ = ["DistributedValues", "PerReplica", "Mirrored", "check_components", "is_distributed", "name_replica_axis",
+__all__ = ["BatchTag", "DistributedValues", "PerReplica", "Mirrored", "check_components", "count_groups", "is_distributed",
+           "name_replica_axis", "share_counts",
            "stacked_steps"]
 
 
@@ -100,33 +102,35 @@ class PerReplica(DistributedValues):
   Inside `strategy.run`, each replica sees only its own component.
   """
 
-  __slots__ = ("_valid", "_host_valid", "_per_example")
+  __slots__ = ("_valid", "_host_valid", "_per_example", "_tag")
 
   @classmethod
   def _wrap(cls, value: Any, valid: Any = None, host_valid: np.ndarray | None = None, *,
-            per_example: bool = True) -> PerReplica:
+            per_example: bool = True, tag: Any = None) -> PerReplica:
     """A `PerReplica` over stacked leaves; `valid` ([num_replicas] int) holds the real rows of a padded
-    batch: of the value itself (`per_example`), or of the batch of the step that returned it."""
+    batch: of the value itself (`per_example`), or of the batch of the step that returned it. `tag`: see
+    `batch_tag`."""
     obj = object.__new__(cls)
     obj._value = value
     obj._valid = valid
     obj._host_valid = host_valid
     obj._per_example = per_example
+    obj._tag = tag
     return obj
 
   def tree_flatten(self):
     if self._valid is None:
       return (self._value,), None
-    return (self._value, self._valid), _PADDED if self._per_example else _BATCH_ROWS
+    return (self._value, self._valid), (_PADDED if self._per_example else _BATCH_ROWS, self._tag)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     if aux is None:
       return cls._wrap(children[0])
-    return cls._wrap(children[0], children[1], per_example=aux == _PADDED)
+    return cls._wrap(children[0], children[1], per_example=aux[0] == _PADDED, tag=aux[1])
 
   def __init__(self, values: Sequence[Any]) -> None:
-    self._valid = self._host_valid = None
+    self._valid = self._host_valid = self._tag = None
     self._per_example = True
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
       raise TypeError(
@@ -147,6 +151,7 @@ class PerReplica(DistributedValues):
         raise ValueError(
             f"PerReplica components must have the same shape on every replica (XLA needs static "
             f"shapes), but leaf {i} has shapes {[tuple(p.shape) for p in parts]}.")
+      _check_component_dtypes(parts, i, values[0])
       stacked.append(jnp.stack(parts))
     self._value = jax.tree.unflatten(treedef, stacked)
 
@@ -170,7 +175,7 @@ class PerReplica(DistributedValues):
 
   @classmethod
   def from_stacked(cls, tree: Any, real_rows: Any = None, *, per_example: bool = True,
-                   host_real_rows: np.ndarray | None = None) -> PerReplica:
+                   host_real_rows: np.ndarray | None = None, tag: Any = None) -> PerReplica:
     """A `PerReplica` over `tree`, whose leaves carry a leading replica axis (internal API).
 
     Args:
@@ -179,18 +184,28 @@ class PerReplica(DistributedValues):
       per_example: whether the rows are the value's own examples (see the module docstring), or the rows
         of the batch of the step that returned it (used only along axis 0).
       host_real_rows: `real_rows` already on the host, if known.
+      tag: the `BatchTag` of the dataset the batch came from (see `batch_tag`), or None.
     """
-    return cls._wrap(tree, real_rows, host_real_rows, per_example=per_example)
+    return cls._wrap(tree, real_rows, host_real_rows, per_example=per_example, tag=tag)
 
   def map_global(self, fn: Any) -> PerReplica:
     """See `DistributedValues.map_global`; the real-row counts and their meaning are kept."""
     return PerReplica._wrap(jax.tree.map(fn, self._value), None if self._valid is None else fn(self._valid),
-                            self._host_valid, per_example=self._per_example)
+                            self._host_valid, per_example=self._per_example, tag=self._tag)
 
   @property
   def real_rows_array(self) -> Any:
     """The real-row counts this value carries (an int array ``[num_replicas]``), or None (internal API)."""
     return self._valid
+
+  @property
+  def batch_tag(self) -> Any:
+    """The `BatchTag` of the distributed dataset this padded batch came from, or None (internal API).
+
+    Part of the pytree's structure (static), so it survives `jax.jit`: inside a transformation, where the
+    real-row counts of one dataset element's leaves are separate tracers, the leaves with one tag are
+    still known to be one batch. Outputs of `run` carry none."""
+    return self._tag
 
   @property
   def padding_is_marked(self) -> bool:
@@ -228,6 +243,43 @@ class PerReplica(DistributedValues):
     if steps is not None:
       return f"PerReplica(steps={steps}, num_replicas={leaves[0].shape[1]}, component={body}{padded})"
     return f"PerReplica(num_replicas={n}, component={body}{padded})"
+
+
+def count_groups(tree: Any) -> tuple[int, ...]:
+  """For each padded batch (`PerReplica.padding_is_marked`) among the nodes of `tree`, in order, the index
+  of the first one whose real-row counts are the same array object: those are one batch (the leaves of a
+  dataset element share their counts). See `share_counts`."""
+  counts = [node._valid for node in jax.tree.leaves(tree, is_leaf=is_distributed)
+            if isinstance(node, PerReplica) and node.padding_is_marked]
+  return tuple(next(j for j in range(i + 1) if counts[j] is c) for i, c in enumerate(counts))
+
+
+def share_counts(tree: Any, groups: tuple[int, ...]) -> Any:
+  """`tree` with the padded batches of one group (`count_groups`) holding one counts object again, after a
+  transformation (`jax.jit`, `lax.scan`) made a separate tracer of each."""
+  nodes, treedef = jax.tree.flatten(tree, is_leaf=is_distributed)
+  padded = [i for i, n in enumerate(nodes) if isinstance(n, PerReplica) and n.padding_is_marked]
+  if len(padded) != len(groups):
+    raise ValueError(f"share_counts: {len(padded)} padded batches, {len(groups)} groups.")
+  for i, g in zip(padded, groups):
+    if g != padded.index(i):
+      first = nodes[padded[g]]
+      node = nodes[i]
+      nodes[i] = PerReplica._wrap(node._value, first._valid, first._host_valid, per_example=True, tag=node._tag)
+  return jax.tree.unflatten(treedef, nodes)
+
+
+class BatchTag:
+  """Names one distributed dataset in the structure of its batches (`PerReplica.batch_tag`): equal only
+  to itself. `run` treats padded batch arguments with one tag, seen inside a transformation, as one batch."""
+
+  __slots__ = ("name",)
+
+  def __init__(self, name: str) -> None:
+    self.name = name
+
+  def __repr__(self) -> str:
+    return f"BatchTag({self.name!r})"
 
 
 _PADDED = "padded"  # the counts are the value's own: its rows are examples
@@ -344,6 +396,39 @@ class Mirrored(DistributedValues):
       return f"Mirrored({self._value!r})"  # not arrays (`jax.tree.map(lambda x: x.shape, value)`, say)
     body = jax.tree.map(lambda x: f"{jnp.result_type(x)}{list(np.shape(x))}", self._value)
     return f"Mirrored({body})"
+
+
+def _check_component_dtypes(parts: Sequence[Any], i: int, first: Any) -> None:
+  """Raises unless the components of leaf `i` of a `PerReplica` (`parts`, one per replica; `first` is
+  component 0, for the leaf's path) share one dtype as JAX places them (so `jnp.stack` promotes nothing),
+  and, for host int64 / uint64 components without ``jax_enable_x64``, fit the 32 bits JAX narrows them to.
+
+  The dtypes compared are those the devices get: without ``jax_enable_x64`` a float64 component is float32
+  (as in JAX), so float64 and float32 components agree there.
+
+  Raises:
+    ValueError: components of different dtypes, naming them, their dtypes and the leaf's path.
+    OverflowError: a 64-bit integer that would wrap (`validation.check_fits_32_bits`).
+  """
+  dtypes = [jax.dtypes.canonicalize_dtype(p.dtype) for p in parts]
+  if any(d != dtypes[0] for d in dtypes):
+    by_dtype: dict[Any, list[int]] = {}
+    for r, d in enumerate(dtypes):
+      by_dtype.setdefault(d, []).append(r)
+    detail = "; ".join(f"{d.name} in component{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs[:8]))}"
+                       f"{', ...' if len(rs) > 8 else ''}" for d, rs in by_dtype.items())
+    raise ValueError(
+        f"PerReplica components must share one dtype (XLA programs have one dtype per value; tpustrat "
+        f"does not promote them), but the leaf at {_leaf_path(first, i)} is {detail}. Cast the components "
+        "to one dtype first.")
+  for r, p in enumerate(parts):
+    if isinstance(p, (np.ndarray, np.generic)):
+      check_fits_32_bits(p, lambda r=r: f"PerReplica: component {r}, the leaf at {_leaf_path(first, i)},")
+
+
+def _leaf_path(tree: Any, i: int) -> str:
+  """The path of leaf `i` of `tree`, for error messages."""
+  return tree_path(jax.tree_util.tree_flatten_with_path(tree)[0][i][0]) or "<root>"
 
 
 def _check_identical(components: Sequence[Any]) -> None:

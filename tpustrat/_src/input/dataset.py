@@ -51,7 +51,7 @@ from tpustrat._src.input.sources import (
 )
 from tpustrat._src.input.staging import StagingBuffers
 from tpustrat._src.names import REPLICA_AXIS
-from tpustrat._src.values import PerReplica
+from tpustrat._src.values import BatchTag, PerReplica
 
 __all__ = ["DistributedDataset", "distribute_dataset", "distribute_datasets_from_function"]
 
@@ -104,6 +104,7 @@ class DistributedDataset:
     self._what = what
     self._options = options
     self._source = source
+    self._tag = BatchTag(what)  # this dataset's, in the structure of every batch (`PerReplica.batch_tag`)
     self._per_replica = per_replica  # from_function: the source yields per-replica batches
     self._one_shot = isinstance(source, collections.abc.Iterator)
     self._stash: list[Any] = []  # elements read ahead from a one-shot source (by element_spec)
@@ -134,6 +135,9 @@ class DistributedDataset:
     self._local_index = {r: i for i, r in enumerate(self._local)}  # replica -> its row in local arrays
     self._k = 0  # padded rows per replica (the first batch's); only grows
     self._batch_rows = 0  # rows of a full batch (global, or per replica for from_function)
+    # from_function: the largest batch each of this process's replicas' pipelines has given (its batch
+    # size, for `drop_remainder`)
+    self._replica_rows = np.zeros(len(self._local), np.int64)
     self._spec: Any = None
     self._spec_tree: Any = None
     self._valid_cache: dict[Any, tuple[jax.Array, np.ndarray]] = {}  # counts -> on the devices, int64 host
@@ -402,6 +406,14 @@ class DistributedDataset:
             f"{self._what}: a batch has structure {treedef}, but earlier batches had {self._spec_tree}; "
             "every batch of a dataset must have the same structure.")
       rows = max(p[2] for p in parts)
+      # TF's drop_remainder, per pipeline: a replica's batch is a remainder when it is smaller than the
+      # batches its own pipeline gave before (or the pipeline has ended), not when another replica's
+      # pipeline batches more rows.
+      ended = len(parts) < len(self._local)
+      short = any(p[2] < self._replica_rows[i] for i, p in enumerate(parts))
+      if self._per_replica and not count_only:
+        mine = self._replica_rows[:len(parts)]
+        np.maximum(mine, [p[2] for p in parts], out=mine)
       if rows > self._batch_rows:
         self._batch_rows = rows
         self._k = rows if self._per_replica else math.ceil(rows / self._num_replicas)
@@ -410,8 +422,7 @@ class DistributedDataset:
         self._set_spec(treedef, parts[0][0], k)
     if count_only:
       return None
-    partial = (any(p[2] < full for p in parts) or len(parts) < len(self._local)) if self._per_replica \
-        else parts[0][2] < full
+    partial = (short or ended) if self._per_replica else parts[0][2] < full
     if partial and self._options.drop_remainder:
       return None
     n_local = len(self._local)
@@ -458,7 +469,7 @@ class DistributedDataset:
     valid = jax.ShapeDtypeStruct((n,), np.int32, sharding=split)
     self._spec = jax.tree.unflatten(treedef, [
         PerReplica.from_stacked(
-            jax.ShapeDtypeStruct((n, k) + x.shape[1:], device_dtype(x), sharding=split), valid)
+            jax.ShapeDtypeStruct((n, k) + x.shape[1:], device_dtype(x), sharding=split), valid, tag=self._tag)
         for x in leaves])
 
   def _produce(self, it: Iterator[Any], state: ProduceState) -> tuple[Any, int | None]:
@@ -561,7 +572,7 @@ class DistributedDataset:
     if steps or self._multi_process:
       host_counts = None
     # Each leaf is its own PerReplica (like `run`'s outputs), so that the batch keeps the user's pytree.
-    return jax.tree.unflatten(treedef, [PerReplica.from_stacked(x, valid, host_real_rows=host_counts)
+    return jax.tree.unflatten(treedef, [PerReplica.from_stacked(x, valid, host_real_rows=host_counts, tag=self._tag)
                                         for x in arrays])
 
   def _unaliased(self, leaves: list[np.ndarray], owned: bool, parts: int) -> list[np.ndarray]:

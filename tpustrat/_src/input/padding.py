@@ -24,7 +24,7 @@ from tpustrat._src.host_memory import host_empty
 from tpustrat._src.jax_compat import varying_axes
 
 __all__ = [
-    "num_valid_examples", "pad_rows", "pad_rows_per_replica", "per_example", "stack_padded", "take_rows",
+    "batch_of", "num_valid_examples", "pad_rows", "pad_rows_per_replica", "per_example", "stack_padded", "take_rows",
     "valid_mask",
 ]
 
@@ -39,23 +39,52 @@ def _first_leaf_rows(x: Any, fn: str) -> int:
   return jnp.shape(leaves[0])[0]
 
 
+def batch_of(ctx: Any, x: Any, fn: str) -> int | None:
+  """The index into ``ctx.real_rows`` of the padded batch that `x` belongs to, or None when `x` is no
+  padded batch of this step.
+
+  An array the step received as part of a padded batch is that batch's, whatever its size. Any other
+  array (one computed in the step) is the batch's whose per-replica size ``k`` its leading axis has, if
+  exactly one padded batch of the step has that size; with several, which batch it came from cannot be
+  told from its shape, and `fn` raises instead of guessing.
+  """
+  leaves = jax.tree.leaves(x)
+  found = {ctx.batch_index(leaf) for leaf in leaves} - {None}
+  if len(found) > 1:
+    names = ", ".join(ctx.batch_names[i] for i in sorted(found))
+    raise ValueError(f"tpustrat.{fn}(x): `x` holds arrays of several padded batches ({names}), which may "
+                     "have different numbers of real rows; pass one batch (or one of its arrays).")
+  if found:
+    return found.pop()
+  k = _first_leaf_rows(x, fn)
+  candidates = [i for i, (size, _) in enumerate(ctx.real_rows) if size == k]
+  if len(candidates) > 1:
+    names = ", ".join(ctx.batch_names[i] for i in candidates)
+    raise ValueError(
+        f"tpustrat.{fn}(x): `x` (leading size {k}) is not one of the arrays the step received, and "
+        f"several padded batches of this step have per-replica size {k} ({names}), with their own numbers "
+        f"of real rows; which one `x` belongs to cannot be told from its size. Pass the batch itself (or "
+        f"one of its arrays) to tpustrat.{fn}.")
+  return candidates[0] if candidates else None
+
+
 def _real_rows(x: Any, fn: str) -> tuple[int, Any]:
   """(padded batch size, this replica's number of real rows) for batch `x` in the current replica."""
   ctx = context_lib.get_replica_context()
   known = ctx.real_rows
   if x is None:
-    sizes = {k for k, _ in known}
-    if len(sizes) != 1:
+    if len(known) != 1:
+      names = ", ".join(ctx.batch_names) if known else "none"
       raise ValueError(
-          f"tpustrat.{fn}() without an argument needs exactly one padded batch size among the "
-          f"arguments of strategy.run, found {sorted(sizes) or 'none'}; pass the batch (or one of its "
-          f"arrays) to tpustrat.{fn}(x).")
+          f"tpustrat.{fn}() without an argument needs exactly one padded batch among the arguments of "
+          f"strategy.run, found {len(known)} ({names}); pass the batch (or one of its arrays) to "
+          f"tpustrat.{fn}(x).")
     return known[0]
-  k = _first_leaf_rows(x, fn)
-  for size, count in known:
-    if size == k:
-      return size, count
-  return k, k  # not a padded batch of this step: every row is real
+  index = batch_of(ctx, x, fn)
+  if index is None:  # not a padded batch of this step: every row is real
+    k = _first_leaf_rows(x, fn)
+    return k, k
+  return known[index]
 
 
 def num_valid_examples(x: Any = None) -> jax.Array:
@@ -97,7 +126,7 @@ def valid_mask(x: Any = None) -> jax.Array:
   return jnp.arange(k) < count
 
 
-def per_example(tree: Any) -> Any:
+def per_example(tree: Any, *, batch: Any = None) -> Any:
   """Marks arrays returned by a `strategy.run` step as per-example: their rows are the batch's rows.
 
   A partial global batch reaches the replicas padded to the usual per-replica size ``k``. Returning
@@ -106,22 +135,31 @@ def per_example(tree: Any) -> Any:
   `strategy.reduce` leaves padding out along every ``axis`` (``None`` included), `strategy.gather`
   returns only the real rows, and the value enters the next `run` as a padded batch (`valid_mask`
   works on it). Unmarked outputs are kept whole, as the replicas returned them, except where the caller
-  says that axis 0 is the batch (``reduce(op, v, axis=0)``, ``gather(v, axis=0)``).
+  says that axis 0 is the batch (``reduce(op, v, axis=0)``, ``gather(v, axis=0)``) and the step's program
+  shows that their axis 0 holds one padded batch's rows (see `strategy.run`).
+
+  Which batch's padding: the batch given as `batch`; else the batch whose rows the array's axis 0 holds,
+  traced through the step's program (per-example logits of batch ``b`` are ``b``'s, whatever other
+  batches of the same size the step received); else the only padded batch of the step with that size.
 
   Args:
     tree: an array or a pytree of arrays computed inside the step; every leaf has the padded batch's
       per-replica size ``k`` on its leading axis and differs between replicas. Mark the arrays that the
       step returns (the mark belongs to the array object: an array computed from a marked one is not
       marked).
+    batch: optional: the padded batch (as the step received it, or one of its arrays) whose rows
+      `tree`'s rows are. Needed only when the step received several padded batches of one size and the
+      rows cannot be traced to one of them.
 
   Returns:
     `tree` itself. Outside `run`, and in a step with no padded batch among its arguments, nothing is
     marked (every row is real there).
 
   Raises:
-    ValueError: a leaf is a scalar, has another leading size than the step's padded batches (with
-      several padded batches of that size, the first one's counts are used, as for `valid_mask`), or is
-      the same on every replica (it cannot hold one replica's examples).
+    ValueError: a leaf is a scalar, has another leading size than its batch (or than every padded batch
+      of the step), or is the same on every replica (it cannot hold one replica's examples); `batch` is
+      not a padded batch of the step; or (when `run` finishes tracing the step) the rows of a leaf cannot
+      be traced to one batch among several of its size and `batch` was not given.
 
   >>> tree = {"logits": np.zeros((4, 10))}
   >>> tpustrat.per_example(tree) is tree   # outside run: nothing to mark
@@ -132,6 +170,17 @@ def per_example(tree: Any) -> Any:
   if not known:
     return tree
   sizes = [k for k, _ in known]
+  given = None
+  if batch is not None:
+    found = {ctx.batch_index(leaf) for leaf in jax.tree.leaves(batch)} - {None}
+    if len(found) > 1:
+      raise ValueError("tpustrat.per_example(tree, batch=...): `batch` holds arrays of several padded batches "
+                       f"({', '.join(ctx.batch_names[i] for i in sorted(found))}); pass one.")
+    given = found.pop() if found else None
+    if given is None:
+      raise ValueError(
+          "tpustrat.per_example(tree, batch=...): `batch` is not one of the padded batches this step "
+          f"received ({', '.join(ctx.batch_names)}); pass the batch argument itself, or one of its arrays.")
   axis = context_lib.replica_axis(ctx)
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     where = jax.tree_util.keystr(path) or "<root>"
@@ -139,6 +188,10 @@ def per_example(tree: Any) -> Any:
       raise ValueError(f"tpustrat.per_example: the value at {where} is a scalar; a per-example array has the "
                        f"batch on its leading axis (per-replica size {sizes[0]}).")
     k = jnp.shape(x)[0]
+    if given is not None and k != sizes[given]:
+      raise ValueError(
+          f"tpustrat.per_example: the array at {where} has leading size {k}, but the batch given as `batch` "
+          f"({ctx.batch_names[given]}) has per-replica size {sizes[given]}.")
     if k not in sizes:
       raise ValueError(
           f"tpustrat.per_example: the array at {where} has leading size {k}, but the padded batches of this "
@@ -149,7 +202,10 @@ def per_example(tree: Any) -> Any:
           f"tpustrat.per_example: the array at {where} is the same on every replica (it does not vary over "
           f"the replica axis {axis!r}), so its rows cannot be one replica's examples. Mark the per-replica "
           "array before it is combined across replicas.")
-    ctx.per_example_marks.append((x, sizes.index(k)))
+    index = given if given is not None else ctx.batch_index(x)
+    if index is None and sizes.count(k) == 1:
+      index = sizes.index(k)
+    ctx.per_example_marks.append((x, index))  # None: `run` traces the rows to their batch
   return tree
 
 
