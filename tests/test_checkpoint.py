@@ -27,11 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import launched_results
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpustrat
 from tpustrat._src import checkpoint as checkpoint_lib
+from tpustrat._src.checkpoint import checksums, deadlines, handlers
+from tpustrat._src.checkpoint import manager as manager_lib
 from tpustrat._src.input import encoding
 from tpustrat.checkpoint import CheckpointManager
 
@@ -422,7 +425,7 @@ def test_errors(strategy, tmp_path):
     with pytest.raises(TypeError, match="must have get_state"):
       manager.save(3, {"w": jnp.zeros(2)}, iterator=[1, 2])
   with pytest.raises(ValueError, match="either `options` or"):
-    CheckpointManager(tmp_path, options=checkpoint_lib._orbax().ocp.CheckpointManagerOptions(), max_to_keep=1)
+    CheckpointManager(tmp_path, options=handlers.api().ocp.CheckpointManagerOptions(), max_to_keep=1)
 
 
 # -- interrupted saves ----------------------------------------------------------------------------
@@ -441,7 +444,7 @@ def test_failed_save_keeps_the_last_good_checkpoint(strategy, tmp_path, monkeypa
   manager = CheckpointManager(tmp_path, strategy, enable_async_checkpointing=enable_async)
   manager.save(1, good, iterator=it)
   manager.wait_until_finished()
-  handler = checkpoint_lib._orbax().IteratorHandler
+  handler = handlers.api().IteratorHandler
   original = handler.save
 
   def save_then_fail(self, directory, args=None):
@@ -521,9 +524,273 @@ def test_bytes_states_share_one_base64_encoding():
     def set_state(self, s):
       self.state = s
 
-  saved = checkpoint_lib._iterator_state(BytesIterator())
+  saved = manager_lib._iterator_state(BytesIterator())
   assert saved == {"bytes_base64": text}  # the on-disk format is unchanged
   target = BytesIterator()
   target.state = None
-  checkpoint_lib._set_iterator_state(target, saved)
+  manager_lib._set_iterator_state(target, saved)
   assert target.state == raw
+
+
+# -- damaged checkpoints --------------------------------------------------------------------------
+
+
+def _reference_sums(x: np.ndarray) -> list[int]:
+  """The two checksums of an array, computed here with numpy from the definition (the words of the
+  array in row-major order, each times an odd weight of its position, summed modulo 2**32)."""
+  x = np.asarray(x)
+  if x.dtype == np.bool_:
+    words = x.astype(np.uint64)
+  elif x.dtype.itemsize == 4:
+    words = x.view(np.uint32).astype(np.uint64)
+  else:
+    words = x.view({2: np.uint16, 1: np.uint8}[x.dtype.itemsize]).astype(np.uint64)
+  words = words.reshape(-1)
+  index = np.arange(words.size, dtype=np.uint64)
+  rotated = ((words << 16) | (words >> 16)) & 0xFFFFFFFF
+  sums = []
+  for w, multiplier, offset in ((words, 0x9E3779B1, 0x7F4A7C15), (rotated, 0x85EBCA77, 0x165667B1)):
+    weights = (((index + offset) * multiplier) & 0xFFFFFFFF) | 1
+    sums.append(int(np.sum((w * weights) & 0xFFFFFFFF) % 2**32))
+  return sums
+
+
+def test_checksums_follow_the_definition_on_every_layout(strategy, logical_strategy):
+  rng = np.random.default_rng(1)
+  arrays = {
+      "f32": rng.normal(size=(8, 5)).astype(np.float32),
+      "bf16": rng.normal(size=(16,)).astype(jnp.bfloat16),
+      "i8": rng.integers(-100, 100, size=(8, 3)).astype(np.int8),
+      "bool": rng.integers(0, 2, size=(7,)).astype(bool),
+      "scalar": np.float32(2.5),
+  }
+  want = {name: _reference_sums(x) for name, x in arrays.items()}
+  split = jax.device_put(arrays["f32"], NamedSharding(strategy.mesh, P("replica")))
+  replicated = jax.device_put(arrays["f32"], NamedSharding(logical_strategy.mesh, P()))
+  on_devices = {name: jnp.asarray(x) for name, x in arrays.items()}
+  for layout in (arrays, on_devices, {"f32": split}, {"f32": replicated}):
+    got = checksums.compute(layout)
+    assert {name: entry["sums"] for name, entry in got.items()} == {name: want[name] for name in layout}
+  changed = arrays["f32"].copy()
+  changed.view(np.uint32)[3, 2] ^= 1 << 7  # one bit of one word
+  assert all(a != b for a, b in zip(_reference_sums(changed), want["f32"]))
+  got = checksums.compute({"f32": changed})["f32"]["sums"]
+  assert got == _reference_sums(changed)
+
+
+def _flip(path: pathlib.Path, offset: int) -> bytes:
+  """Flips the 4 bytes of `path` at `offset`; returns the original content."""
+  original = path.read_bytes()
+  data = bytearray(original)
+  data[offset:offset + 4] = bytes(b ^ 0xFF for b in data[offset:offset + 4])
+  path.write_bytes(bytes(data))
+  return original
+
+
+def _saved_twice(strategy, directory, values):
+  """Checkpoints 1 and 2 of ``{"w": values[i]}`` with the iterator's position (1 and 2 batches taken)."""
+  dist = strategy.experimental_distribute_dataset([np.full(8, i, np.float32) for i in range(6)])
+  it = iter(dist)
+  with CheckpointManager(directory, strategy) as manager:
+    for step in (1, 2):
+      next(it)
+      manager.save(step, {"w": tpustrat.Mirrored(jax.device_put(values[step - 1],
+                                                                NamedSharding(strategy.mesh, P())))}, iterator=it)
+  return dist
+
+
+def test_flipped_bytes_in_a_data_chunk_are_found_and_the_previous_step_restored(strategy, tmp_path):
+  rng = np.random.default_rng(2)
+  values = [rng.normal(size=(65536,)).astype(np.float32) for _ in range(2)]
+  dist = _saved_twice(strategy, tmp_path, values)
+  target = {"w": tpustrat.Mirrored(jnp.zeros(65536, jnp.float32))}
+  # The largest file of step 2 holds the array's compressed chunk. Find 4 bytes whose flip orbax itself
+  # reads back without an error, as wrong numbers: the silent case.
+  chunk = max((p for p in (tmp_path / "2").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  orbax = handlers.api()
+  raw = CheckpointManager(tmp_path, strategy)
+  abstract = {"w": jax.ShapeDtypeStruct((65536,), jnp.float32, sharding=NamedSharding(strategy.mesh, P()))}
+  for offset in range(chunk.stat().st_size // 2, chunk.stat().st_size - 4, 101):
+    original = _flip(chunk, offset)
+    try:
+      read = raw.orbax_manager.restore(2, args=orbax.ocp.args.Composite(state=orbax.StateRestore(abstract)))
+    except Exception:  # noqa: BLE001  # this flip breaks the encoding: orbax notices; try another
+      chunk.write_bytes(original)
+      continue
+    if not np.array_equal(np.asarray(read["state"]["w"]), values[1]):
+      break
+    chunk.write_bytes(original)
+  else:
+    pytest.fail("no flip of 4 bytes of the chunk reads back silently")
+  raw.close()
+
+  step_dir = str(tmp_path / "2")
+  with CheckpointManager(tmp_path, strategy) as manager:
+    with pytest.raises(tpustrat.checkpoint.DamagedCheckpointError,
+                       match=rf"checkpoint 2 at {step_dir} is damaged: the content of 'w' \(float32\[65536\]"):
+      manager.restore(2, target=target)
+    it = iter(dist)
+    with pytest.warns(tpustrat.checkpoint.DamagedCheckpointWarning,
+                      match=rf"checkpoint 2 at {step_dir} is damaged: .*'w'.* Falling back to checkpoint 1; the "
+                            rf"damaged step is moved aside to {step_dir}.damaged"):
+      state = manager.restore(target=target, iterator=it)
+    assert manager.last_restored_step == 1
+    assert_bitwise([strategy.experimental_local_results(state["w"])[0]], [values[0]])
+    assert float(strategy.experimental_local_results(next(it))[0][0]) == 1.0  # the batch after step 1's
+    assert manager.all_steps() == [1] and (tmp_path / "2.damaged").is_dir() and not (tmp_path / "2").exists()
+    assert manager.save(2, state)  # the step can be saved again
+    manager.wait_until_finished()
+    assert manager.all_steps() == [1, 2]
+
+
+def test_an_empty_step_directory_is_named_with_its_path(strategy, tmp_path):
+  values = [np.arange(4, dtype=np.float32) + i for i in range(2)]
+  _saved_twice(strategy, tmp_path, values)
+  (tmp_path / "3").mkdir()  # a step directory whose files are gone
+  target = {"w": tpustrat.Mirrored(jnp.zeros(4, jnp.float32))}
+  with CheckpointManager(tmp_path, strategy) as manager:
+    assert manager.all_steps() == [1, 2, 3]
+    with pytest.raises(tpustrat.checkpoint.DamagedCheckpointError,
+                       match=rf"checkpoint 3 at {tmp_path / '3'} is damaged: it has no 'state' item \(the directory "
+                             r"is empty\)"):
+      manager.restore(3, target=target)
+    with pytest.warns(tpustrat.checkpoint.DamagedCheckpointWarning, match=rf"checkpoint 3 at {tmp_path / '3'}"):
+      state = manager.restore(target=target)
+    assert manager.last_restored_step == 2
+    assert_bitwise([strategy.experimental_local_results(state["w"])[0]], [values[1]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3.damaged"]
+
+
+def test_deleted_files_fall_back_step_by_step_and_every_damaged_step_is_named(strategy, tmp_path):
+  values = [np.arange(4, dtype=np.float32) + i for i in range(2)]
+  _saved_twice(strategy, tmp_path, values)
+  target = {"w": tpustrat.Mirrored(jnp.zeros(4, jnp.float32))}
+  shutil.copytree(tmp_path / "2", tmp_path / "3")  # a third step, to damage differently
+  (tmp_path / "3" / "checksums" / "checksums.json").unlink()
+  for path in (tmp_path / "2" / "state").rglob("*"):
+    if path.is_file() and path.parent.name == "d":
+      path.unlink()  # the array data of step 2
+  with CheckpointManager(tmp_path, strategy) as manager:
+    with pytest.warns(tpustrat.checkpoint.DamagedCheckpointWarning) as caught:
+      state = manager.restore(target=target, iterator=None)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith(f"CheckpointManager.restore: checkpoint 3 at {tmp_path / '3'} is damaged: ")
+    assert "checksums.json" in messages[0] and "Falling back to checkpoint 2" in messages[0]
+    assert messages[1].startswith(f"CheckpointManager.restore: checkpoint 2 at {tmp_path / '2'} is damaged: ")
+    assert "Falling back to checkpoint 1" in messages[1]
+    assert manager.last_restored_step == 1
+    assert_bitwise([strategy.experimental_local_results(state["w"])[0]], [values[0]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2.damaged", "3.damaged"]
+  shutil.rmtree(tmp_path / "1" / "state")
+  with CheckpointManager(tmp_path, strategy) as manager:
+    with pytest.raises(tpustrat.checkpoint.DamagedCheckpointError,
+                       match=rf"every checkpoint in {tmp_path} is damaged \(checkpoint 1 at {tmp_path / '1'}: "):
+      manager.restore(target=target)
+
+
+def test_the_preemption_handler_resumes_from_the_newest_intact_step(strategy, tmp_path):
+  values = [np.arange(4, dtype=np.float32) + i for i in range(2)]
+  _saved_twice(strategy, tmp_path, values)
+  (tmp_path / "3").mkdir()
+  config = tpustrat.TerminationConfig(termination_watcher_fn=lambda: False)
+  with tpustrat.PreemptionCheckpointHandler(None, tmp_path, termination_config=config) as handler:
+    with pytest.warns(tpustrat.checkpoint.DamagedCheckpointWarning, match="checkpoint 3 at"):
+      state = handler.restore({"w": tpustrat.Mirrored(jnp.zeros(4, jnp.float32))})
+    assert handler.total_run_calls == 2
+    assert_bitwise([strategy.experimental_local_results(state["w"])[0]], [values[1]])
+
+
+def test_damage_seen_by_one_process_moves_every_process_to_the_previous_step(tmp_path):
+  """Process 1's iterator file of step 2 is lost: process 0 could read step 2, process 1 could not; both
+  restore step 1."""
+  ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+  out.mkdir()
+  command = [sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "4", str(SCRIPTS / "fallback_mp.py"),
+             str(ckpt)]
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_") and k != "XLA_FLAGS"}
+  saved = subprocess.run([*command, "save"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+  assert saved.returncode == 0, saved.stderr[-3000:]
+  (ckpt / "2" / "iterator" / "process_1-of-2.json").unlink()
+  done = subprocess.run([*command, "restore"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = launched_results(done.stdout)
+  for p in (0, 1):
+    warned = results[p].pop("warnings")
+    assert len(warned) == 1 and warned[0].startswith(
+        f"CheckpointManager.restore: checkpoint 2 at {ckpt / '2'} is damaged: process 1: FileNotFoundError: "), warned
+  assert results[0] == results[1] == {"restored_step": 1, "w": 1.0, "next_batch": 1.0, "steps": [1]}
+  assert sorted(p.name for p in ckpt.iterdir()) == ["1", "2.damaged"]
+
+
+# -- bounded operations ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode,args,stuck", [
+    # Slow storage: process 1's write inside orbax's save; the bound is the step timeout.
+    ("write", ("--step-timeout", "8"),
+     "stuck: process 1 is in orbax's save of step 2 (writing its part, or waiting at orbax's barriers)"),
+    # Process 1's iterator position never comes; process 0 waits in orbax's first barrier.
+    ("position", ("6",), "stuck: process 1 is taking the iterator's position for step 2"),
+    # The preemption handler's save_fn sleeps on process 1; process 0 saves through the manager.
+    # Whichever process reports first names process 1 (as not having reached process 0's save, or as
+    # running its save_fn).
+    ("save_fn", ("6",), "running save_fn for step 2 after a termination notice (for "),
+])
+def test_a_checkpoint_operation_stuck_on_one_process_stops_the_job_naming_it(tmp_path, mode, args, stuck):
+  launcher_args, timeout = (args, ()) if args[0].startswith("--") else ((), args)
+  command = [sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "2", *launcher_args,
+             str(SCRIPTS / "stuck_save.py"), str(tmp_path), mode, *timeout]
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_") and k != "XLA_FLAGS"}
+  start = time.monotonic()
+  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  elapsed = time.monotonic() - start
+  assert done.returncode == 124, done.stderr[-3000:]
+  assert "NOT STOPPED" not in done.stdout
+  assert "process 0 saved checkpoint 1" in done.stdout and "process 1 saved checkpoint 1" in done.stdout
+  bound = args[-1]
+  source = "the step timeout" if mode == "write" else "CheckpointManager(timeout=...)"
+  assert "s for the save of step 2" in done.stderr and f"(checkpoint timeout {bound} s: {source}" in done.stderr
+  assert stuck in done.stderr, done.stderr[-3000:]
+  assert "stuck: process 1" in done.stderr
+  assert "stuck: process 0" not in done.stderr
+  assert elapsed < 60, f"{elapsed:.1f} s"  # the bound plus start-up, far from a hang
+  assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["1"]  # step 2 never committed
+
+
+def test_a_stuck_operation_of_one_process_is_reported_and_ends_it(strategy, tmp_path, monkeypatch):
+  ended, release = [], threading.Event()
+
+  def record(message):  # instead of os._exit: record, and let the stuck get_state return
+    ended.append(message)
+    release.set()
+
+  monkeypatch.setattr(deadlines, "_exit_process", record)
+
+  class StuckPosition:
+    def get_state(self):
+      release.wait(30)
+      return {"position": 1}
+
+  with CheckpointManager(tmp_path, strategy, timeout=0.5) as manager:
+    assert manager.timeout == 0.5
+    manager.save(1, {"w": jnp.zeros(2)}, iterator=StuckPosition())
+  assert len(ended) == 1, ended
+  assert ended[0].startswith("tpustrat: checkpoint timeout: process 0 has waited ")
+  assert f"s for the save of step 1 in {tmp_path} (checkpoint timeout 0.5 s: CheckpointManager(timeout=...))." in ended[0]
+  assert "stuck: process 0 is taking the iterator's position for step 1 (for " in ended[0]
+  assert ended[0].endswith("Every process of the job stops with status 124.")
+
+
+def test_the_timeout_is_the_step_timeout_unless_given(strategy, tmp_path, monkeypatch):
+  from tpustrat._src import names  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv(names.ENV_STEP_TIMEOUT, raising=False)
+  with CheckpointManager(tmp_path, strategy) as manager:
+    assert manager.timeout == checkpoint_lib.DEFAULT_TIMEOUT == 1200
+    monkeypatch.setenv(names.ENV_STEP_TIMEOUT, "7.5")
+    assert manager.timeout == 7.5
+  with CheckpointManager(tmp_path, strategy, timeout=30) as manager:
+    assert manager.timeout == 30.0
+  for bad in (0, -1, float("inf"), float("nan"), True, "10"):
+    with pytest.raises(ValueError, match=r"timeout must be a positive, finite number of seconds or None, got "):
+      CheckpointManager(tmp_path, strategy, timeout=bad)

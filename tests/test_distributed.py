@@ -1,4 +1,6 @@
-"""The exception hook of a multi-process job (`tpustrat._src.distributed`): opt-in, on under the launcher.
+"""Starting a multi-process job (`tpustrat._src.distributed`): the exception hook, the job check, the timeouts.
+
+The exception hook of a multi-process job: opt-in, on under the launcher.
 
 A library that replaced the process-global `sys.excepthook` whenever it connected would surprise a
 program with hooks of its own; a multi-process job without it hangs when one process ends with an
@@ -15,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -143,3 +146,136 @@ def test_uncaught_exception_hook_exits_at_once_and_chains_the_users_hook():
   assert out.returncode == 1, out.stderr
   assert out.stdout.count("user hook saw ValueError") == 1  # installed once, the user's hook kept
   assert "process 0 of 2 exits at once after an uncaught ValueError" in out.stderr
+
+
+# -- the job check: no process joins another job's coordinator ---------------------------------------------
+
+
+def test_the_job_identity_is_the_variable_else_slurms_else_none(monkeypatch):
+  for name in (names.ENV_JOB_ID, "SLURM_JOB_ID", "SLURM_STEP_ID"):
+    monkeypatch.delenv(name, raising=False)
+  assert distributed.job_identity() is None
+  monkeypatch.setenv("SLURM_JOB_ID", "4242")
+  assert distributed.job_identity() == "slurm-4242"
+  monkeypatch.setenv("SLURM_STEP_ID", "3")
+  assert distributed.job_identity() == "slurm-4242.3"
+  monkeypatch.setenv(names.ENV_JOB_ID, "  my-run-7 ")
+  assert distributed.job_identity() == "my-run-7"  # the variable wins
+  for bad in ("a\nb", "x" * 257):
+    monkeypatch.setenv(names.ENV_JOB_ID, bad)
+    with pytest.raises(ValueError, match="TPUSTRAT_JOB_ID=.* must be at most 256 printable characters"):
+      distributed.job_identity()
+
+
+def test_the_job_check_lets_only_the_same_job_through(monkeypatch):
+  port = launch._free_port()  # the coordinator's port; nothing listens there: only port + 1 is read
+  address, check = f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"
+  server = distributed._bind_job_check(address, 0, "job-A")
+  server.start()
+  try:
+    distributed._check_job(address, "job-A", 1, 2, time.monotonic() + 10, 10)  # its own job: returns
+    start = time.monotonic()
+    with pytest.raises(distributed.CoordinatorOfAnotherJob) as e:
+      distributed._check_job(address, "job-B", 1, 2, time.monotonic() + 30, 30)
+    assert time.monotonic() - start < 10  # at once, not at the deadline
+    assert str(e.value) == (
+        f"experimental_connect_to_cluster: process 1 of 2 of job 'job-B' will not join the coordinator at "
+        f"{address}: another job holds that address (its process 0 answered the job check at {check} with job "
+        "'job-A'). This process did not register with it, so that job goes on undisturbed. Give this job a "
+        "free port (python -m tpustrat.launch --port, or the coordinator address), or wait until the other "
+        "job has ended.")
+    assert isinstance(e.value, distributed.CoordinatorPortTaken)  # exits with the start-failed status
+    # A second process 0 (of any job) cannot take the job check port while the first holds it.
+    with pytest.raises(distributed.CoordinatorPortTaken, match=f"but {check} is already in use: that is the "
+                       f"job check port of the coordinator at {address}"):
+      distributed._bind_job_check(address, 0, "job-B")
+  finally:
+    server.close()
+  # Nobody answers any more: the process waits until the deadline, then names the address.
+  with pytest.raises(RuntimeError, match=rf"process 1 of 2 of job 'job-A' could not check the job of the "
+                     rf"coordinator at {address} within 1 s \(initialization_timeout\): process 0 of this job "
+                     rf"answers the job check at {check}"):
+    distributed._check_job(address, "job-A", 1, 2, time.monotonic() + 1, 1)
+
+
+def test_the_job_check_does_not_take_another_programs_answer_for_a_job():
+  # Something else listens on the job check port and answers garbage: not a job, so no decision; the
+  # process keeps asking until the deadline, then says what it got.
+  port = launch._free_port()
+  with socket.socket() as other:
+    other.bind(("127.0.0.1", port + 1))
+    other.listen()
+    stop = threading.Event()
+
+    def answer():
+      other.settimeout(0.1)
+      while not stop.is_set():
+        try:
+          conn, _ = other.accept()
+        except OSError:
+          continue
+        with conn:
+          conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+      with pytest.raises(RuntimeError, match=r"last error: the answer was not a job check's: b'HTTP/1.1 400"):
+        distributed._check_job(f"127.0.0.1:{port}", "job-A", 1, 2, time.monotonic() + 1.5, 1.5)
+    finally:
+      stop.set()
+      thread.join()
+
+
+def test_the_last_port_leaves_no_room_for_the_job_check():
+  assert distributed.job_check_address("10.0.0.1:8476") == ("10.0.0.1", 8477, "10.0.0.1:8477")
+  assert distributed.job_check_address("[::1]:9000") == ("::1", 9001, "[::1]:9001")
+  with pytest.raises(ValueError, match=r"the coordinator's port 65535 \(h:65535\) leaves no port for the job "
+                     r"check"):
+    distributed.job_check_address("h:65535")
+
+
+# -- timeouts: checked before connecting ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, value", [
+    ("initialization_timeout", 2**31), ("heartbeat_timeout", 3_000_000_000), ("shutdown_timeout", 0),
+    ("heartbeat_timeout", 1.5),
+])
+def test_out_of_range_timeouts_fail_before_connecting(name, value, monkeypatch):
+  def connects(*args, **kwargs):
+    raise AssertionError("tried to connect")
+
+  # Nothing may be tried with these timeouts (in this test process: nothing at all).
+  monkeypatch.setattr(distributed, "_wait_for_coordinator", connects)
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", connects)
+  timeouts = dict(initialization_timeout=30, heartbeat_timeout=10, shutdown_timeout=10) | {name: value}
+  env = {"initialization_timeout": "TPUSTRAT_INITIALIZATION_TIMEOUT", "heartbeat_timeout":
+         "TPUSTRAT_HEARTBEAT_TIMEOUT", "shutdown_timeout": "TPUSTRAT_SHUTDOWN_TIMEOUT"}[name]
+  start = time.monotonic()
+  with pytest.raises(ValueError) as e:
+    distributed.initialize("127.0.0.1:1", 2, 1, None, coordinator_bind_address=None, **timeouts)
+  assert str(e.value) == (
+      f"experimental_connect_to_cluster: {name} (the resolver's argument, or {env}) must be a whole number of "
+      f"seconds in [1, 2147483647], got {value!r} (JAX's distributed runtime takes int32 seconds).")
+  assert time.monotonic() - start < 1
+
+
+def test_an_out_of_range_timeout_variable_fails_at_once_naming_it():
+  # It used to pass, then fail 22-62 s later inside JAX with a pybind TypeError (here: after the 5 s of
+  # waiting for a coordinator that does not exist).
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{s.getsockname()[1]}"
+  env = _env() | {"TPUSTRAT_COORDINATOR_ADDRESS": address, "TPUSTRAT_NUM_PROCESSES": "2",
+                  "TPUSTRAT_PROCESS_ID": "1", "TPUSTRAT_INITIALIZATION_TIMEOUT": "5",
+                  "TPUSTRAT_HEARTBEAT_TIMEOUT": "3000000000"}
+  start = time.monotonic()
+  out = subprocess.run([sys.executable, "-c", "import tpustrat; tpustrat.TPUStrategy()"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+  elapsed = time.monotonic() - start
+  assert out.returncode == 1
+  assert "ValueError" in out.stderr and "TPUSTRAT_HEARTBEAT_TIMEOUT" in out.stderr, out.stderr[-3000:]
+  assert "3000000000" in out.stderr and "[1, 2147483647]" in out.stderr, out.stderr[-3000:]
+  assert "could not reach the coordinator" not in out.stderr and "TypeError" not in out.stderr
+  assert elapsed < 5 + 20, f"{elapsed:.1f} s"

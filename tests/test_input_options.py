@@ -103,3 +103,29 @@ def test_drop_remainder_from_function_is_tfs_rule_per_pipeline(strategy):
   # Without drop_remainder every row is used.
   dist = strategy.experimental_distribute_datasets_from_function(_per_replica_pipelines(sizes))
   assert [len(s) for s in (np.asarray(strategy.gather(b, axis=0)) for b in dist)] == [16, 16, 15]
+
+
+def test_drop_remainder_is_decided_per_pass_and_survives_a_restore(strategy):
+  options = tpustrat.InputOptions(drop_remainder=True)
+  sizes = [8, 16, 16, 12]  # the first batch is smaller than later ones (kept), the last is a remainder
+  dist = strategy.experimental_distribute_dataset([np.ones(n, np.float32) for n in sizes], options=options)
+  for _ in range(2):  # every epoch the same: the reference is the pass's own batches
+    assert [float(strategy.reduce("SUM", b, axis=0)) for b in dist] == [8.0, 16.0, 16.0]
+  # A position taken before the remainder restores the reference too: the remainder is still dropped.
+  it = iter(dist)
+  next(it), next(it)
+  state = it.get_state()
+  assert state["largest_batch"][0] == 16
+  again = iter(dist)
+  again.set_state(state)
+  assert [float(strategy.reduce("SUM", b, axis=0)) for b in again] == [16.0]
+  with pytest.raises(ValueError, match="largest_batch"):
+    iter(dist).set_state({**state, "largest_batch": [16, "x"]})
+
+
+def test_drop_remainder_from_function_stops_where_a_pipeline_runs_out(strategy):
+  options = tpustrat.InputOptions(drop_remainder=True)
+  # Replica 0's second batch is short: TF's iterator stops there, later full steps included.
+  sizes = [[2, 1, 2]] + [[2, 2, 2]] * 7
+  dist = strategy.experimental_distribute_datasets_from_function(_per_replica_pipelines(sizes), options=options)
+  assert [np.asarray(strategy.gather(b, axis=0)).shape[0] for b in dist] == [16]

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import types
 
@@ -28,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _REPORT = """\
 import json, os, signal, sys, time
 ENV = {k: os.environ.get(k) for k in ("TPUSTRAT_PROCESS_ID", "TPUSTRAT_RESTART_COUNT",
-                                      "TPUSTRAT_COORDINATOR_ADDRESS", "TPUSTRAT_STEP_TIMEOUT")}
+                                      "TPUSTRAT_COORDINATOR_ADDRESS", "TPUSTRAT_STEP_TIMEOUT", "TPUSTRAT_JOB_ID")}
 print("START " + json.dumps(ENV), flush=True)
 ID, RESTART = int(ENV["TPUSTRAT_PROCESS_ID"]), int(ENV["TPUSTRAT_RESTART_COUNT"])
 """
@@ -271,7 +272,8 @@ def test_a_step_watchdog_exit_is_described(run):
         sys.exit({names.EXIT_STEP_TIMEOUT})
       """, max_restarts=1)
   assert status == names.EXIT_STEP_TIMEOUT, err[-3000:]
-  watchdog = "exited with status 124 (its step watchdog fired: a step waited longer than --step-timeout)"
+  watchdog = ("exited with status 124 (its step watchdog or checkpoint deadline fired: a step, save or restore "
+              "waited longer than its timeout)")
   assert f"process 0 failed first: it {watchdog}" in err, err[-3000:]
   assert _restart_lines(err) == [f"tpustrat.launch: restarting the job (restart 1 of 1): process 0 {watchdog}"]
 
@@ -289,7 +291,8 @@ def test_the_cause_names_the_process_that_hangs():
       "process 1 stopped responding to heartbeats (JAX declared it dead; process 0 then was killed by SIGABRT)")
   plain = [proc(0, 0, 1.0), proc(1, 3, 2.0)]
   assert launch._cause(plain, plain[1]) == "process 1 exited with status 3"
-  assert launch._describe(names.EXIT_START_FAILED) == "exited with status 75"
+  assert launch._describe(names.EXIT_START_FAILED).startswith("exited with status 75 (it could not start: the "
+                                                              "coordinator's address is in use")
 
 
 # -- arguments ---------------------------------------------------------------------------------------------------
@@ -308,10 +311,28 @@ def main():
 @pytest.mark.parametrize("args, message", [
     (["--max-restarts", "-1"], "--max-restarts must be a non-negative int, got '-1'"),
     (["--max-restarts", "two"], "--max-restarts must be a non-negative int, got 'two'"),
-    (["--step-timeout", "0"], "--step-timeout must be a positive finite float, got '0'"),
-    (["--step-timeout", "-3"], "--step-timeout must be a positive finite float, got '-3'"),
-    (["--step-timeout", "nan"], "--step-timeout must be a positive finite float, got 'nan'"),
-    (["--step-timeout", "inf"], "--step-timeout must be a positive finite float, got 'inf'"),
+    (["--step-timeout", "0"], "--step-timeout must be a number of seconds in [1, 2147483647], got '0'."),
+    (["--step-timeout", "-3"], "--step-timeout must be a number of seconds in [1, 2147483647], got '-3'."),
+    (["--step-timeout", "nan"], "--step-timeout must be a number of seconds in [1, 2147483647], got 'nan'."),
+    (["--step-timeout", "inf"], "--step-timeout must be a number of seconds in [1, 2147483647], got 'inf'."),
+    # Out-of-range timeouts (issue 21 item 15): beyond JAX's int32 seconds, and absurdly small.
+    (["--step-timeout", "1e-300"], "--step-timeout must be a number of seconds in [1, 2147483647], got '1e-300'."),
+    (["--step-timeout", "0.5"], "--step-timeout must be a number of seconds in [1, 2147483647], got '0.5'."),
+    (["--step-timeout", "3e9"], "--step-timeout must be a number of seconds in [1, 2147483647], got '3e9'."),
+    (["--heartbeat-timeout", "2147483648"], "--heartbeat-timeout must be a whole number of seconds in "
+     "[1, 2147483647], got '2147483648' (JAX's distributed runtime takes int32 seconds)."),
+    (["--initialization-timeout", "3000000000"], "--initialization-timeout must be a whole number of seconds "
+     "in [1, 2147483647], got '3000000000' (JAX's distributed runtime takes int32 seconds)."),
+    (["--shutdown-timeout", "0"], "--shutdown-timeout must be a whole number of seconds in [1, 2147483647], "
+     "got '0'"),
+    (["--heartbeat-timeout", "1.5"], "--heartbeat-timeout must be a whole number of seconds in [1, 2147483647], "
+     "got '1.5'"),
+    (["--timeout", "1e-300"], "--timeout must be a number of seconds in [1, 2147483647], got '1e-300'."),
+    (["--timeout", "1e10"], "--timeout must be a number of seconds in [1, 2147483647], got '1e10'."),
+    (["--grace-period", "-1"], "--grace-period must be a number of seconds in [0, 2147483647], got '-1'."),
+    (["--termination-grace-period", "1e12"],
+     "--termination-grace-period must be a number of seconds in [0, 2147483647], got '1e12'."),
+    (["--port", "65535"], "--port must be in [0, 65534] (the next port is the job check's), got 65535"),
 ])
 def test_bad_arguments_are_rejected(main, capsys, args, message):
   with pytest.raises(SystemExit) as e:
@@ -324,6 +345,51 @@ def test_launch_rejects_bad_values():
   for kwargs in (dict(max_restarts=-1), dict(max_restarts=1.5), dict(step_timeout=0), dict(step_timeout=-1.0)):
     with pytest.raises(ValueError, match="max_restarts|step_timeout"):
       launch.launch([sys.executable, "-c", "pass"], **kwargs)
+  for kwargs, message in (
+      (dict(heartbeat_timeout=2**31), "launch: heartbeat_timeout must be a whole number of seconds in "
+                                      "[1, 2147483647], got 2147483648 (JAX's distributed runtime takes int32 "
+                                      "seconds)."),
+      (dict(initialization_timeout=0), "launch: initialization_timeout must be a whole number of seconds"),
+      (dict(shutdown_timeout=10**12), "launch: shutdown_timeout must be a whole number of seconds"),
+      (dict(step_timeout=1e-300), "launch: step_timeout must be a number of seconds in [1, 2147483647], got "
+                                  "1e-300."),
+      (dict(timeout=float("inf")), "launch: timeout must be a number of seconds in [1, 2147483647], got inf."),
+      (dict(grace_period=-0.5), "launch: grace_period must be a number of seconds in [0, 2147483647]"),
+      (dict(termination_grace_period=float("nan")), "launch: termination_grace_period must be a number"),
+      (dict(port=65535), "launch: port must be an int in [0, 65534]"),
+  ):
+    with pytest.raises(ValueError) as e:
+      launch.launch([sys.executable, "-c", "pass"], **kwargs)
+    assert message in str(e.value), (kwargs, str(e.value))
+
+
+def test_the_range_bounds_themselves_are_accepted(main, monkeypatch):
+  calls = []
+  monkeypatch.setattr(launch, "launch", lambda *a, **kw: calls.append(kw) or 0)
+  assert main(["--heartbeat-timeout", "2147483647", "--initialization-timeout", "1", "--shutdown-timeout",
+               "2147483647", "--step-timeout", "1", "--timeout", "2147483647", "--grace-period", "0",
+               "--termination-grace-period", "0", "--port", "65534", "job.py"]) == 0
+  assert {k: calls[0][k] for k in ("heartbeat_timeout", "initialization_timeout", "shutdown_timeout",
+                                   "step_timeout", "timeout", "grace_period", "termination_grace_period",
+                                   "port")} == dict(
+      heartbeat_timeout=2147483647, initialization_timeout=1, shutdown_timeout=2147483647, step_timeout=1.0,
+      timeout=2147483647.0, grace_period=0.0, termination_grace_period=0.0, port=65534)
+  assert calls[0]["termination_grace_period"] == 0.0
+
+
+def test_a_step_timeout_in_the_launchers_environment_is_checked_too(main, monkeypatch, capsys):
+  # Without --step-timeout the variable is passed on to every process as it is: checked first, too.
+  monkeypatch.setenv(names.ENV_STEP_TIMEOUT, "1e-300")
+  with pytest.raises(SystemExit) as e:
+    main(["job.py"])
+  assert e.value.code == 2
+  assert ("TPUSTRAT_STEP_TIMEOUT (in the launcher's environment) must be a number of seconds in "
+          "[1, 2147483647], got '1e-300'.") in capsys.readouterr().err
+  with pytest.raises(ValueError, match=r"TPUSTRAT_STEP_TIMEOUT \(in the launcher's environment\) must be"):
+    launch.launch([sys.executable, "-c", "pass"])
+  monkeypatch.setenv(names.ENV_STEP_TIMEOUT, "9")  # in range: fine (the flag would replace it)
+  monkeypatch.setattr(launch, "launch", lambda *a, **kw: 0)
+  assert main(["job.py"]) == 0
 
 
 def test_main_restarts_and_sets_the_step_timeout(main, monkeypatch, tmp_path):
@@ -351,3 +417,368 @@ def test_main_restarts_and_sets_the_step_timeout(main, monkeypatch, tmp_path):
     m.setattr(launch, "launch", lambda *a, **kw: calls.append(kw) or 0)
     assert main([str(script)]) == 0
   assert calls[0]["max_restarts"] == 0 and calls[0]["step_timeout"] is None
+
+
+# -- launchers in their own processes ----------------------------------------------------------------------
+
+SCRIPTS = os.path.join(ROOT, "tests", "_mp_scripts")
+
+
+def _env() -> dict[str, str]:
+  """This environment without the job's variables and this process's 8 devices."""
+  return {k: v for k, v in os.environ.items()
+          if not k.startswith(("TPUSTRAT_", "SLURM_")) and k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+
+
+def _start_launcher(*args: str) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, "-m", "tpustrat.launch", *args], env=_env(), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_lines(launcher: subprocess.Popen, word: str, count: int) -> list[str]:
+  """Reads the launcher's stdout until `count` lines contain `word`; those lines."""
+  found = []
+  for line in launcher.stdout:
+    if word in line:
+      found.append(line.rstrip("\n"))
+      if len(found) == count:
+        return found
+  raise AssertionError(f"the job ended before printing {count} x {word!r}: {launcher.stderr.read()[-3000:]}")
+
+
+def _state(pid: int) -> str:
+  """The process state letter in /proc (Z: ended, not yet reaped); 'gone' once reaped."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0]
+  except FileNotFoundError:
+    return "gone"
+
+
+def _wait_until(predicate, seconds: float, what: str) -> None:
+  deadline = time.monotonic() + seconds
+  while not predicate():
+    assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    time.sleep(0.01)
+
+
+def _stop_and_reap(launcher: subprocess.Popen) -> None:
+  """Whatever happened, leaves no launcher behind (it kills its processes when it dies)."""
+  try:
+    launcher.send_signal(signal.SIGCONT)
+  except ProcessLookupError:
+    pass
+  launcher.kill()
+  launcher.communicate()
+
+
+# -- a second job on the same port (issue 21 item 7) -------------------------------------------------------
+
+
+def test_a_second_job_on_the_same_port_fails_and_leaves_the_running_job_alone(tmp_path):
+  # Job A (2 processes x 2 devices) connects on a port and waits; job B is started with the same --port.
+  # B's process 1 used to pass the TCP check and register with A's coordinator, which then aborted A
+  # ("different incarnation", exit 134). Now B's process 1 reads A's job identity at the job check port
+  # first and stops with a clear error; B's process 0 finds the port taken. A goes on and finishes.
+  port = launch._free_port()
+  go = tmp_path / "go"
+  a = _start_launcher("-n", "2", "-d", "2", "--port", str(port), "--heartbeat-timeout", "10", "--timeout", "150",
+                      os.path.join(SCRIPTS, "wait_then_sum.py"), str(go))
+  try:
+    _wait_for_lines(a, " connected", 2)
+    b = subprocess.run([sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "2", "--port", str(port),
+                        "--grace-period", "30", "--timeout", "90", os.path.join(SCRIPTS, "wait_then_sum.py"),
+                        str(tmp_path / "never")], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    go.touch()
+    out, err = a.communicate(timeout=120)
+  finally:
+    _stop_and_reap(a)
+  # A finished normally, with the right numbers: the sum over its 4 replicas of (replica id + 1).
+  assert a.returncode == 0, err[-3000:]
+  results = [json.loads(line.split(" RESULT ", 1)[1]) for line in out.splitlines() if " RESULT " in line]
+  assert results == [{"sum": float(sum(range(1, 5))), "replicas": 4}] * 2, out[-3000:]
+  assert "incarnation" not in err
+  # B failed, at once, with the start-failed status and an error naming the address and the other job.
+  assert b.returncode == names.EXIT_START_FAILED, b.stderr[-3000:]
+  assert ("[proc 1] tpustrat._src.distributed.CoordinatorOfAnotherJob: experimental_connect_to_cluster: "
+          "process 1 of 2 of job 'launch-") in b.stderr, b.stderr[-3000:]
+  assert (f"will not join the coordinator at 127.0.0.1:{port}: another job holds that address (its process 0 "
+          f"answered the job check at 127.0.0.1:{port + 1} with job 'launch-") in b.stderr, b.stderr[-3000:]
+  assert "This process did not register with it" in b.stderr
+  assert f"process 0 runs the coordinator, but 127.0.0.1:{port} is already in use" in b.stderr, b.stderr[-3000:]
+  assert "RESULT" not in b.stdout
+
+
+def test_each_start_has_its_own_job_identity(run, monkeypatch):
+  monkeypatch.setenv(names.ENV_JOB_ID, "from-the-launchers-environment")  # replaced: a start is a job
+  status, starts, err = run("""
+      if ID == 1 and RESTART == 0:
+        sys.exit(3)
+      """, max_restarts=1)
+  assert status == 0, err[-3000:]
+  ids = {}
+  for s in starts:
+    ids.setdefault(s["TPUSTRAT_RESTART_COUNT"], set()).add(s["TPUSTRAT_JOB_ID"])
+  assert sorted(ids) == ["0", "1"] and all(len(v) == 1 for v in ids.values()), starts
+  first, second = ids["0"].pop(), ids["1"].pop()
+  assert first != second and first.startswith("launch-") and second.startswith("launch-"), (first, second)
+  common = dict(process_id=0, num_processes=2, devices_per_process=1, address="127.0.0.1:1",
+                heartbeat_timeout=5, initialization_timeout=6, shutdown_timeout=7)
+  assert launch.process_env({}, job_id="j", **common)[names.ENV_JOB_ID] == "j"
+  assert names.ENV_JOB_ID not in launch.process_env({}, **common)
+
+
+def test_the_launcher_chooses_a_port_whose_next_port_is_free_too():
+  import socket  # pylint: disable=import-outside-toplevel
+
+  for _ in range(20):
+    port = launch._free_port()
+    for p in (port, port + 1):
+      with socket.socket() as s:
+        s.bind(("127.0.0.1", p))  # raises if taken
+
+
+def test_the_largest_timeouts_reach_jax():
+  # 2**31 - 1 s is the most JAX takes (int32); the initialization timeout is given to JAX with a margin
+  # of 15 s, which used to overflow: a TypeError inside jax.distributed.initialize.
+  big = str(names.MAX_TIMEOUT_SECONDS)
+  out = subprocess.run([sys.executable, "-m", "tpustrat.launch", "-n", "2", "--heartbeat-timeout", big,
+                        "--initialization-timeout", big, "--shutdown-timeout", big, "--timeout", "120", "--", "-c",
+                        "import tpustrat; s = tpustrat.TPUStrategy(); print('connected', s.num_replicas_in_sync)"],
+                       env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert sorted(line for line in out.stdout.splitlines() if " connected " in line) == [
+      "[proc 0] connected 2", "[proc 1] connected 2"], out.stdout[-3000:]
+
+
+# -- SIGTERM to the launcher (issue 21 item 9) --------------------------------------------------------------
+
+# Each process (and a helper it starts, in its process group) saves on SIGTERM, slowly, then exits with 42.
+_SAVES_ON_SIGTERM = """\
+import os, signal, subprocess, sys, time
+out = sys.argv[1]
+me = os.environ["TPUSTRAT_PROCESS_ID"]
+mode = sys.argv[2]
+helper = subprocess.Popen([sys.executable, "-c", (
+    "import os, signal, sys, time\\n"
+    "def done(*_):\\n"
+    f"  open(os.path.join({out!r}, 'helper{me}'), 'w').write('terminated')\\n"
+    "  sys.exit(0)\\n"
+    "signal.signal(signal.SIGTERM, done)\\n"
+    "print('helper up', flush=True)\\n"
+    "time.sleep(120)\\n")], stdout=subprocess.PIPE, text=True)
+assert helper.stdout.readline() == "helper up\\n"
+def save(*_):
+  time.sleep(0.5)  # a save takes a while: the launcher must wait for it
+  open(os.path.join(out, f"saved{me}"), "w").write(f"process {me} saved")
+  helper.wait(timeout=30)
+  os._exit(42)
+if mode == "save" or me == "0":
+  signal.signal(signal.SIGTERM, save)
+else:  # "ignore": process 1 does not react to SIGTERM at all
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print(f"ready pid={os.getpid()}", flush=True)
+time.sleep(120)
+sys.exit(5)
+"""
+
+
+def _terminated_job(tmp_path, mode: str, *args: str) -> subprocess.Popen:
+  script = tmp_path / "job.py"
+  script.write_text(_SAVES_ON_SIGTERM)
+  launcher = _start_launcher("-n", "2", "--timeout", "100", *args, str(script), str(tmp_path), mode)
+  _wait_for_lines(launcher, " ready pid=", 2)
+  return launcher
+
+
+def test_sigterm_is_forwarded_and_the_processes_save_and_their_status_is_the_launchers(tmp_path):
+  launcher = _terminated_job(tmp_path, "save", "--termination-grace-period", "60")
+  try:
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=60)
+    elapsed = time.monotonic() - start
+  finally:
+    _stop_and_reap(launcher)
+  # Every process saved (and so did the helper each started, in its process group), then exited with 42:
+  # the launcher exits with 42 too, for a supervisor to restart the job.
+  assert launcher.returncode == names.EXIT_RESTART, err[-3000:]
+  for i in (0, 1):
+    assert (tmp_path / f"saved{i}").read_text() == f"process {i} saved"
+    assert (tmp_path / f"helper{i}").read_text() == "terminated"
+  assert ("received SIGTERM: forwarding it to the 2 running processes (each with its process group); they get "
+          "60 s to save and exit") in err, err[-3000:]
+  for i in (0, 1):
+    assert f"tpustrat.launch: process {i} exited with status 42 (the preemption handler saved" in err, err[-3000:]
+  assert "stopped by SIGTERM, forwarded to every process; the launcher exits with 42" in err, err[-3000:]
+  assert "restarting" not in err and "killed by the launcher" not in err
+  assert elapsed < 30, f"{elapsed:.1f} s"
+
+
+def test_after_the_termination_grace_period_the_rest_is_killed(tmp_path):
+  # Process 1 ignores SIGTERM: it is killed once the grace period is over; process 0 saved and exited 42,
+  # the first status of the job, which is the launcher's.
+  launcher = _terminated_job(tmp_path, "ignore", "--termination-grace-period", "2")
+  try:
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=60)
+    elapsed = time.monotonic() - start
+  finally:
+    _stop_and_reap(launcher)
+  assert launcher.returncode == names.EXIT_RESTART, err[-3000:]
+  assert (tmp_path / "saved0").exists() and not (tmp_path / "saved1").exists()
+  assert "process 1 was still running 2 s after the SIGTERM and was killed by the launcher" in err, err[-3000:]
+  assert 2 <= elapsed < 30, f"{elapsed:.1f} s"
+
+
+def test_a_second_sigterm_kills_at_once(tmp_path):
+  launcher = _terminated_job(tmp_path, "ignore", "--termination-grace-period", "600")
+  try:
+    launcher.send_signal(signal.SIGTERM)
+    # Process 0 saves (0.5 s) and exits; process 1 ignores the notice. The second SIGTERM ends the wait.
+    _wait_until(lambda: (tmp_path / "saved0").exists(), 30, "process 0's save")
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=60)
+    elapsed = time.monotonic() - start
+  finally:
+    _stop_and_reap(launcher)
+  assert launcher.returncode == 128 + signal.SIGTERM, err[-3000:]
+  assert "interrupted; killing every process." in err, err[-3000:]
+  assert elapsed < 15, f"{elapsed:.1f} s"
+
+
+def test_sigterm_to_the_launcher_makes_the_preemption_handler_save_and_exit_42(tmp_path, strategy):
+  # The real handler, 2 processes x 2 devices: SIGTERM to the launcher reaches both processes, which agree
+  # on one call, save it, and exit with 42. The checkpoint holds the count of that call.
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  import tpustrat  # pylint: disable=import-outside-toplevel
+
+  ckpt = tmp_path / "ckpt"
+  launcher = _start_launcher("-n", "2", "-d", "2", "--termination-grace-period", "60", "--timeout", "150",
+                             os.path.join(SCRIPTS, "preempted_by_sigterm.py"), str(ckpt))
+  try:
+    _wait_for_lines(launcher, " ready", 2)
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=120)
+  finally:
+    _stop_and_reap(launcher)
+  assert launcher.returncode == names.EXIT_RESTART, err[-3000:]
+  saved = {}
+  for line in err.splitlines():
+    if " saved checkpoint " in line and "after a termination notice" in line:
+      saved[line.split("]", 1)[0]] = int(line.split(" saved checkpoint ", 1)[1].split()[0])
+  assert sorted(saved) == ["[proc 0", "[proc 1"] and len(set(saved.values())) == 1, err[-3000:]
+  step = saved["[proc 0"]
+  assert step >= 3
+  manager = tpustrat.checkpoint.CheckpointManager(ckpt, strategy)
+  try:
+    assert manager.latest_step() == step
+    restored = manager.restore(target={"count": tpustrat.Mirrored(jnp.zeros((), jnp.float32))})
+  finally:
+    manager.close()
+  assert float(strategy.experimental_local_results(restored["count"])[0]) == float(step)
+
+
+def test_launch_forwards_sigterm_in_a_program_of_its_own_and_puts_the_handler_back(run, tmp_path):
+  # `launch()` called by a program (here, this test's process): a SIGTERM to that program is forwarded
+  # too, and the program's own SIGTERM handler is back once `launch()` returns.
+  def mine(signum, frame):
+    raise AssertionError("the program's handler ran during launch()")
+
+  def terminate_when_ready():
+    _wait_until(lambda: all((tmp_path / f"ready{i}").exists() for i in (0, 1)), 30, "both processes")
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  previous = signal.signal(signal.SIGTERM, mine)
+  try:
+    sender = threading.Thread(target=terminate_when_ready, daemon=True)
+    sender.start()
+    status, starts, err = run(f"""
+        def save(*_):
+          open(os.path.join({str(tmp_path)!r}, f"saved{{ID}}"), "w").write("saved")
+          os._exit(42)
+        signal.signal(signal.SIGTERM, save)
+        open(os.path.join({str(tmp_path)!r}, f"ready{{ID}}"), "w").close()
+        time.sleep(60)
+        """, max_restarts=2)
+    sender.join()
+    assert signal.getsignal(signal.SIGTERM) is mine
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert status == names.EXIT_RESTART and len(starts) == 2, err[-3000:]  # not restarted after a SIGTERM
+  assert all((tmp_path / f"saved{i}").read_text() == "saved" for i in (0, 1))
+  assert "stopped by SIGTERM, forwarded to every process; the launcher exits with 42" in err, err[-3000:]
+
+
+# -- the order in which processes end (issue 21 item 13) ---------------------------------------------------
+
+# Process 1 ends first (SIGKILL, or status 124 as the step watchdog ends a process); process 0 waits until
+# process 1 has ended, then exits with 1 at once.
+_ENDS_IN_ORDER = """\
+import os, signal, sys, time
+directory, how = sys.argv[1], sys.argv[2]
+me = os.environ["TPUSTRAT_PROCESS_ID"]
+open(os.path.join(directory, f"pid{me}.tmp"), "w").write(str(os.getpid()))
+os.rename(os.path.join(directory, f"pid{me}.tmp"), os.path.join(directory, f"pid{me}"))
+while not os.path.exists(os.path.join(directory, "go")):
+  time.sleep(0.005)
+if me == "1":
+  if how == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+  os._exit(124)
+other = int(open(os.path.join(directory, "pid1")).read())
+def ended(pid):
+  try:
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+  except FileNotFoundError:
+    return True
+while not ended(other):
+  pass
+os._exit(1)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's order of ends: Linux pidfds")
+@pytest.mark.parametrize("how, status, described", [
+    ("kill", 128 + signal.SIGKILL, "was killed by SIGKILL"),
+    ("watchdog", names.EXIT_STEP_TIMEOUT, "exited with status 124 (its step watchdog or checkpoint deadline fired"),
+])
+def test_the_first_process_to_end_is_blamed_even_when_both_end_between_two_looks(tmp_path, how, status, described):
+  # Process 1 ends, then process 0 exits with 1 an instant later, while the launcher is stopped (SIGSTOP):
+  # both have ended when it looks again, as when two processes end within one of its polls. The launcher
+  # used to take them in index order and blame process 0 (status 1); the kernel's order names process 1.
+  script = tmp_path / "job.py"
+  script.write_text(_ENDS_IN_ORDER)
+  launcher = _start_launcher("-n", "2", "--grace-period", "5", "--timeout", "60", str(script), str(tmp_path), how)
+  try:
+    _wait_until(lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid1").exists(), 30, "the pid files")
+    pids = [int((tmp_path / f"pid{i}").read_text()) for i in (0, 1)]
+    launcher.send_signal(signal.SIGSTOP)
+    try:
+      (tmp_path / "go").touch()
+      # Zombies until the stopped launcher reaps them; process 0 waited for process 1's end.
+      _wait_until(lambda: all(_state(p) == "Z" for p in pids), 30, "both processes to end")
+    finally:
+      launcher.send_signal(signal.SIGCONT)
+    out, err = launcher.communicate(timeout=60)
+  finally:
+    _stop_and_reap(launcher)
+  assert launcher.returncode == status, err[-3000:]
+  assert f"process 1 failed first: it {described}" in err, err[-3000:]
+  assert "process 0 stopped on its own: it exited with status 1" in err, err[-3000:]
+
+
+def test_without_pidfds_the_ends_are_still_seen(run, monkeypatch):
+  # Where pidfds are missing (not Linux, an old kernel), a thread per process waits for it.
+  monkeypatch.delattr(launch.os, "pidfd_open", raising=False)
+  assert launch._Exits()._epoll is None
+  status, starts, err = run("""
+      if ID == 1:
+        sys.exit(3)
+      """)
+  assert status == 3 and len(starts) == 2, err[-3000:]
+  assert "process 1 failed first: it exited with status 3" in err, err[-3000:]

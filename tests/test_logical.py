@@ -21,7 +21,6 @@ from jax import lax
 
 import tpustrat
 from tpustrat._src import logical
-from tpustrat._src.engine import batch_groups
 from tpustrat._src.values import Mirrored, PerReplica
 
 
@@ -65,10 +64,9 @@ def lowered(strategy, fn, args):
   """The lowered program `strategy.run(fn, args)` used (run it first)."""
   leaves, in_tree = jax.tree.flatten((tuple(args), {}))
   engine = strategy._engine
-  entry, = [entry for (key, tree), entry in engine._entries.items()  # the cache holds fn weakly
-            if tree == in_tree and (key() if isinstance(key, weakref.ref) else key) is fn]
-  program = entry.program(batch_groups(leaves, entry.count_positions, entry.tags))
-  return program._flat.lower(*[engine._place(x, t) for x, t in zip(leaves, entry.targets)])
+  (program, targets), = [entry for (key, tree), entry in engine._entries.items()  # the cache holds fn weakly
+                         if tree == in_tree and (key() if isinstance(key, weakref.ref) else key) is fn]
+  return program._flat.lower(*[engine._place(x, t) for x, t in zip(leaves, targets)])
 
 
 def compiled_hlo(strategy, fn, args):

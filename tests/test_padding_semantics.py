@@ -275,9 +275,9 @@ def test_a_statistic_with_the_batchs_size_is_whole_along_axis_0(strategy):
 
   def step(v):
     stat = jnp.stack([jnp.sum(v), jnp.max(v)])  # a per-replica [2] statistic, not per-example
-    return stat, v.mean(axis=0)[:2], jnp.sort(v, axis=0)
+    return stat, v.mean(axis=0)[:2]
 
-  stat, firsts, sorted_rows = strategy.run(step, args=(batch,))
+  stat, firsts = strategy.run(step, args=(batch,))
   padded = np.zeros((16, 3), np.float32)
   padded[:12] = x
   comps = padded.reshape(N, 2, 3)
@@ -287,7 +287,9 @@ def test_a_statistic_with_the_batchs_size_is_whole_along_axis_0(strategy):
                              atol=1e-5 * np.abs(want).sum())
   np.testing.assert_allclose(strategy.gather(firsts, axis=0), np.concatenate([c.mean(0)[:2] for c in comps]),
                              rtol=1e-6, atol=1e-6)
-  assert strategy.gather(sorted_rows, axis=0).shape == (16, 3)  # rows moved along axis 0: not the batch's
+  # Rows reordered along axis 0 (a sort, a flip) are not followed: run says so, once per program.
+  with pytest.warns(tpustrat.BatchRowsWarning, match=r"`sort`, whose effect on axis 0 is not traced"):
+    strategy.run(lambda v: jnp.sort(v, axis=0), args=(batch,))
 
 
 def test_rows_are_traced_through_a_model(strategy):
@@ -358,3 +360,68 @@ def test_run_inside_jit_keeps_one_batch_per_dataset_element_and_datasets_apart(s
     return strategy.run(lambda e: jnp.sum(tpustrat.valid_mask()).astype(jnp.int32)[None], args=(e,))
 
   assert int(strategy.reduce("SUM", no_argument(element), axis=None)[0]) == 12
+
+
+def test_two_elements_of_one_dataset_are_two_batches_eagerly_in_jit_and_in_run_steps(strategy):
+  rng = np.random.default_rng(7)
+  a = rng.normal(size=(16, 3)).astype(np.float32)
+  b = rng.normal(size=(12, 3)).astype(np.float32)
+  first, second = list(strategy.experimental_distribute_dataset([a, b]))
+
+  def step(x, y):
+    return tpustrat.num_valid_examples(x)[None], tpustrat.num_valid_examples(y)[None], y * 2.0
+
+  for runner in (lambda x, y: strategy.run(step, args=(x, y)), jax.jit(lambda x, y: strategy.run(step, args=(x, y)))):
+    for (x, y), (hx, hy) in (((first, second), (a, b)), ((second, first), (b, a))):
+      nx, ny, y2 = runner(x, y)
+      assert int(strategy.reduce("SUM", nx, axis=None)[0]) == len(hx)
+      assert int(strategy.reduce("SUM", ny, axis=None)[0]) == len(hy)
+      np.testing.assert_array_equal(strategy.gather(y2, axis=0), hy * 2.0)
+
+  # Pairs of elements of one dataset, stacked as steps: each element keeps its own counts in the scan.
+  pairs = iter([(first, second)])
+  _, (nx, ny, _) = strategy.experimental_run_steps(lambda c, xy: (c, step(*xy)), pairs, steps=1, init=jnp.int32(0))
+  assert int(strategy.reduce("SUM", tpustrat.unstack_steps(nx)[0], axis=None)[0]) == 16
+  assert int(strategy.reduce("SUM", tpustrat.unstack_steps(ny)[0], axis=None)[0]) == 12
+
+
+def test_a_new_dataset_of_the_same_kind_compiles_nothing_new_in_a_users_jit(strategy):
+  traces = []
+
+  @jax.jit
+  def outer(batch):
+    traces.append(1)
+    return strategy.run(lambda b: tpustrat.per_example({"x": b["x"] + 1.0}), args=(batch,))
+
+  for epoch in range(3):  # a new distributed dataset per epoch, same shapes
+    x = np.full((12, 3), epoch, np.float32)
+    out = outer(next(iter(strategy.experimental_distribute_dataset([{"x": x}]))))
+    np.testing.assert_array_equal(strategy.gather(out["x"], axis=0), x + 1.0)
+  assert len(traces) == 1
+
+
+@pytest.mark.parametrize("name,fn,want", [
+    # Rows that leave axis 0 and come back are followed...
+    ("transpose round trip", lambda v, w: (w @ v.T).T, lambda x, w: (w @ x.T).T),
+    ("lax.map per example", lambda v, w: jax.lax.map(lambda r: r @ w.T, v), lambda x, w: x @ w.T),
+    ("time-major scan", lambda v, w: jax.lax.scan(lambda c, r: (c, r * 2.0), 0.0, v.T)[1].T,
+     lambda x, w: x * 2.0),
+    ("running sum along the rows", lambda v, w: jnp.cumsum(v, axis=0), lambda x, w: None),
+    # ... and rows moved to another axis are not axis 0's.
+    ("stacked on a new axis 0", lambda v, w: jnp.stack([v[:, 0], v[:, 1]], axis=0), lambda x, w: None),
+])
+def test_rows_are_followed_where_they_go(strategy, name, fn, want):
+  x, batch = partial_batch(strategy, rows=12, cols=3)
+  w = np.random.default_rng(5).normal(size=(3, 3)).astype(np.float32)
+  out = strategy.run(fn, args=(batch, w))
+  got = np.asarray(strategy.gather(out, axis=0))
+  padded = np.zeros((16, 3), np.float32)
+  padded[:12] = x
+  if name == "running sum along the rows":  # row i of the running sum is example i's: padding skipped
+    comps = [np.cumsum(c, axis=0) for c in padded.reshape(N, 2, 3)]
+    np.testing.assert_allclose(got, np.concatenate(comps)[:12], rtol=1e-6, atol=1e-6)
+  elif name == "stacked on a new axis 0":  # axis 0 is the stack: every replica's [2, 2] kept whole
+    comps = [np.stack([c[:, 0], c[:, 1]]) for c in padded.reshape(N, 2, 3)]
+    np.testing.assert_array_equal(got, np.concatenate(comps))
+  else:
+    np.testing.assert_allclose(got, want(x, w), rtol=1e-5, atol=1e-5 * np.abs(x).sum())

@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 
 import tpustrat
-from tpustrat._src import names, preemption, watchdog
+from tpustrat._src import names, preemption, termination_notice, watchdog
 
 SCRIPT = pathlib.Path(__file__).resolve().parent / "_preemption_scripts" / "linear_sgd.py"
+EARLY_NOTICE = SCRIPT.with_name("early_notice.py")
 ROOT = SCRIPT.parents[2]
 STEPS = 60
 
@@ -45,10 +46,10 @@ def _single(ckpt: pathlib.Path, out: pathlib.Path, *fault: str, attempt: int = 0
 
 
 def _launched(ckpt: pathlib.Path, out: pathlib.Path, *args: str, fault: tuple[str, ...] = (),
-              timeout: float = 300) -> subprocess.CompletedProcess:
+              timeout: float = 300, script: pathlib.Path = SCRIPT) -> subprocess.CompletedProcess:
   """The script as 2 processes x 4 CPU devices under the launcher."""
   command = [sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "4", "--heartbeat-timeout", "10", *args,
-             str(SCRIPT), str(ckpt), str(out), *fault]
+             str(script), str(ckpt), str(out), *fault]
   return subprocess.run(command, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -125,6 +126,31 @@ def test_sigterm_on_one_of_two_processes_saves_at_one_step_and_the_restarted_job
   for p in (0, 1):  # both processes saved it
     assert f"[proc {p}] tpustrat: process {p}: saved checkpoint {saved} after a termination notice" in done.stderr
   assert _checkpoints(ckpt) == sorted({10, 20, saved, 30, 40, 50, 60})
+  _assert_same_training(uninterrupted["launched"], out, done.stdout, processes=2)
+
+
+def test_sigterm_before_the_handler_exists_saves_at_the_first_agreed_step(uninterrupted, tmp_path):
+  """Process 1 gets SIGTERM after connecting (JAX's own notifier installed) and before it creates its
+  handler: the handler takes the notice when created, and both processes save at the first call they agree
+  on; the restarted job resumes there and ends as the uninterrupted run."""
+  ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+  out.mkdir()
+  done = _launched(ckpt, out, "--max-restarts", "1", fault=("--process", "1"), script=EARLY_NOTICE)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "process 1 got SIGTERM before creating its handler" in done.stdout
+  assert "[proc 1] tpustrat: process 1: SIGTERM received before a PreemptionCheckpointHandler exists" in done.stderr
+  assert "before this PreemptionCheckpointHandler existed counts as a termination notice" in done.stderr
+  assert "restarting the job (restart 1 of 1): process " in done.stderr
+  assert f"status {names.EXIT_RESTART}" in done.stderr
+  starts = _starts(done.stdout)
+  assert starts[0] == 0, starts
+  saved = starts[1]
+  # The notice came before call 1's check on process 1: the agreed call is 1, or a few calls later on a
+  # process that had dispatched those calls before it saw the notice; long before the first periodic save.
+  assert 1 <= saved < 10, saved
+  for p in (0, 1):
+    assert f"[proc {p}] tpustrat: process {p}: saved checkpoint {saved} after a termination notice" in done.stderr
+  assert _checkpoints(ckpt) == [saved, 10, 20, 30, 40, 50, 60]
   _assert_same_training(uninterrupted["launched"], out, done.stdout, processes=2)
 
 
@@ -246,6 +272,37 @@ def test_sigterm_in_this_process_is_the_default_notice(strategy, tmp_path):
   finally:
     handler.close()
   assert signal.getsignal(signal.SIGTERM) == previous  # put back
+
+
+def test_a_sigterm_kept_from_before_the_handler_existed_saves_at_its_first_call(strategy, tmp_path, monkeypatch):
+  """What connecting installs (`termination_notice`), here in one process: the signal is recorded, the
+  process goes on, and the handler created afterwards saves at call 1; a handler with a watcher function
+  (not SIGTERM) leaves the notice alone."""
+  previous = signal.getsignal(signal.SIGTERM)
+  for name, value in (("_installed", False), ("_received", None), ("_previous", None)):
+    monkeypatch.setattr(termination_notice, name, value)
+  try:
+    assert termination_notice.install(0)
+    assert signal.getsignal(signal.SIGTERM) is termination_notice.handler()
+    os.kill(os.getpid(), signal.SIGTERM)
+    _wait_for(lambda: termination_notice._received is not None)  # pylint: disable=protected-access
+    watched = tpustrat.PreemptionCheckpointHandler(
+        None, tmp_path / "other", termination_config=tpustrat.TerminationConfig(termination_watcher_fn=lambda: False))
+    watched.close()
+    exits = []
+    config = tpustrat.TerminationConfig(exit_fn=lambda: exits.append(1))
+    handler = tpustrat.PreemptionCheckpointHandler(None, tmp_path / "ckpt", termination_config=config)
+    try:
+      assert termination_notice.take() is None  # the handler took it
+      state = handler.restore({"w": tpustrat.Mirrored(jnp.float32(0))})
+      (state,) = handler.run(_sum_step(strategy), state, next(iter(_batches(strategy, 1))))
+      assert exits == [1] and handler.checkpoint_manager.all_steps() == [1]
+      assert _value(strategy, handler.checkpoint_manager.restore(1, target=state)) == 8.0
+    finally:
+      handler.close()
+    assert signal.getsignal(signal.SIGTERM) is termination_notice.handler()  # put back: notices are kept again
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def test_default_exit_is_the_restart_status(strategy, tmp_path, monkeypatch):
@@ -431,12 +488,15 @@ def test_watchdog_is_off_unless_asked_and_checks_its_timeout(monkeypatch):
   assert watchdog.timeout_from_environment() == 2.5
   assert tpustrat.cluster_resolver.TPUClusterResolver().step_timeout == 2.5
   assert tpustrat.cluster_resolver.TPUClusterResolver(step_timeout=7).step_timeout == 7.0
-  for bad in ("0", "-1", "soon", "inf"):
+  for bad in ("0", "-1", "soon", "inf", "1e-300", "0.5", "2147483648", "nan"):  # below 1 s fires on healthy steps
     monkeypatch.setenv(names.ENV_STEP_TIMEOUT, bad)
-    with pytest.raises(ValueError, match=f"TPUSTRAT_STEP_TIMEOUT={bad!r} must be a positive number"):
+    with pytest.raises(ValueError, match=f"TPUSTRAT_STEP_TIMEOUT={bad!r} must be a positive number.*in \\[1, 2147483647\\]"):
       watchdog.timeout_from_environment()
-  with pytest.raises(ValueError, match="step_timeout must be a positive number of seconds, got 0"):
-    tpustrat.cluster_resolver.TPUClusterResolver(step_timeout=0)
+  monkeypatch.delenv(names.ENV_STEP_TIMEOUT)
+  for bad in (0, 1e-300, 2**31, float("nan")):
+    with pytest.raises(ValueError, match=r"step_timeout must be a positive number of seconds in \[1, 2147483647\], got"):
+      tpustrat.cluster_resolver.TPUClusterResolver(step_timeout=bad)
+  assert tpustrat.cluster_resolver.TPUClusterResolver(step_timeout=2**31 - 1).step_timeout == 2**31 - 1
 
 
 def test_watchdog_counts_the_steps_of_run_and_run_steps_not_reductions(strategy):

@@ -12,16 +12,38 @@ devices, joined into one job by JAX's distributed runtime (`jax.distributed`):
   the address is in use and exits with status 75, ``tpustrat._src.names.EXIT_START_FAILED``), the
   launcher stops the job and starts it again on a fresh port, up to 3 attempts in all. A port given
   with ``--port`` is never replaced;
+* each start gets a fresh random job identity (``TPUSTRAT_JOB_ID``). Process 0 serves it on the next
+  port (the coordinator's + 1, the job check port, which must be free too) and every other process reads
+  it there before it registers with the coordinator: a second job started on the same ``--port`` fails
+  (status 75, naming the address and saying another job holds it) and never joins, so never stops, the
+  job that runs there (`tpustrat._src.distributed`);
 * each process gets ``JAX_PLATFORMS=cpu``, ``M`` CPU devices (``JAX_NUM_CPU_DEVICES`` and
   ``XLA_FLAGS=--xla_force_host_platform_device_count``) and gloo CPU collectives
   (``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``), so `psum` and friends cross process boundaries over
   loopback TCP, as they would cross hosts;
 * their output is streamed line by line with a ``[proc i]`` prefix (stdout to stdout, stderr to stderr);
 * the launcher exits with 0 if every process does, else with the status of the process that failed
-  first (in the last start, with ``--max-restarts``); stopped itself (Ctrl-C, SIGTERM, SIGHUP) it kills
-  the processes and exits with 128 + the signal. Whatever the processes started and left running is
-  killed when the job ends; on Linux, the processes are also killed if the launcher itself is killed
-  (even by SIGKILL).
+  first (in the last start, with ``--max-restarts``), in the order the processes really ended: on Linux
+  the kernel's order (a pidfd per process in an epoll set), even when they ended within microseconds of
+  each other or while the launcher was not scheduled, so a process killed by SIGKILL (137) or stopped by
+  its step watchdog (124) just before another exits with 1 is the one named, and its status is the
+  launcher's. Whatever the processes started and left running is killed when the job ends; on Linux, the
+  processes are also killed if the launcher itself is killed (even by SIGKILL).
+
+Stopping the launcher. SIGTERM (a VM shutting down, ``docker stop``, a scheduler; the launcher may be
+PID 1) is forwarded to every process, to its whole process group, and the processes get
+``--termination-grace-period`` seconds (default 30) to save and exit: under
+`tpustrat.PreemptionCheckpointHandler` every process saves at one agreed step and exits with 42. Then
+whatever still runs is killed (SIGKILL). The launcher exits with the processes' status, as above (42 when
+they saved: a supervisor restarts the job), 0 if they all exited with 0, 143 (128 + SIGTERM) if none
+failed but some had to be killed, and never restarts the job. A second SIGTERM, SIGHUP or Ctrl-C kills
+every process at once and exits with 128 + the signal.
+
+Timeouts are checked before anything starts, with an error naming the flag, the value and the range:
+``--heartbeat-timeout``, ``--initialization-timeout`` and ``--shutdown-timeout`` are whole seconds in
+[1, 2**31 - 1] (JAX takes them as C int32 seconds), ``--timeout`` in [1, 2**31 - 1], ``--step-timeout`` (and
+``TPUSTRAT_STEP_TIMEOUT`` in the launcher's environment) in [1, 2**31 - 1], ``--grace-period`` and
+``--termination-grace-period`` in [0, 2**31 - 1].
 
 Faults. Processes watch each other through JAX's distributed runtime: every process sends heartbeats to
 the coordinator, and when one stops (it died, or hangs so hard that it stopped heartbeating) for
@@ -71,9 +93,11 @@ import argparse
 import collections
 import dataclasses
 import errno
-import math
 import os
+import queue
 import re
+import secrets
+import select
 import shutil
 import signal
 import socket
@@ -84,7 +108,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from tpustrat._src import names
+from tpustrat._src import names, validation
 
 __all__ = ["main", "launch"]
 
@@ -113,8 +137,8 @@ os.execv(sys.argv[2], sys.argv[3:])
 """
 
 
-def _positive(kind: type, what: str, *, zero: bool = False, finite: bool = False):
-  """An argparse type: a `kind` above 0 (at least 0 with `zero`; not infinite with `finite`)."""
+def _positive(kind: type, what: str, *, zero: bool = False):
+  """An argparse type: a `kind` above 0 (at least 0 with `zero`)."""
   adjective = "non-negative" if zero else "positive"
 
   def parse(text: str) -> Any:
@@ -123,10 +147,44 @@ def _positive(kind: type, what: str, *, zero: bool = False, finite: bool = False
     except ValueError:
       raise argparse.ArgumentTypeError(
           f"{what} must be a {adjective} {kind.__name__}, got {text!r}") from None
-    if not (value >= 0 if zero else value > 0) or (finite and not math.isfinite(value)):  # NaN fails too
-      raise argparse.ArgumentTypeError(f"{what} must be a {adjective}{' finite' if finite else ''} "
-                                       f"{kind.__name__}, got {text!r}")
+    if not (value >= 0 if zero else value > 0):
+      raise argparse.ArgumentTypeError(f"{what} must be a {adjective} {kind.__name__}, got {text!r}")
     return value
+  return parse
+
+
+# The accepted range of each timeout, in seconds: (minimum, whole seconds only). The maximum is
+# names.MAX_TIMEOUT_SECONDS (2**31 - 1: JAX takes its timeouts as C int32 seconds) for all of them.
+_TIMEOUTS = {
+    "heartbeat_timeout": (1, True),
+    "initialization_timeout": (1, True),
+    "shutdown_timeout": (1, True),
+    "grace_period": (0, False),
+    "termination_grace_period": (0, False),
+    "timeout": (1, False),
+    "step_timeout": (names.MIN_STEP_TIMEOUT_SECONDS, False),
+}
+_JAX_NOTE = "JAX's distributed runtime takes int32 seconds"
+
+
+def _check_timeout(name: str, value: Any, what: str | None = None) -> Any:
+  """`value` of the timeout `name` in its range (`_TIMEOUTS`); ValueError naming `what` (default: the
+  argument of `launch`) otherwise."""
+  minimum, integer = _TIMEOUTS[name]
+  return validation.check_seconds(value, what or f"launch: {name}", minimum=minimum,
+                                  maximum=names.MAX_TIMEOUT_SECONDS, integer=integer,
+                                  note=_JAX_NOTE if integer else "")
+
+
+def _seconds(name: str):
+  """An argparse type for the timeout `name`: its flag's value, checked against its range."""
+  flag = "--" + name.replace("_", "-")
+
+  def parse(text: str) -> Any:
+    try:
+      return _check_timeout(name, text, flag)
+    except ValueError as e:
+      raise argparse.ArgumentTypeError(str(e)) from None
   return parse
 
 
@@ -141,28 +199,35 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("-d", "--devices-per-process", type=_positive(int, "--devices-per-process"), default=1,
                       help="emulated CPU devices in each process")
   parser.add_argument("--port", type=int, default=0,
-                      help="coordinator port on 127.0.0.1 (0: a free port, replaced by another if it is taken "
-                           "before process 0 binds it)")
-  parser.add_argument("--heartbeat-timeout", type=_positive(int, "--heartbeat-timeout"), default=10,
+                      help="coordinator port on 127.0.0.1, at most 65534: the next port is the job check's (0: "
+                           "a free pair, replaced by another if it is taken before process 0 binds it)")
+  parser.add_argument("--heartbeat-timeout", type=_seconds("heartbeat_timeout"), default=10,
                       help="seconds without heartbeats after which JAX declares a process dead and stops "
-                           "the others")
-  parser.add_argument("--initialization-timeout", type=_positive(int, "--initialization-timeout"), default=60,
-                      help="seconds a process waits for the coordinator and the other processes to connect")
-  parser.add_argument("--shutdown-timeout", type=_positive(int, "--shutdown-timeout"), default=30,
-                      help="seconds a finishing process waits for the others to finish too")
-  parser.add_argument("--grace-period", type=_positive(float, "--grace-period"), default=None,
+                           "the others (whole seconds, 1 to 2147483647)")
+  parser.add_argument("--initialization-timeout", type=_seconds("initialization_timeout"), default=60,
+                      help="seconds a process waits for the coordinator and the other processes to connect "
+                           "(whole seconds, 1 to 2147483647)")
+  parser.add_argument("--shutdown-timeout", type=_seconds("shutdown_timeout"), default=30,
+                      help="seconds a finishing process waits for the others to finish too (whole seconds, "
+                           "1 to 2147483647)")
+  parser.add_argument("--grace-period", type=_seconds("grace_period"), default=None,
                       help="seconds the other processes get to stop on their own after one failed, before "
-                           "the launcher kills them (default: heartbeat timeout + 10)")
-  parser.add_argument("--timeout", type=_positive(float, "--timeout"), default=None,
+                           "the launcher kills them (0 to 2147483647; default: heartbeat timeout + 10)")
+  parser.add_argument("--termination-grace-period", type=_seconds("termination_grace_period"), default=30.0,
+                      help="when the launcher gets SIGTERM, it forwards it to every process (group) and "
+                           "gives them this many seconds to save and exit before it kills them (0 to "
+                           "2147483647)")
+  parser.add_argument("--timeout", type=_seconds("timeout"), default=None,
                       help="kill every process after this many seconds, start-up attempts and restarts "
-                           "included (default: no limit)")
+                           "included (1 to 2147483647; default: no limit)")
   parser.add_argument("--max-restarts", type=_positive(int, "--max-restarts", zero=True), default=0,
                       help="when a process fails (non-zero status, e.g. 42: the preemption handler asks "
                            "to be restarted; or a signal), stop the job and start it whole again, at most "
                            "this many times; each process reads its start's number in TPUSTRAT_RESTART_COUNT")
-  parser.add_argument("--step-timeout", type=_positive(float, "--step-timeout", finite=True), default=None,
+  parser.add_argument("--step-timeout", type=_seconds("step_timeout"), default=None,
                       help="set TPUSTRAT_STEP_TIMEOUT: a process whose step waits longer than this many "
-                           "seconds for its peers exits with status 124 (default: leave the variable as is)")
+                           "seconds for its peers exits with status 124 (1 to 2147483647; default: leave the "
+                           "variable as is)")
   parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None, metavar="MODULE [ARGS]",
                       help="run a module (as python -m does) instead of a script")
   parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] (or the module's args)")
@@ -181,9 +246,20 @@ def _bootstrapped(command: Sequence[str]) -> list[str]:
 
 
 def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  """A free port P of 127.0.0.1 whose next port (P + 1, the job check's) is free too."""
+  for _ in range(100):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+      s.bind(("127.0.0.1", 0))
+      port = s.getsockname()[1]
+      if port + names.JOB_CHECK_PORT_OFFSET > 65535:
+        continue
+      with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
+        try:
+          t.bind(("127.0.0.1", port + names.JOB_CHECK_PORT_OFFSET))
+        except OSError:
+          continue
+    return port
+  raise RuntimeError("tpustrat.launch: found no two free consecutive ports on 127.0.0.1 in 100 tries.")
 
 
 def _with_device_count(xla_flags: str, count: int) -> str:
@@ -193,11 +269,13 @@ def _with_device_count(xla_flags: str, count: int) -> str:
 
 def process_env(base: dict[str, str], *, process_id: int, num_processes: int, devices_per_process: int,
                 address: str, heartbeat_timeout: int, initialization_timeout: int, shutdown_timeout: int,
-                step_timeout: float | None = None, restart_count: int = 0) -> dict[str, str]:
+                step_timeout: float | None = None, restart_count: int = 0,
+                job_id: str | None = None) -> dict[str, str]:
   """The environment of process `process_id`: `base` plus what the resolver and JAX read,
   ``TPUSTRAT_RESTART_COUNT=restart_count``, ``TPUSTRAT_STEP_TIMEOUT=step_timeout`` unless `step_timeout`
-  is None (then `base`'s, if any), and ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION=1`` unless `base` sets it
-  (to ``0``: no exception hook)."""
+  is None (then `base`'s, if any), ``TPUSTRAT_JOB_ID=job_id`` unless `job_id` is None (then `base`'s, if
+  any), and ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION=1`` unless `base` sets it (to ``0``: no exception
+  hook)."""
   env = dict(base)
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_ID", "JAX_NUM_PROCESSES", "JAX_LOCAL_DEVICE_IDS",
                names.ENV_LOCAL_DEVICE_IDS):
@@ -219,6 +297,8 @@ def process_env(base: dict[str, str], *, process_id: int, num_processes: int, de
   })
   if step_timeout is not None:
     env[names.ENV_STEP_TIMEOUT] = str(step_timeout)
+  if job_id is not None:
+    env[names.ENV_JOB_ID] = job_id
   if not env.get(names.ENV_EXIT_ON_UNCAUGHT, "").strip():
     env[names.ENV_EXIT_ON_UNCAUGHT] = "1"
   return env
@@ -231,7 +311,8 @@ class _Proc:
   started: float
   tail: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
   returncode: int | None = None
-  ended: float | None = None
+  ended: float | None = None  # when the launcher learned of the end
+  order: int | None = None  # 0 for the first process of the start to end, then 1, 2, ... (the kernel's order)
   killed: bool = False  # by the launcher
   unhealthy: set = dataclasses.field(default_factory=set)  # processes JAX's errors say are dead
   _reading_unhealthy: bool = False
@@ -252,8 +333,11 @@ class _Proc:
 
 # What the statuses that tpustrat's own handlers exit with mean.
 _MEANINGS = {
+    names.EXIT_START_FAILED: "it could not start: the coordinator's address is in use, by another job or by "
+                             "another process started as process 0",
     names.EXIT_RESTART: "the preemption handler saved a checkpoint and asked to be restarted",
-    names.EXIT_STEP_TIMEOUT: "its step watchdog fired: a step waited longer than --step-timeout",
+    names.EXIT_STEP_TIMEOUT: ("its step watchdog or checkpoint deadline fired: a step, save or restore waited "
+                              "longer than its timeout"),
 }
 
 
@@ -312,13 +396,18 @@ class _Output:
       t.join(max(0.0, deadline - time.monotonic()))
 
 
-def _kill_group(proc: _Proc) -> bool:
-  """SIGKILL the session the process leads (it and what it started); False if nothing was left in it."""
+def _signal_group(proc: _Proc, signum: int) -> bool:
+  """Sends `signum` to the session the process leads (it and what it started); False if nothing was left."""
   try:
-    os.killpg(proc.popen.pid, signal.SIGKILL)
+    os.killpg(proc.popen.pid, signum)
     return True
   except (ProcessLookupError, PermissionError):
     return False
+
+
+def _kill_group(proc: _Proc) -> bool:
+  """SIGKILL the session the process leads (it and what it started); False if nothing was left in it."""
+  return _signal_group(proc, signal.SIGKILL)
 
 
 def _kill(proc: _Proc) -> None:
@@ -333,19 +422,105 @@ def _kill(proc: _Proc) -> None:
 
 
 class _Interrupted(KeyboardInterrupt):
-  """The launcher received `signum` (SIGTERM, SIGHUP): it stops the job and exits with 128 + signum."""
+  """The launcher received `signum` (SIGHUP, or a second SIGTERM): it kills the job at once and exits with
+  128 + signum."""
 
   def __init__(self, signum: int) -> None:
     super().__init__(signum)
     self.signum = signum
 
 
-def _ending(p: _Proc, reference: float, grace_period: float) -> str:
+class _Exits:
+  """Tells which processes of a start ended, in the order they ended.
+
+  On Linux 5.3 and later: a pidfd per process, in one epoll set. The kernel makes a pidfd readable when
+  its process has ended (it is then a zombie, not yet reaped), and epoll hands ready file descriptors back
+  in the order they became ready; so the order holds even when several processes ended since the
+  launcher last looked (it was busy, or not scheduled at all). Elsewhere, a thread per process blocks in
+  `wait` and notes the time it returned: processes that end within a thread's wake-up latency of each
+  other may then be reported in the wrong order.
+  """
+
+  def __init__(self) -> None:
+    self._epoll: Any = None
+    self._fds: dict[int, _Proc] = {}
+    self._queue: queue.Queue = queue.Queue()
+    if hasattr(os, "pidfd_open") and hasattr(select, "epoll"):
+      try:
+        os.close(os.pidfd_open(os.getpid()))  # ENOSYS before Linux 5.3 (or in some sandboxes)
+        self._epoll = select.epoll()
+      except OSError:
+        self._epoll = None
+
+  def watch(self, proc: _Proc) -> None:
+    """Starts watching a process the launcher started (and has not reaped)."""
+    if self._epoll is not None:
+      fd = os.pidfd_open(proc.popen.pid)
+      self._fds[fd] = proc
+      self._epoll.register(fd, select.EPOLLIN)
+      return
+    thread = threading.Thread(target=self._wait, args=(proc,), daemon=True,
+                              name=f"tpustrat-launch-wait-{proc.index}")
+    thread.start()
+
+  def _wait(self, proc: _Proc) -> None:
+    proc.popen.wait()
+    self._queue.put((time.monotonic(), proc.index, proc))
+
+  def ended(self, timeout: float) -> list[_Proc]:
+    """The processes that ended since the last call, first to end first; waits up to `timeout` seconds
+    for one if none has."""
+    if self._epoll is not None:
+      found = []
+      for fd, _ in self._epoll.poll(timeout):
+        found.append(self._fds.pop(fd))
+        self._epoll.unregister(fd)
+        os.close(fd)
+      return found
+    items = []
+    try:
+      items.append(self._queue.get(timeout=timeout))
+      while True:
+        items.append(self._queue.get_nowait())
+    except queue.Empty:
+      pass
+    return [proc for _, _, proc in sorted(items, key=lambda item: item[:2])]
+
+  def close(self) -> None:
+    for fd in self._fds:
+      os.close(fd)
+    self._fds.clear()
+    if self._epoll is not None:
+      self._epoll.close()
+
+
+class _Termination:
+  """Whether and when the launcher received SIGTERM (set by its signal handler, read by `_run`)."""
+
+  def __init__(self) -> None:
+    self.at: float | None = None
+
+  def handler(self, signum: int, frame: Any) -> None:
+    """The first SIGTERM is noted (`_run` forwards it); a second one kills the job at once."""
+    del frame
+    if self.at is not None:
+      raise _Interrupted(signum)
+    self.at = time.monotonic()
+
+
+def _ended_after(p: _Proc, q: _Proc) -> bool:
+  """Whether `p` ended after `q` (both ended): by the order of their ends when known, else by time."""
+  if p.order is not None and q.order is not None:
+    return p.order > q.order
+  return p.ended > q.ended
+
+
+def _ending(p: _Proc, reference: float, grace_period: float, after: str = "the failure") -> str:
   if p.killed:
-    return f"was still running {grace_period:g} s after the failure and was killed by the launcher"
+    return f"was still running {grace_period:g} s after {after} and was killed by the launcher"
   if p.returncode == 0:
     return "exited normally"
-  return f"stopped on its own: it {_describe(p.returncode)} {p.ended - reference:+.1f} s after the failure"
+  return f"stopped on its own: it {_describe(p.returncode)} {p.ended - reference:+.1f} s after {after}"
 
 
 def _culprit(procs: Sequence[_Proc], first: _Proc) -> _Proc:
@@ -354,7 +529,7 @@ def _culprit(procs: Sequence[_Proc], first: _Proc) -> _Proc:
   # A process that hangs (or is stopped) does not exit: JAX declares it dead when its heartbeats stop and
   # stops the others, so the first process to *exit* is then a victim. JAX's message names the culprit.
   hung = sorted({i for p in procs for i in p.unhealthy if 0 <= i < len(procs)
-                 and (procs[i].ended is None or procs[i].ended > first.ended)})
+                 and (procs[i].ended is None or _ended_after(procs[i], first))})
   return procs[hung[0]] if hung else first
 
 
@@ -387,6 +562,20 @@ def _report(procs: Sequence[_Proc], first: _Proc, start: float, grace_period: fl
   return "\n  ".join(lines)
 
 
+def _report_terminated(procs: Sequence[_Proc], first: _Proc | None, forwarded: float, grace: float,
+                       status: int) -> str:
+  """What became of each process after the launcher forwarded SIGTERM, and the status it exits with."""
+  lines = [f"stopped by SIGTERM, forwarded to every process; the launcher exits with {status}"
+           + (f", the status of process {first.index}, the first to fail." if first is not None else ".")]
+  for p in procs:
+    if p.ended is not None and p.ended < forwarded and not p.killed:
+      lines.append(f"process {p.index} {_describe(p.returncode) if p.returncode else 'exited normally'}, "
+                   "before the SIGTERM.")
+    else:
+      lines.append(f"process {p.index} {_ending(p, forwarded, grace, 'the SIGTERM')}.")
+  return "\n  ".join(lines)
+
+
 def _fresh_port(used: set[int]) -> int:
   """A free port of 127.0.0.1 that this launch has not given the coordinator yet (added to `used`)."""
   for _ in range(10):
@@ -400,20 +589,29 @@ def _fresh_port(used: set[int]) -> int:
 def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_process: int = 1, port: int = 0,
            heartbeat_timeout: int = 10, initialization_timeout: int = 60, shutdown_timeout: int = 30,
            grace_period: float | None = None, timeout: float | None = None, max_restarts: int = 0,
-           step_timeout: float | None = None, stdout: IO[bytes] | None = None,
-           stderr: IO[bytes] | None = None) -> int:
+           step_timeout: float | None = None, termination_grace_period: float = 30.0,
+           stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None) -> int:
   """Runs `command` (an argv list, e.g. ``[sys.executable, "train.py"]``) as `num_processes` processes.
 
-  With ``port=0`` the coordinator gets a free port of 127.0.0.1; if another program takes it before
-  process 0 binds it (process 0 exits with status 75, `names.EXIT_START_FAILED`: the address is
-  already in use), the job is stopped and started again on a fresh port, at most 3 attempts in all.
-  Other failures, and a taken `port` given here, end the job, or restart it with `max_restarts`.
+  With ``port=0`` the coordinator gets a free port of 127.0.0.1 (with the next port free too, for the job
+  check); if another program takes it before process 0 binds it (process 0 exits with status 75,
+  `names.EXIT_START_FAILED`: the address is already in use), the job is stopped and started again on a
+  fresh port, at most 3 attempts in all. Other failures, and a taken `port` given here, end the job, or
+  restart it with `max_restarts`. Each start gets a fresh random job identity (``TPUSTRAT_JOB_ID``): no
+  process of it joins another job's coordinator, even on the same port (see `tpustrat._src.distributed`).
+
+  Called from the main thread, it handles SIGTERM while it runs (the previous handler is put back when it
+  returns): the first SIGTERM is forwarded to every process's process group, and the processes get
+  `termination_grace_period` seconds to save and exit (`tpustrat.PreemptionCheckpointHandler` saves and
+  exits with 42) before they are killed; the launch then returns their status (42 when they all saved) and
+  does not restart. A second SIGTERM kills them at once (``128 + 15``).
 
   Args:
     command: the program and its arguments, as `subprocess.Popen` takes them.
     num_processes: how many processes the job has.
     devices_per_process: emulated CPU devices in each process.
-    port: the coordinator's port on 127.0.0.1; 0 for a free one (a fresh one at each start).
+    port: the coordinator's port on 127.0.0.1 (at most 65534: the next port is the job check's); 0 for a
+      free one (a fresh one at each start).
     heartbeat_timeout: seconds without heartbeats after which JAX declares a process dead.
     initialization_timeout: seconds a process waits for the others to connect.
     shutdown_timeout: seconds a finishing process waits for the others to finish too.
@@ -424,29 +622,54 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
     max_restarts: how many times the whole job is started again after a process failed (a non-zero
       status, e.g. 42, `names.EXIT_RESTART`, or a signal); each process reads the number of its start
       (0 on the first) in ``TPUSTRAT_RESTART_COUNT``. Never after `timeout` ran out, nor when the
-      launcher was interrupted. Taken-port retries are not restarts.
+      launcher was stopped (SIGTERM, SIGHUP, Ctrl-C). Taken-port retries are not restarts.
     step_timeout: if not None, ``TPUSTRAT_STEP_TIMEOUT`` in every process's environment: seconds after
       which the step watchdog ends a process whose step still waits for its peers (status 124,
-      `names.EXIT_STEP_TIMEOUT`). None leaves the variable as this process's environment has it.
+      `names.EXIT_STEP_TIMEOUT`). None leaves the variable as this process's environment has it (checked
+      here too).
+    termination_grace_period: seconds the processes get to exit after the launcher forwarded SIGTERM to
+      them, before they are killed.
     stdout: where the processes' standard output goes, each line prefixed (default: ours).
     stderr: where their standard error and the launcher's messages go (default: ours).
 
+  Every timeout is checked first: the three that JAX takes (`heartbeat_timeout`,
+  `initialization_timeout`, `shutdown_timeout`) are whole seconds in [1, 2**31 - 1]; `timeout` is in
+  [1, 2**31 - 1]; `step_timeout` in [1, 2**31 - 1] (`names.MIN_STEP_TIMEOUT_SECONDS`,
+  `names.MAX_TIMEOUT_SECONDS`); the grace periods in [0, 2**31 - 1].
+
   Returns:
     The launcher's exit status, of the last start when the job was restarted: 0 if every process
-    succeeded; else the status of the process that failed first (``128 + signal`` for a signal), 124
-    when `timeout` ran out, or ``128 + signal`` when the launcher itself was interrupted (130 for
-    Ctrl-C). Whatever the processes started and left running is killed when the job ends, and on Linux
-    the processes die with the launcher if it is killed. Safe to call from a program with threads (no
-    `preexec_fn`).
+    succeeded; else the status of the process that failed first, in the order the processes really
+    ended (``128 + signal`` for a signal), 124 when `timeout` ran out, or ``128 + signal`` when the
+    launcher itself was interrupted (130 for Ctrl-C; after a forwarded SIGTERM, the processes' status as
+    above, or 143 if none failed but some had to be killed). Whatever the processes started and left
+    running is killed when the job ends, and on Linux the processes die with the launcher if it is
+    killed. Safe to call from a program with threads (no `preexec_fn`).
 
   Raises:
     FileNotFoundError: if the program ``command[0]`` cannot be found.
-    ValueError: if `max_restarts` is negative, or `step_timeout` is not a positive finite number.
+    ValueError: if `max_restarts` is negative, `port` is outside [0, 65534], or a timeout (or
+      ``TPUSTRAT_STEP_TIMEOUT`` in this process's environment, when `step_timeout` is None) is outside
+      its range; the message names it, the value and the range.
   """
   if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
     raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
-  if step_timeout is not None and not (step_timeout > 0 and math.isfinite(step_timeout)):
-    raise ValueError(f"step_timeout must be a positive finite number of seconds, got {step_timeout!r}")
+  if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535 - names.JOB_CHECK_PORT_OFFSET:
+    raise ValueError(f"launch: port must be an int in [0, {65535 - names.JOB_CHECK_PORT_OFFSET}] (the next port "
+                     f"is the job check's), got {port!r}")
+  heartbeat_timeout = _check_timeout("heartbeat_timeout", heartbeat_timeout)
+  initialization_timeout = _check_timeout("initialization_timeout", initialization_timeout)
+  shutdown_timeout = _check_timeout("shutdown_timeout", shutdown_timeout)
+  termination_grace_period = _check_timeout("termination_grace_period", termination_grace_period)
+  if grace_period is not None:
+    grace_period = _check_timeout("grace_period", grace_period)
+  if timeout is not None:
+    timeout = _check_timeout("timeout", timeout)
+  if step_timeout is not None:
+    _check_timeout("step_timeout", step_timeout)  # passed on as given: 30 stays "30"
+  elif os.environ.get(names.ENV_STEP_TIMEOUT, "").strip():  # passed on to every process as it is
+    _check_timeout("step_timeout", os.environ[names.ENV_STEP_TIMEOUT],
+                   f"{names.ENV_STEP_TIMEOUT} (in the launcher's environment)")
   if grace_period is None:
     grace_period = heartbeat_timeout + 10.0
   argv = _bootstrapped(command)
@@ -454,26 +677,36 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
   deadline = None if timeout is None else time.monotonic() + timeout
   attempts = 1 if port else _PORT_ATTEMPTS
   used_ports: set[int] = set()
+  termination = _Termination()
+  handles_sigterm = threading.current_thread() is threading.main_thread()  # Python sets handlers only there
+  if handles_sigterm:
+    previous_handler = signal.signal(signal.SIGTERM, termination.handler)
   try:
     for restart in range(max_restarts + 1):
       address = f"127.0.0.1:{port or _fresh_port(used_ports)}"
       for attempt in range(1, attempts + 1):
         output.say(f"starting {num_processes} processes x {devices_per_process} CPU devices, coordinator "
                    f"{address} (heartbeat timeout {heartbeat_timeout} s): {' '.join(command)}")
+        job_id = f"launch-{secrets.token_hex(8)}"  # a fresh identity for each start
         envs = [process_env(os.environ, process_id=i, num_processes=num_processes,
                             devices_per_process=devices_per_process, address=address,
                             heartbeat_timeout=heartbeat_timeout,
                             initialization_timeout=initialization_timeout, shutdown_timeout=shutdown_timeout,
-                            step_timeout=step_timeout, restart_count=restart) for i in range(num_processes)]
+                            step_timeout=step_timeout, restart_count=restart, job_id=job_id)
+                for i in range(num_processes)]
         ending = _run(argv, envs, output, grace_period=grace_period, timeout=timeout, deadline=deadline,
-                      retry_taken_port=attempt < attempts)
+                      retry_taken_port=attempt < attempts, termination=termination,
+                      termination_grace_period=termination_grace_period)
         if ending is not None:
           break
         taken, address = address, f"127.0.0.1:{_fresh_port(used_ports)}"
         output.say(f"the coordinator port {taken} was taken before process 0 could bind it; starting again "
                    f"on {address} (attempt {attempt + 1} of {attempts}).")
       status, cause = ending
-      if cause is None:  # success, --timeout, or interrupted
+      if cause is None:  # success, --timeout, or stopped
+        return status
+      if termination.at is not None:
+        output.say("not restarting: the launcher was stopped (SIGTERM).")
         return status
       if restart == max_restarts:
         if max_restarts:
@@ -487,47 +720,74 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
   except KeyboardInterrupt as e:  # between two starts (`_run` handles those during one)
     output.say("interrupted.")
     return 128 + getattr(e, "signum", signal.SIGINT)
+  finally:
+    if handles_sigterm:  # None: a handler set outside Python, which Python cannot put back
+      signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_handler is None else previous_handler)
   raise AssertionError("unreachable: the last start returns a status")
 
 
 def _run(argv: list[str], envs: list[dict[str, str]], output: _Output, *, grace_period: float,
-         timeout: float | None, deadline: float | None,
-         retry_taken_port: bool) -> tuple[int, str | None] | None:
+         timeout: float | None, deadline: float | None, retry_taken_port: bool,
+         termination: _Termination | None = None,
+         termination_grace_period: float = 30.0) -> tuple[int, str | None] | None:
   """One start of the job, once every process has stopped: (its exit status, why it failed when a process
   failed and the job may be restarted, else None), or None when process 0 found the coordinator's port
-  taken (its first failure, with status `names.EXIT_START_FAILED`) and `retry_taken_port`."""
+  taken (its first failure, with status `names.EXIT_START_FAILED`) and `retry_taken_port`.
+
+  Processes are taken in the order they really ended (`_Exits`), so the first to fail is the one named,
+  and its status is the launch's. Once `termination` says the launcher got SIGTERM, it is forwarded to
+  every running process's group, and they get `termination_grace_period` seconds before they are killed.
+  """
+  termination = termination or _Termination()
   procs: list[_Proc] = []
+  exits = _Exits()
   start = time.monotonic()
   first: _Proc | None = None
   timed_out = False
+  forwarded: float | None = None  # when the launcher received the SIGTERM it forwarded
+  ends = 0
   try:
     for i, env in enumerate(envs):
+      if termination.at is not None:  # stopped while starting: start no more
+        break
       # A session of its own: the launcher kills a process with everything it started (os.killpg), and
       # a Ctrl-C in the terminal reaches the launcher only, which then kills the processes.
       popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, start_new_session=True)
       procs.append(_Proc(i, popen, time.monotonic()))
+      exits.watch(procs[-1])
       output.follow(procs[-1])
-    while True:
-      now = time.monotonic()
-      running = 0
-      for p in procs:
-        if p.returncode is None:
-          rc = p.popen.poll()
-          if rc is None:
-            running += 1
-            continue
-          p.returncode, p.ended = rc, now
-          if rc != 0 and first is None and not p.killed:
-            first = p
-            if retry_taken_port and p.index == 0 and rc == names.EXIT_START_FAILED:
-              _stop(procs)
-              return None
+    while any(p.returncode is None for p in procs):
+      if termination.at is not None and forwarded is None:
+        forwarded = termination.at
+        running = [p for p in procs if p.returncode is None]
+        output.say(f"received SIGTERM: forwarding it to the {len(running)} running processes (each with "
+                   f"its process group); they get {termination_grace_period:g} s to save and exit before they "
+                   "are killed (a second SIGTERM kills them at once).")
+        for p in running:
+          _signal_group(p, signal.SIGTERM)
+      for p in exits.ended(0.05):  # first to end first
+        rc = p.popen.wait()  # ended: reaps at once
+        now = time.monotonic()
+        p.returncode, p.ended, p.order = rc, now, ends
+        ends += 1
+        if rc != 0 and first is None and not p.killed:
+          first = p
+          if retry_taken_port and p.index == 0 and rc == names.EXIT_START_FAILED and forwarded is None:
+            _stop(procs)
+            return None
+          if forwarded is None:
             output.say(f"process {p.index} {_describe(rc)} after {now - start:.1f} s; the other "
                        f"processes get {grace_period:g} s to stop before they are killed.")
-      if not running:
-        break
-      if first is not None and now - first.ended > grace_period:
+        if forwarded is not None and not p.killed:
+          output.say(f"process {p.index} {_describe(rc) if rc else 'exited normally'} "
+                     f"{now - forwarded:.1f} s after the SIGTERM.")
+      now = time.monotonic()
+      if forwarded is not None:
+        kill_at: float | None = forwarded + termination_grace_period
+      else:
+        kill_at = None if first is None else first.ended + grace_period
+      if kill_at is not None and now > kill_at:
         for p in procs:
           if p.returncode is None and not p.killed:
             _kill(p)
@@ -537,7 +797,6 @@ def _run(argv: list[str], envs: list[dict[str, str]], output: _Output, *, grace_
         for p in procs:
           if p.returncode is None:
             _kill(p)
-      time.sleep(0.05)
   except KeyboardInterrupt as e:
     output.say("interrupted; killing every process.")
     _stop(procs)
@@ -545,10 +804,20 @@ def _run(argv: list[str], envs: list[dict[str, str]], output: _Output, *, grace_
   finally:
     for p in procs:  # what the processes started and left running (it would also keep their pipes open)
       _kill_group(p)
+    exits.close()
     output.join(5.0)
 
   if timed_out and first is None:
     return 124, None
+  if forwarded is not None:
+    if first is not None:
+      status = _exit_status(first.returncode)
+    elif any(p.killed for p in procs) or len(procs) < len(envs):
+      status = 128 + signal.SIGTERM
+    else:
+      status = 0
+    output.say(_report_terminated(procs, first, forwarded, termination_grace_period, status))
+    return status, None
   if first is None:
     return 0, None
   output.say(_report(procs, first, start, grace_period))
@@ -578,20 +847,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error("give the script to run (script.py [args...]) or -m module [args...]")
   else:
     command = [sys.executable] + command
-  if not 0 <= args.port < 65536:
-    parser.error(f"--port must be in [0, 65535], got {args.port}")
+  if not 0 <= args.port <= 65535 - names.JOB_CHECK_PORT_OFFSET:
+    parser.error(f"--port must be in [0, {65535 - names.JOB_CHECK_PORT_OFFSET}] (the next port is the job "
+                 f"check's), got {args.port}")
+  if args.step_timeout is None and os.environ.get(names.ENV_STEP_TIMEOUT, "").strip():
+    try:
+      _check_timeout("step_timeout", os.environ[names.ENV_STEP_TIMEOUT],
+                     f"{names.ENV_STEP_TIMEOUT} (in the launcher's environment)")
+    except ValueError as e:
+      parser.error(str(e))
 
   def stop(signum: int, frame: Any) -> None:
     raise _Interrupted(signum)  # the processes are killed on the way out
 
-  for name in ("SIGTERM", "SIGHUP"):
-    if hasattr(signal, name):
-      signal.signal(getattr(signal, name), stop)
+  if hasattr(signal, "SIGHUP"):  # SIGTERM: `launch` forwards it to the processes
+    signal.signal(signal.SIGHUP, stop)
   return launch(command, num_processes=args.num_processes, devices_per_process=args.devices_per_process,
                 port=args.port, heartbeat_timeout=args.heartbeat_timeout,
                 initialization_timeout=args.initialization_timeout, shutdown_timeout=args.shutdown_timeout,
                 grace_period=args.grace_period, timeout=args.timeout, max_restarts=args.max_restarts,
-                step_timeout=args.step_timeout)
+                step_timeout=args.step_timeout, termination_grace_period=args.termination_grace_period)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 
 import tpustrat  # noqa: E402
 from tpustrat._src import checkpoint as checkpoint_lib  # noqa: E402
+from tpustrat._src.checkpoint import handlers  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("ckpt_common", pathlib.Path(__file__).with_name("ckpt_common.py"))
 common = importlib.util.module_from_spec(_spec)
@@ -46,7 +47,7 @@ def main(ckpt_dir: str, reference: str) -> None:
     print("WRITTEN", directory, flush=True)
     time.sleep(600)
 
-  checkpoint_lib._orbax().IteratorHandler.finalize = finalize_forever  # pylint: disable=protected-access
+  handlers.api().IteratorHandler.finalize = finalize_forever
   state, _ = strategy.run(train_step, args=(state, next(it)))
   manager.save(2, state, iterator=it)
   manager.wait_until_finished()

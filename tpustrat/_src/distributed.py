@@ -12,6 +12,22 @@ leaves out. Measured with jax 0.10.2 (2 processes x 4 CPU devices on loopback):
   and every process then waits until the timeout. Here process 0 raises a `RuntimeError`
   (`CoordinatorPortTaken`) at once; uncaught, with the exception hook below, it ends the process with
   status 75 (`names.EXIT_START_FAILED`), which tells `python -m tpustrat.launch` to try another port.
+* Any process that reaches the coordinator's port can register with it: a process of a second job
+  started on the same address registers as a task the first job already has, and the coordinator aborts
+  the first job ("unexpectedly tried to connect with a different incarnation"). Here a job with an
+  identity (`job_identity`: ``TPUSTRAT_JOB_ID``, which `python -m tpustrat.launch` sets to a fresh random
+  token at each start, else ``slurm-<SLURM_JOB_ID>.<SLURM_STEP_ID>`` inside Slurm) is checked before
+  anything registers: process 0 binds the next port (the coordinator's + 1, the job check port) before
+  starting the coordinator, keeps it for its whole life and answers every connection there with the job
+  identity; every other process reads it there first, and registers only when it is its own. Another
+  job's answer raises `CoordinatorOfAnotherJob` naming the address, at once, and the running job is left
+  alone; another job's process 0 finds the job check port taken (`CoordinatorPortTaken`). This is a guard
+  against accidents, not authentication: the identity travels in clear text. A process without an
+  identity is not checked (nor protected), as before; a process with one whose process 0 has none finds
+  no job check answering and stops at the initialization timeout with an error that says so.
+* Timeouts beyond what JAX takes (int32 seconds) used to fail inside JAX with a `TypeError`, after the
+  processes had waited for each other; here they are checked first: whole seconds in [1, 2**31 - 1]
+  (`names.MAX_TIMEOUT_SECONDS`), a `ValueError` naming the setting otherwise.
 * If not every process connects in time (one missing, or two with one id), JAX kills the processes with
   the same cryptic message. Here a watchdog prints what is wrong and exits with status 1 just before.
 * A process id beyond the coordinator's process count is rejected by JAX itself, which kills that process
@@ -70,9 +86,9 @@ from typing import Any
 
 import jax
 
-from tpustrat._src import jax_compat, names
+from tpustrat._src import jax_compat, names, termination_notice, validation
 
-__all__ = ["CoordinatorPortTaken", "initialize"]
+__all__ = ["CoordinatorOfAnotherJob", "CoordinatorPortTaken", "initialize", "job_check_address", "job_identity"]
 
 # JAX's own deadline is set this much later than ours, so that the watchdog explains a timeout first.
 _JAX_TIMEOUT_MARGIN = 15
@@ -89,12 +105,210 @@ def _split(address: str) -> tuple[str, int]:
 
 
 class CoordinatorPortTaken(RuntimeError):
-  """Process 0 cannot start the coordinator: another process already listens on its port.
+  """Process 0 cannot start the coordinator: another process already listens on its port (or on the job
+  check port next to it).
 
   Uncaught, with the exception hook installed (see the module docstring), it ends the process with status
   `names.EXIT_START_FAILED`, from which `python -m tpustrat.launch` learns to start the job again on
   another port.
   """
+
+
+class CoordinatorOfAnotherJob(CoordinatorPortTaken):
+  """A process other than 0 found the coordinator's address held by another job (its job check answered
+  with another job identity); the process did not register with that coordinator.
+
+  Uncaught, with the exception hook installed, it ends the process with status `names.EXIT_START_FAILED`,
+  as `CoordinatorPortTaken` does.
+  """
+
+
+# -- the job check ------------------------------------------------------------------------------------------
+#
+# JAX's coordination service has no notion of a job: any process that reaches the coordinator's port may
+# register with it as task `process_id`, and a stranger registering as a task the job already has makes
+# the coordinator abort the job ("unexpectedly tried to connect with a different incarnation"). So, before
+# registering, a process of a job with an identity reads the identity of the job that holds the address,
+# from process 0, on the next port (`names.JOB_CHECK_PORT_OFFSET`), and joins only its own job.
+# Process 0 binds that port before it checks the coordinator's port and keeps it for its whole life: while
+# one job runs, no other job's process 0 can start a coordinator on the same address either.
+
+_GREETING = b"tpustrat-job-check 1 "
+_MAX_JOB_ID = 256  # characters
+_MAX_ANSWER = 4096  # bytes
+
+
+def job_identity() -> str | None:
+  """This process's job identity: ``TPUSTRAT_JOB_ID`` (set by `python -m tpustrat.launch`, a fresh
+  random one for each start, or by hand), else ``slurm-<SLURM_JOB_ID>[.<SLURM_STEP_ID>]`` inside a Slurm
+  job, else None (no job check).
+
+  Raises:
+    ValueError: ``TPUSTRAT_JOB_ID`` is longer than 256 characters or holds a control character.
+  """
+  text = os.environ.get(names.ENV_JOB_ID, "").strip()
+  if text:
+    if len(text) > _MAX_JOB_ID or any(ord(c) < 32 or ord(c) == 127 for c in text):
+      raise ValueError(f"{names.ENV_JOB_ID}={text[:300]!r} must be at most {_MAX_JOB_ID} printable characters.")
+    return text
+  slurm_job = os.environ.get("SLURM_JOB_ID", "").strip()
+  if slurm_job:
+    step = os.environ.get("SLURM_STEP_ID", "").strip()
+    return f"slurm-{slurm_job}" + (f".{step}" if step else "")
+  return None
+
+
+def job_check_address(address: str) -> tuple[str, int, str]:
+  """(host, port, ``host:port`` as text) of the job check that goes with the coordinator at `address`:
+  the same host, the next port.
+
+  Raises:
+    ValueError: `address` is not ``host:port``, or its port is the last one (65535).
+  """
+  host, port = _split(address)
+  check = port + names.JOB_CHECK_PORT_OFFSET
+  if not 0 < check < 65536:
+    raise ValueError(
+        f"experimental_connect_to_cluster: the coordinator's port {port} ({address}) leaves no port for the "
+        f"job check, which uses the coordinator's port + {names.JOB_CHECK_PORT_OFFSET}; pick a port below "
+        "65535.")
+  return host, check, f"{address.rpartition(':')[0]}:{check}"
+
+
+def _listen(host: str, port: int) -> socket.socket:
+  """A TCP socket listening on (`host`, `port`); every interface (IPv6 and IPv4) for ``""``, ``*``, ``::``."""
+  everywhere = host in ("", "*", "::", "0.0.0.0")
+  attempts = [(socket.AF_INET6, "::"), (socket.AF_INET, "")] if everywhere and host != "0.0.0.0" else (
+      [(socket.AF_INET, "")] if everywhere else [(socket.AF_INET6 if ":" in host else socket.AF_INET, host)])
+  for i, (family, name) in enumerate(attempts):
+    try:
+      sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+      if i + 1 < len(attempts):  # no IPv6 on this host
+        continue
+      raise
+    try:
+      sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+      if family == socket.AF_INET6 and everywhere:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+      sock.bind((name, port))
+      sock.listen(64)
+      return sock
+    except OSError:
+      sock.close()
+      raise
+  raise AssertionError("unreachable")
+
+
+class _JobCheckServer:
+  """Process 0's side of the job check: answers every connection with the job identity, then closes it."""
+
+  def __init__(self, sock: socket.socket, job_id: str) -> None:
+    self._sock = sock
+    self._answer = _GREETING + json.dumps({"job_id": job_id}).encode() + b"\n"
+    self._thread = threading.Thread(target=self._serve, name="tpustrat-job-check", daemon=True)
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def _serve(self) -> None:
+    while True:
+      try:
+        conn, _ = self._sock.accept()
+      except OSError:  # closed
+        return
+      with conn:
+        try:
+          conn.settimeout(2.0)
+          conn.sendall(self._answer)
+        except OSError:
+          pass
+
+  def close(self) -> None:
+    try:
+      self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+    except OSError:
+      pass
+    self._sock.close()
+
+
+_job_check_server: _JobCheckServer | None = None  # process 0's, for the life of the process
+
+
+def _bind_job_check(bind_address: str, index: int, job_id: str) -> _JobCheckServer:
+  """Process 0: binds the job check port (not serving yet); CoordinatorPortTaken if it is in use."""
+  host, port, shown = job_check_address(bind_address)
+  try:
+    sock = _listen(host.strip("[]"), port)
+  except OSError as e:
+    if e.errno == errno.EADDRINUSE:
+      raise CoordinatorPortTaken(
+          f"experimental_connect_to_cluster: process {index} runs the coordinator, but {shown} is already in "
+          f"use: that is the job check port of the coordinator at {bind_address} (its port + "
+          f"{names.JOB_CHECK_PORT_OFFSET}), where process 0 tells the others which job it runs (job "
+          f"{job_id!r}). Another job (or another process started as process 0) holds it. Pick another port, "
+          "with the next one free too, and give exactly one process process_id=0.") from None
+    raise
+  return _JobCheckServer(sock, job_id)
+
+
+def _read_answer(conn: socket.socket) -> bytes:
+  data = b""
+  while not data.endswith(b"\n") and len(data) < _MAX_ANSWER:
+    chunk = conn.recv(_MAX_ANSWER - len(data))
+    if not chunk:
+      break
+    data += chunk
+  return data
+
+
+def _job_of_answer(data: bytes) -> str | None:
+  """The job identity in process 0's answer, or None if `data` is not a job check's answer."""
+  if not data.startswith(_GREETING) or not data.endswith(b"\n"):
+    return None
+  try:
+    job = json.loads(data[len(_GREETING):])["job_id"]
+  except (ValueError, KeyError, TypeError):
+    return None
+  return job if isinstance(job, str) else None
+
+
+def _check_job(address: str, job_id: str, index: int, count: int, deadline: float, timeout: float) -> None:
+  """A process other than 0: returns once process 0 of this job answers the job check next to `address`
+  with `job_id`; raises `CoordinatorOfAnotherJob` at once if another job answers, or a RuntimeError naming
+  the address if no job check answers by `deadline`. Registers with nothing."""
+  host, port, shown = job_check_address(address)
+  host = host.strip("[]")
+  last = "no answer yet"
+  while True:
+    remaining = deadline - time.monotonic()
+    try:
+      with socket.create_connection((host, port), timeout=max(0.1, min(2.0, remaining))) as conn:
+        data = _read_answer(conn)
+    except OSError as e:
+      last = str(e) or type(e).__name__
+    else:
+      theirs = _job_of_answer(data)
+      if theirs == job_id:
+        return
+      if theirs is not None:
+        raise CoordinatorOfAnotherJob(
+            f"experimental_connect_to_cluster: process {index} of {count} of job {job_id!r} will not join the "
+            f"coordinator at {address}: another job holds that address (its process 0 answered the job check "
+            f"at {shown} with job {theirs!r}). This process did not register with it, so that job goes on "
+            f"undisturbed. Give this job a free port (python -m tpustrat.launch --port, or the coordinator "
+            f"address), or wait until the other job has ended.")
+      last = f"the answer was not a job check's: {data[:80]!r}"
+    if time.monotonic() >= deadline:
+      raise RuntimeError(
+          f"experimental_connect_to_cluster: process {index} of {count} of job {job_id!r} could not check the "
+          f"job of the coordinator at {address} within {timeout:g} s (initialization_timeout): process 0 of "
+          f"this job answers the job check at {shown} (the coordinator's port + "
+          f"{names.JOB_CHECK_PORT_OFFSET}) once it starts (last error: {last}). Check that process 0 is "
+          f"running with the same coordinator address and the same job identity ({names.ENV_JOB_ID}, or "
+          "SLURM_JOB_ID and SLURM_STEP_ID), that this host can reach that port too, or raise the timeout "
+          f"({names.ENV_INITIALIZATION_TIMEOUT}).")
+    time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
 def _check_port_free(bind_address: str, index: int) -> None:
@@ -244,7 +458,11 @@ def _exit_on_uncaught_exception(index: int, count: int, heartbeat_timeout: int) 
     status = 130 if issubclass(kind, KeyboardInterrupt) else 1
     try:
       previous(kind, value, tb)
-      if issubclass(kind, CoordinatorPortTaken):
+      if issubclass(kind, CoordinatorOfAnotherJob):
+        status = names.EXIT_START_FAILED
+        sys.stderr.write(f"tpustrat: process {index} of {count} found the coordinator's address held by "
+                         f"another job and did not join it; it exits at once with status {status}.\n")
+      elif issubclass(kind, CoordinatorPortTaken):
         status = names.EXIT_START_FAILED
         sys.stderr.write(f"tpustrat: process {index} of {count} could not start the job's coordinator; it "
                          f"exits at once with status {status}.\n")
@@ -260,10 +478,20 @@ def _exit_on_uncaught_exception(index: int, count: int, heartbeat_timeout: int) 
   sys.excepthook = hook
 
 
+def _check_timeouts(**timeouts: Any) -> None:
+  """The three timeouts JAX takes, as whole seconds in [1, `names.MAX_TIMEOUT_SECONDS`]."""
+  for name, value in timeouts.items():
+    env = {"initialization_timeout": names.ENV_INITIALIZATION_TIMEOUT,
+           "heartbeat_timeout": names.ENV_HEARTBEAT_TIMEOUT, "shutdown_timeout": names.ENV_SHUTDOWN_TIMEOUT}[name]
+    validation.check_seconds(
+        value, f"experimental_connect_to_cluster: {name} (the resolver's argument, or {env})", minimum=1,
+        maximum=names.MAX_TIMEOUT_SECONDS, integer=True, note="JAX's distributed runtime takes int32 seconds")
+
+
 def initialize(coordinator_address: str, num_processes: int, process_id: int,
                local_device_ids: Sequence[int] | None, *, coordinator_bind_address: str | None,
                initialization_timeout: int, heartbeat_timeout: int, shutdown_timeout: int,
-               exit_on_uncaught: bool | None = None) -> None:
+               exit_on_uncaught: bool | None = None, job_id: str | None = None) -> None:
   """`jax.distributed.initialize` with the checks described in the module docstring; starts the backends.
 
   Args:
@@ -275,25 +503,49 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int,
       the other processes of the job stop within the heartbeat timeout instead of waiting for it (see the
       module docstring). None (the default): as ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION`` says, which
       `python -m tpustrat.launch` sets to ``1``; unset, the hook is not installed.
+    job_id: the job's identity (see the job check in the module docstring); None (the default):
+      `job_identity()`, from ``TPUSTRAT_JOB_ID`` or Slurm's variables; without one, no job check.
 
   Raises:
-    ValueError: ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION`` is neither a true nor a false word (before
-      connecting), or the processes disagree about the job (see the module docstring).
+    ValueError: a timeout outside [1, 2**31 - 1] whole seconds, ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION``
+      neither a true nor a false word, a bad ``TPUSTRAT_JOB_ID`` (all before connecting), or processes that
+      disagree about the job (see the module docstring).
     TypeError: `exit_on_uncaught` is not a bool or None.
+    CoordinatorPortTaken: process 0 finds the coordinator's port, or the job check port, in use.
+    CoordinatorOfAnotherJob: another job holds the coordinator's address (processes other than 0).
   """
+  _check_timeouts(initialization_timeout=initialization_timeout, heartbeat_timeout=heartbeat_timeout,
+                  shutdown_timeout=shutdown_timeout)
   exit_at_once = _exit_on_uncaught_wanted(exit_on_uncaught)
+  if job_id is None:
+    job_id = job_identity()
   index, count, timeout = process_id, num_processes, initialization_timeout
   start = time.monotonic()
   deadline = start + timeout
-  if index == 0:
-    try:
-      _check_port_free(coordinator_bind_address or f"[::]:{_split(coordinator_address)[1]}", index)
-    except CoordinatorPortTaken:
-      if exit_at_once:  # uncaught, it ends the process with names.EXIT_START_FAILED
-        _exit_on_uncaught_exception(index, count, heartbeat_timeout)
-      raise
-  else:
-    _wait_for_coordinator(coordinator_address, index, count, deadline, timeout)
+  global _job_check_server
+  try:
+    if index == 0:
+      bind_address = coordinator_bind_address or f"[::]:{_split(coordinator_address)[1]}"
+      _check_port_free(bind_address, index)
+      if job_id is not None and _job_check_server is None:
+        # Bound before serving: the coordinator's port was free, and no other job can start a coordinator
+        # there while this process holds the port next to it.
+        server = _bind_job_check(bind_address, index, job_id)
+        try:
+          _check_port_free(bind_address, index)  # still free now that the job check port is held
+        except CoordinatorPortTaken:
+          server.close()
+          raise
+        _job_check_server = server
+        server.start()
+    else:
+      if job_id is not None:
+        _check_job(coordinator_address, job_id, index, count, deadline, timeout)
+      _wait_for_coordinator(coordinator_address, index, count, deadline, timeout)
+  except CoordinatorPortTaken:
+    if exit_at_once:  # uncaught, it ends the process with names.EXIT_START_FAILED
+      _exit_on_uncaught_exception(index, count, heartbeat_timeout)
+    raise
   watchdog = _Watchdog(deadline - time.monotonic(), (
       f"experimental_connect_to_cluster: process {index} of {count} gave up after {timeout} s "
       f"(initialization_timeout): not every process of the job connected to the coordinator at "
@@ -303,11 +555,15 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int,
   try:
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=count, process_id=index,
-        local_device_ids=local_device_ids, initialization_timeout=timeout + _JAX_TIMEOUT_MARGIN,
+        local_device_ids=local_device_ids,
+        initialization_timeout=min(timeout + _JAX_TIMEOUT_MARGIN, names.MAX_TIMEOUT_SECONDS),
         heartbeat_timeout_seconds=heartbeat_timeout, shutdown_timeout_seconds=shutdown_timeout,
         coordinator_bind_address=coordinator_bind_address)
   finally:
     watchdog.cancel()
+  # JAX's preemption notifier now has SIGTERM; a notice before a PreemptionCheckpointHandler exists is
+  # kept for it instead (termination_notice's docstring).
+  termination_notice.install(index)
   if exit_at_once:
     _exit_on_uncaught_exception(index, count, heartbeat_timeout)
   # Connected. The checks and the backends' start (which exchanges every process's devices) get a

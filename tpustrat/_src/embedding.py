@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
+from tpustrat._src.batch_rows import same_rows
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.values import Mirrored, PerReplica, is_distributed
 
@@ -464,7 +465,8 @@ class TPUEmbedding:
       back = self._exchange(found)  # [N, M, D]: the rows this replica asked for, by owner
       got = back[jnp.minimum(owner, self._n - 1), jnp.maximum(slot, 0)]
       got = jnp.where(valid[:, None], got, 0.0).reshape(ids.shape + (f.table.dim,))
-      activations.append(lax.stop_gradient(jnp.einsum("bl,bld->bd", coef, got)))
+      # The rows went to their owners and came back in order: example i's activation is row i of ids.
+      activations.append(same_rows(lax.stop_gradient(jnp.einsum("bl,bld->bd", coef, got)), ids))
     return self._treedef.unflatten(activations)
 
   def apply_gradients(self, state: dict[str, Any], features: Any, gradients: Any, weights: Any = None) -> dict[str, Any]:

@@ -19,8 +19,8 @@
   *batch rows*, used only by ``reduce(op, v, axis=0)`` and ``gather(v, axis=0)``: the caller's word
   that axis 0 is the batch. Which outputs hold which batch's rows is read from the step's jaxpr
   (`tpustrat._src.batch_rows`; the step is traced once to a jaxpr and evaluated into the body), never
-  from a size. A batch is identified by its counts (`batch_groups`), so two batches of one size keep
-  their own.
+  from a size. The leaves of one dataset element are one batch (`batch_group`), any other padded value
+  its own, so two batches of one size keep their own counts.
 * Caching: one `jax.jit` per `(fn, argument structure)`; it takes the flattened argument leaves and
   returns the flattened result, so `jax.jit`'s C++ fast path sees plain arrays in and out, and the host
   work per step is one flatten, one dict lookup, one sharding check per leaf and one unflatten. `jax.jit`
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import types
 import warnings
 import weakref
@@ -227,15 +226,14 @@ class Engine:
     key = (fn_key, in_tree)
     entries = self._entries
     try:
-      entry = entries[key]
+      program, targets = entries[key]
       entries.move_to_end(key)  # least recently used first out
     except KeyError:
-      entry = entries[key] = self._entry(fn, fn_key, in_tree)
+      program, targets = entries[key] = self._entry(fn, fn_key, in_tree)
       if len(entries) > _CACHE_SIZE:
         entries.popitem(last=False)
     except TypeError:  # an unhashable callable (or tree): compile without caching
-      entry = self._entry(fn, fn_key, in_tree)
-    program, targets = entry.program(batch_groups(leaves, entry.count_positions, entry.tags)), entry.targets
+      program, targets = self._entry(fn, fn_key, in_tree)
     array_types = self._array_types
     for i, x in enumerate(leaves):  # arrays already where the program wants them pass untouched
       if type(x) not in array_types or x.sharding != targets[i]:
@@ -252,56 +250,43 @@ class Engine:
     return dispatch(program, *args, in_flight=self._in_flight, limit=limit or self.max_steps_in_flight,
                     steps=steps)
 
-  def _entry(self, fn: Callable[..., Any], fn_key: Any, in_tree: Any) -> _Entry:
-    """The programs for `fn` called with arguments of structure `in_tree` (`PerReplica` and `Mirrored`
-    nodes included), the sharding each flattened argument leaf must have, and where the real-row counts
-    of padded batches are among the leaves.
+  def _entry(self, fn: Callable[..., Any], fn_key: Any,
+             in_tree: Any) -> tuple[_FlatProgram, list[NamedSharding]]:
+    """The program for `fn` called with arguments of structure `in_tree` (`PerReplica` and `Mirrored`
+    nodes included), and the sharding each flattened argument leaf must have.
 
     `Mirrored` values enter like plain arrays: structures that differ only by `Mirrored` wrappers (a plain
     array on step 1, the `Mirrored` result on step 2) share one program and one compilation.
     """
     dummy = jax.tree.unflatten(in_tree, list(range(in_tree.num_leaves)))
     top, outer = jax.tree.flatten(dummy, is_leaf=is_distributed)
+    paths = [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy, is_leaf=is_distributed)[0]]
     targets = [self._replicated] * in_tree.num_leaves
-    nodes, counts, tags, seen_tags = [], [], [], []
-    for node in top:
+    nodes, groups, roots = [], [], {}
+    for path, node in zip(paths, top):
       if isinstance(node, PerReplica):
         for i in jax.tree.leaves((node.tree, node.real_rows_array)):
           targets[i] = self._split
         if node.padding_is_marked:
-          counts.append(node.real_rows_array)
-          # The dataset's tag, numbered in order of appearance: a new dataset of the same kind (a new
-          # epoch's) shares the program.
-          tag = node.batch_tag
-          if tag is not None and not any(t is tag for t in seen_tags):
-            seen_tags.append(tag)
-          tags.append(None if tag is None else next(j for j, t in enumerate(seen_tags) if t is tag))
-          node = PerReplica.from_stacked(node.tree, node.real_rows_array, tag=tags[-1])
+          groups.append(batch_group(node, path, roots, len(groups)))
         nodes.append(node)
       elif isinstance(node, Mirrored):
         nodes.append(node.tree)
       else:
         nodes.append(node)
     seen_tree = jax.tree.structure(jax.tree.unflatten(outer, nodes))
-    name = getattr(fn, "__name__", "fn")
-    fn = weak_callable(fn)  # the cache must not keep the user's function (and its closure) alive
-
-    def program(groups: tuple[int, ...]) -> _FlatProgram:
-      key = (fn_key, seen_tree, groups)
-      programs = self._programs
-      try:
-        found = programs[key]
-        programs.move_to_end(key)
-        return found
-      except KeyError:
-        found = programs[key] = _FlatProgram(self._make_program(fn, groups, name), seen_tree)
-        if len(programs) > _CACHE_SIZE:
-          programs.popitem(last=False)
-        return found
-      except TypeError:
-        return _FlatProgram(self._make_program(fn, groups, name), seen_tree)
-
-    return _Entry(functools.lru_cache(maxsize=8)(program), targets, tuple(counts), tuple(tags))
+    key = (fn_key, seen_tree)
+    programs = self._programs
+    try:
+      program = programs[key]
+      programs.move_to_end(key)
+    except KeyError:
+      program = programs[key] = _FlatProgram(self._make_program(fn, tuple(groups)), seen_tree)
+      if len(programs) > _CACHE_SIZE:
+        programs.popitem(last=False)
+    except TypeError:
+      program = _FlatProgram(self._make_program(fn, tuple(groups)), seen_tree)
+    return program, targets
 
   def _place(self, x: Any, target: NamedSharding) -> Any:
     """Puts an argument leaf on the sharding the program expects, so that each step sees the same input
@@ -339,9 +324,11 @@ class Engine:
     """Blocks until every step dispatched by `run` has finished."""
     self._in_flight.drain()
 
-  def _make_program(self, fn: Callable[..., Any], groups: tuple[int, ...], name: str) -> Callable[..., Any]:
-    """The structured program of `fn` (a `weak_callable`, named `name`); `groups` (see `batch_groups`)
-    says which padded batch arguments share their real-row counts (are one batch)."""
+  def _make_program(self, fn: Callable[..., Any], groups: tuple[int, ...]) -> Callable[..., Any]:
+    """The structured program of `fn`; `groups` (see `batch_group`) says which padded batch arguments
+    are one batch (share their real-row counts)."""
+    name = getattr(fn, "__name__", "fn")
+    fn = weak_callable(fn)  # the cache must not keep the user's function (and its closure) alive
     make_context, mesh, axis = self._make_context, self._mesh, self._axis
     n = self._num_replicas
     core_axes = self._core_axes
@@ -514,27 +501,22 @@ class _FlatProgram:
     self._traced: tuple[Any, int] | None = None  # what the latest trace recorded
     self._fallback: Callable[..., Any] | None = None
 
-    def flat(*leaves: Any) -> tuple[list[Any], Any, int, tuple[tuple[int, int], ...]]:
+    def flat(*leaves: Any) -> tuple[list[Any], Any, int]:
       args, kwargs = jax.tree.unflatten(seen_tree, leaves)
       out, out_tree = jax.tree.flatten(structured(args, kwargs))
       wait = wait_leaf(out, leaves)
       if wait is None:  # nothing small computed: a one-byte token to wait on
         out.append(jnp.zeros((), jnp.int8))
         wait = len(out) - 1
-      # Arguments returned as they are (the real-row counts a padded output shares with its batch): the
-      # caller gets the argument itself back, so the counts stay one object per batch (`batch_groups`).
-      position = {id(x): j for j, x in enumerate(leaves)}
-      forwards = tuple((i, position[id(x)]) for i, x in enumerate(out[:out_tree.num_leaves])
-                       if id(x) in position and leaves[position[id(x)]] is x)
-      return out, out_tree, wait, forwards
+      return out, out_tree, wait
 
     def flat_program(*leaves: Any) -> list[Any]:
-      out, out_tree, wait, forwards = flat(*leaves)
-      self._traced = (out_tree, wait, forwards)
+      out, out_tree, wait = flat(*leaves)
+      self._traced = (out_tree, wait)
       return out
 
     def tree_program(*leaves: Any) -> tuple[Any, Any]:
-      out, out_tree, wait, _ = flat(*leaves)
+      out, out_tree, wait = flat(*leaves)
       return out_tree.unflatten(out[:out_tree.num_leaves]), out[wait]
 
     self.__name__ = getattr(structured, "__name__", "run_fn")
@@ -553,11 +535,7 @@ class _FlatProgram:
       self._fallback = self._tree  # two result structures: let jax.jit keep them apart from now on
     elif traced is not None and self._out is None:
       self._out = traced
-    out_tree, wait, forwards = traced or self._out
-    if forwards:
-      out = list(out)
-      for i, j in forwards:
-        out[i] = leaves[j]
+    out_tree, wait = traced or self._out
     return out_tree.unflatten(out[:out_tree.num_leaves]), out[wait]
 
 
@@ -597,33 +575,21 @@ def _same_over_replicas(sharding: Any, target: NamedSharding, axis: str) -> bool
   return not replica_dims(spec)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-  """What `run` keeps per (function, argument structure): `program(groups)` (see `batch_groups`), the
-  sharding of each argument leaf, and the leaf positions of the padded batches' real-row counts."""
+def batch_group(node: PerReplica, path: tuple[Any, ...], roots: dict[Any, int], index: int) -> int:
+  """Which batch the padded argument `node` (the `index`-th, at `path` among `run`'s arguments) belongs
+  to: the index of the first padded argument of its batch.
 
-  program: Callable[[tuple[int, ...]], _FlatProgram]
-  targets: list[NamedSharding]
-  count_positions: tuple[int, ...]
-  tags: tuple[int | None, ...]  # each padded batch argument's dataset, numbered (None: not from one)
-
-
-def batch_groups(leaves: list[Any], count_positions: tuple[int, ...],
-                 tags: tuple[int | None, ...] = ()) -> tuple[int, ...]:
-  """Which padded batch arguments are one batch: for the ``i``-th, the index of the first whose real-row
-  counts are the same array object (the leaves of one dataset element share theirs; a `per_example`
-  output shares its batch's). Batches from different datasets, or different steps, have their own.
-
-  Inside a transformation (`jax.jit` around `run`) each leaf's counts are a tracer of their own: there,
-  arguments from one dataset (`tags`, static) are one batch too.
+  The leaves of one dataset element, passed where the element put them (the element itself, anywhere in
+  the arguments), are one batch: they share their real-row counts. Every other padded value (a leaf taken
+  out of its element, an output marked `per_example`) is a batch of its own. Read from the arguments'
+  structure (`PerReplica.batch_tag`), so the same inside `jax.jit` and `lax.scan`, where the counts of
+  one element's leaves are separate tracers; two elements of one dataset are two batches.
   """
-  if len(count_positions) < 2:
-    return (0,) * len(count_positions)
-  counts = [leaves[p] for p in count_positions]
-  traced = tags and any(isinstance(c, jax.core.Tracer) for c in counts)
-  return tuple(next(j for j in range(i + 1)
-                    if counts[j] is c or (traced and tags[i] is not None and tags[j] == tags[i]))
-               for i, c in enumerate(counts))
+  tag = node.batch_tag
+  root = None if tag is None else tag.element_root(path)
+  if root is None:
+    return index
+  return roots.setdefault((root, tag.paths), index)
 
 
 def _unpack(flat_in: Any, rebuild: list[tuple[str, Any, int]],
@@ -722,7 +688,7 @@ def _output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[bo
       b = marked[i]
       if b is None:
         r = rows_of(i)
-        if r.is_unknown or len(r.batches) != 1 or sizes[next(iter(r.batches))] != k:
+        if r.is_unknown or len(r.batches) != 1 or r.axis != 0 or sizes[next(iter(r.batches))] != k:
           candidates = ", ".join(names[j] for j, size in enumerate(sizes) if size == k)
           why = describe(r) if r.carries_rows else "its axis 0 does not hold any batch's rows"
           raise ValueError(
@@ -737,7 +703,9 @@ def _output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[bo
       continue
     r = rows_of(i)
     candidates = [j for j, size in enumerate(sizes) if size == k]
-    if not r.is_unknown and len(r.batches) == 1 and sizes[next(iter(r.batches))] == k:
+    if not r.is_unknown and r.batches and r.axis != 0:
+      result.append(None)  # the rows are on another axis: axis 0 is something else, kept whole
+    elif not r.is_unknown and len(r.batches) == 1 and sizes[next(iter(r.batches))] == k:
       result.append((next(iter(r.batches)), False))
     elif r.carries_rows:
       chosen = candidates[0] if r.is_unknown and len(candidates) == 1 else None

@@ -1,9 +1,10 @@
 """Every use of JAX internals in tpustrat, behind small functions.
 
 tpustrat needs a few things JAX has no public API for: the mesh axes a value traced inside `shard_map`
-varies over, a primitive of its own (the `assign_to_logical_device` marker), and reading and re-evaluating
+varies over, a primitive of its own (the `assign_to_logical_device` marker), reading and re-evaluating
 a traced jaxpr equation by equation (`tpustrat._src.logical` places computations on logical cores by
-rewriting the step's jaxpr). Those uses live here and nowhere else, so that a new JAX version is a change
+rewriting the step's jaxpr), and, for the step watchdog, when the process compiles and which host
+callbacks are running. Those uses live here and nowhere else, so that a new JAX version is a change
 to this module only.
 
 Written for, and tested with, JAX 0.10.2 (Python 3.11) and JAX 0.12.0.1 (Python 3.12); see
@@ -426,11 +427,12 @@ def watch_compiles(begin: Callable[[], None], end: Callable[[], None]) -> Callab
   return unwatch
 
 
-def host_callback_frames() -> list[tuple[int, Any]]:
-  """``(thread id, frame)`` for each thread of this process that is running a host callback of a compiled
-  program now (`jax.debug.callback`, `jax.pure_callback`, `jax.experimental.io_callback`); `frame` is the
-  callback's own frame: the outermost one outside JAX inside JAX's callback entry (the entry's own frame if
-  there is none, as for a callback written in C).
+def host_callback_frames() -> list[tuple[int, Any, Any]]:
+  """``(thread id, entry, frame)`` for each thread of this process that is running a host callback of a
+  compiled program now (`jax.debug.callback`, `jax.pure_callback`, `jax.experimental.io_callback`).
+  `entry` is the frame of JAX's callback entry, the same for the whole call; `frame` is the callback's
+  own: the outermost frame outside JAX inside the entry (`entry` itself while the call has not reached
+  the callback yet, or for a callback written in C).
 
   Found from `sys._current_frames()`. In JAX 0.10.2 every host callback enters Python through
   ``jax._src.callback`` (``_wrapped_callback``), on a thread of the runtime (or on the thread that runs
@@ -454,5 +456,6 @@ def host_callback_frames() -> list[tuple[int, Any]]:
     if entry is None:
       continue
     inner = stack[entry::-1]  # from the entry inwards
-    found.append((ident, next((f for f in inner if not f.f_code.co_filename.startswith(jax_dir)), stack[entry])))
+    own = next((f for f in inner if not f.f_code.co_filename.startswith(jax_dir)), stack[entry])
+    found.append((ident, stack[entry], own))
   return found

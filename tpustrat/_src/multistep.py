@@ -44,10 +44,8 @@ from tpustrat._src.validation import check_int, check_tree_fits_32_bits
 from tpustrat._src.values import (
     Mirrored,
     PerReplica,
-    count_groups,
     is_distributed,
     name_replica_axis,
-    share_counts,
     stacked_steps,
 )
 
@@ -191,19 +189,17 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any]) -> Callable[..., A
   step = _ReplicaStep(fn)
   strategy_ref = weakref.ref(strategy)  # the cache entry must not keep its strategy alive
 
-  def run_steps_program(carry: Any, batches: Any, groups: tuple[int, ...]) -> Any:
+  def run_steps_program(carry: Any, batches: Any) -> Any:
     run = strategy_ref().run
 
     def body(c: Any, batch: Any) -> Any:
-      # The leaves of one batch share their real-row counts (one batch for `valid_mask`), as outside.
-      c, out = run(step, args=(c, share_counts(batch, groups)))
+      c, out = run(step, args=(c, batch))
       return _drop_counts(c), out
 
     return lax.scan(body, carry, batches)
 
   run_steps_program.__name__ = f"run_steps_{step.__name__}"
-  jitted = jax.jit(run_steps_program, static_argnums=2)
-  return lambda carry, batches: jitted(carry, batches, count_groups(batches))
+  return jax.jit(run_steps_program)
 
 
 def _program(strategy: Strategy, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -18,7 +18,21 @@ ENV_HEARTBEAT_TIMEOUT = "TPUSTRAT_HEARTBEAT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "TPUSTRAT_SHUTDOWN_TIMEOUT"
 ENV_EXIT_ON_UNCAUGHT = "TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION"
 ENV_STEP_TIMEOUT = "TPUSTRAT_STEP_TIMEOUT"  # seconds; the step watchdog (`watchdog.py`) is off when unset
+ENV_COMPILE_TIMEOUT = "TPUSTRAT_COMPILE_TIMEOUT"  # seconds; the step watchdog's compile bound (`watchdog.py`)
 ENV_RESTART_COUNT = "TPUSTRAT_RESTART_COUNT"  # set by the launcher: 0 on the first start, then 1, 2, ...
+ENV_JOB_ID = "TPUSTRAT_JOB_ID"  # the job's identity, checked before joining its coordinator (`distributed.py`)
+
+# The job check (`distributed.py`): process 0 of a job with an identity serves it on this TCP port offset
+# from the coordinator's port (coordinator port + 1), and every other process reads it there before it
+# registers with the coordinator, so that no process ever joins another job's coordinator.
+JOB_CHECK_PORT_OFFSET = 1
+
+# Bounds of every timeout, in seconds (launcher flags, TPUSTRAT_* variables, resolver arguments), checked
+# up front by `validation.check_seconds`. JAX's distributed runtime takes its timeouts as C int32 seconds,
+# so none may exceed 2**31 - 1 (about 68 years). A step timeout under a second cannot tell a hung peer
+# from a slow step (1e-300 would fire on the first step), so the step timeout is at least 1 s.
+MAX_TIMEOUT_SECONDS = 2**31 - 1
+MIN_STEP_TIMEOUT_SECONDS = 1.0
 
 # Exit status of a process whose distributed start-up failed because its coordinator port was taken (the
 # launcher reads it and starts the job again on another port; no message text is matched). 75 is

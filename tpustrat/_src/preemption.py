@@ -36,7 +36,16 @@ notice; the second save exits.
 SIGTERM: the handler installs a Python SIGTERM handler (main thread only) while it watches, in place of
 the one JAX's distributed runtime installs for its own preemption notifier (JAX's notifier listens to the
 same signal, which is how Cloud TPU VMs and GCE announce a preemption or maintenance); `close` puts the
-previous Python-level handler back (the default action if there was none).
+previous Python-level handler back (the default action if there was none). A SIGTERM that reaches a
+connected process before its handler exists (while it builds the model or restores) is kept by
+`termination_notice`, installed when the process connects; the handler takes it when created, as a notice
+that came before its first check, so the save comes at the first call the processes agree on.
+
+A process answers a peer's notice only once it counts calls: after `restore` (which sets
+`total_run_calls` to the restored step) or its first check, so that its answer is never a call it has
+already passed. The save (the default one or `save_fn`) is a bounded operation of the checkpoint manager:
+it must finish within the manager's timeout on every process (`CheckpointManager`), or the job stops
+with a message naming the processes that have not finished it.
 """
 
 from __future__ import annotations
@@ -52,8 +61,8 @@ from typing import Any
 
 import jax
 
-from tpustrat._src import jax_compat, names
-from tpustrat._src.checkpoint import CheckpointManager
+from tpustrat._src import jax_compat, names, termination_notice
+from tpustrat._src.checkpoint import CheckpointManager, bounded_operation
 
 __all__ = ["PreemptionCheckpointHandler", "TerminationConfig"]
 
@@ -246,11 +255,19 @@ class PreemptionCheckpointHandler:
     self._cycle_round = 0  # the round the current notice cycle started in (the watcher function's)
     self._closed = False
     self._previous_sigterm: Any = None
+    self._counting = False  # restore or a check has set total_run_calls: the watcher may answer notices
     if termination_config.termination_watcher_fn is None:
       if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("PreemptionCheckpointHandler: create it on the main thread (it installs a SIGTERM "
                            "handler), or give TerminationConfig(termination_watcher_fn=...).")
       self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+      early = termination_notice.take()  # a SIGTERM after connecting, before this handler existed
+      if early is not None:
+        self._local_notice = True
+        self._notice_time = early
+        sys.stderr.write(f"tpustrat: process {index}: a SIGTERM received {time.monotonic() - early:.1f} s before "
+                         "this PreemptionCheckpointHandler existed counts as a termination notice.\n")
+        sys.stderr.flush()
     self._stop = threading.Event()
     self._thread = self._start_watcher()
 
@@ -291,12 +308,14 @@ class PreemptionCheckpointHandler:
           "PreemptionCheckpointHandler.restore: `iterator` must have get_state() and set_state() (a tpustrat "
           f"DistributedIterator or a grain iterator), got {type(iterator).__name__}.")
     self._iterator = iterator
-    step = self._manager.latest_step()
-    if step is None:
-      self._calls = 0
-      return init_state
-    state = self._manager.restore(step, target=init_state, iterator=iterator)
-    self._calls = int(step)
+    if self._manager.latest_step() is None:
+      state, step = init_state, 0
+    else:  # the newest intact checkpoint: a damaged newest one is moved aside, with a warning
+      state = self._manager.restore(target=init_state, iterator=iterator)
+      step = int(self._manager.last_restored_step)
+    with self._lock:
+      self._calls = step
+      self._counting = True
     return state
 
   def run(self, distributed_train_fn: Callable[..., Any], state: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
@@ -381,6 +400,7 @@ class PreemptionCheckpointHandler:
     """The check of one call: count it, and save (and exit) if it is the agreed call."""
     with self._lock:
       self._calls += 1
+      self._counting = True
       c = self._calls
       if not self._noticed and self._local_notice:
         self._publish_notice(earliest=c)  # this call is still a possible save point for this process
@@ -456,13 +476,15 @@ class PreemptionCheckpointHandler:
     return max(values.values())
 
   def _save(self, step: int, state: Any) -> None:
-    if step in self._manager.all_steps():  # saved already (by the loop, or the first save of a grace period)
-      return
-    if self._config.save_fn is not None:
-      self._config.save_fn(step, state, self._iterator)
-    else:
-      self._manager.save(step, state, iterator=self._iterator, force=True)
-    self._manager.wait_until_finished()
+    with bounded_operation(self._manager, f"save of step {step} after a termination notice") as op:
+      if step not in self._manager.all_steps():  # else saved already (by the loop, or a grace period's first save)
+        if self._config.save_fn is not None:
+          op.progress(f"running save_fn for step {step} after a termination notice")
+          self._config.save_fn(step, state, self._iterator)
+        else:
+          self._manager.save(step, state, iterator=self._iterator, force=True)
+        self._manager.wait_until_finished()
+      op.finished()
 
   def _stop_watcher(self) -> None:
     self._stop.set()
@@ -492,5 +514,5 @@ class PreemptionCheckpointHandler:
       if self._store.try_get(self._key("notice")) is None:
         continue
       with self._lock:
-        if not self._noticed:
+        if not self._noticed and self._counting:
           self._publish_notice(earliest=self._calls + 1)

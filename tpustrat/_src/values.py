@@ -29,7 +29,7 @@ mean one of two things, and nothing else decides which:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +38,8 @@ import numpy as np
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.validation import check_fits_32_bits, tree_path
 
-__all__ = ["BatchTag", "DistributedValues", "PerReplica", "Mirrored", "check_components", "count_groups", "is_distributed",
-           "name_replica_axis", "share_counts",
-           "stacked_steps"]
+__all__ = ["DistributedValues", "ElementTag", "PerReplica", "Mirrored", "check_components", "is_distributed",
+           "name_replica_axis", "stacked_steps"]
 
 
 def _device_order(x: jax.Array) -> list[Any]:
@@ -184,7 +183,7 @@ class PerReplica(DistributedValues):
       per_example: whether the rows are the value's own examples (see the module docstring), or the rows
         of the batch of the step that returned it (used only along axis 0).
       host_real_rows: `real_rows` already on the host, if known.
-      tag: the `BatchTag` of the dataset the batch came from (see `batch_tag`), or None.
+      tag: the `ElementTag` of an input batch's leaf (see `batch_tag`), or None.
     """
     return cls._wrap(tree, real_rows, host_real_rows, per_example=per_example, tag=tag)
 
@@ -199,12 +198,12 @@ class PerReplica(DistributedValues):
     return self._valid
 
   @property
-  def batch_tag(self) -> Any:
-    """The `BatchTag` of the distributed dataset this padded batch came from, or None (internal API).
+  def batch_tag(self) -> ElementTag | None:
+    """For a leaf of a dataset element, its `ElementTag` (internal API); None otherwise.
 
-    Part of the pytree's structure (static), so it survives `jax.jit`: inside a transformation, where the
-    real-row counts of one dataset element's leaves are separate tracers, the leaves with one tag are
-    still known to be one batch. Outputs of `run` carry none."""
+    Part of the pytree's structure (static), so it survives `jax.jit` and `lax.scan`: `run` takes the
+    padded leaves that sit where one element put them, under one element root, as one batch (one set of
+    real-row counts), and every other padded value as a batch of its own."""
     return self._tag
 
   @property
@@ -245,41 +244,21 @@ class PerReplica(DistributedValues):
     return f"PerReplica(num_replicas={n}, component={body}{padded})"
 
 
-def count_groups(tree: Any) -> tuple[int, ...]:
-  """For each padded batch (`PerReplica.padding_is_marked`) among the nodes of `tree`, in order, the index
-  of the first one whose real-row counts are the same array object: those are one batch (the leaves of a
-  dataset element share their counts). See `share_counts`."""
-  counts = [node._valid for node in jax.tree.leaves(tree, is_leaf=is_distributed)
-            if isinstance(node, PerReplica) and node.padding_is_marked]
-  return tuple(next(j for j in range(i + 1) if counts[j] is c) for i, c in enumerate(counts))
+class ElementTag(NamedTuple):
+  """Where a padded batch leaf sits in its dataset element (`PerReplica.batch_tag`): the key paths of the
+  element's leaves and this leaf's index among them. A value, equal for equal structures, so that batches of
+  a new dataset of the same kind (a new epoch's) share compiled programs."""
 
+  paths: tuple[tuple[Any, ...], ...]
+  index: int
 
-def share_counts(tree: Any, groups: tuple[int, ...]) -> Any:
-  """`tree` with the padded batches of one group (`count_groups`) holding one counts object again, after a
-  transformation (`jax.jit`, `lax.scan`) made a separate tracer of each."""
-  nodes, treedef = jax.tree.flatten(tree, is_leaf=is_distributed)
-  padded = [i for i, n in enumerate(nodes) if isinstance(n, PerReplica) and n.padding_is_marked]
-  if len(padded) != len(groups):
-    raise ValueError(f"share_counts: {len(padded)} padded batches, {len(groups)} groups.")
-  for i, g in zip(padded, groups):
-    if g != padded.index(i):
-      first = nodes[padded[g]]
-      node = nodes[i]
-      nodes[i] = PerReplica._wrap(node._value, first._valid, first._host_valid, per_example=True, tag=node._tag)
-  return jax.tree.unflatten(treedef, nodes)
-
-
-class BatchTag:
-  """Names one distributed dataset in the structure of its batches (`PerReplica.batch_tag`): equal only
-  to itself. `run` treats padded batch arguments with one tag, seen inside a transformation, as one batch."""
-
-  __slots__ = ("name",)
-
-  def __init__(self, name: str) -> None:
-    self.name = name
-
-  def __repr__(self) -> str:
-    return f"BatchTag({self.name!r})"
+  def element_root(self, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The path of the element this leaf belongs to, given the leaf's own `path` in a larger tree (the
+    arguments of `run`); None when the leaf is no longer where its element put it."""
+    own = self.paths[self.index]
+    if len(own) > len(path) or tuple(path[len(path) - len(own):]) != tuple(own):
+      return None
+    return tuple(path[:len(path) - len(own)])
 
 
 _PADDED = "padded"  # the counts are the value's own: its rows are examples

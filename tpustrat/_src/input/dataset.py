@@ -51,7 +51,7 @@ from tpustrat._src.input.sources import (
 )
 from tpustrat._src.input.staging import StagingBuffers
 from tpustrat._src.names import REPLICA_AXIS
-from tpustrat._src.values import BatchTag, PerReplica
+from tpustrat._src.values import ElementTag, PerReplica
 
 __all__ = ["DistributedDataset", "distribute_dataset", "distribute_datasets_from_function"]
 
@@ -104,7 +104,6 @@ class DistributedDataset:
     self._what = what
     self._options = options
     self._source = source
-    self._tag = BatchTag(what)  # this dataset's, in the structure of every batch (`PerReplica.batch_tag`)
     self._per_replica = per_replica  # from_function: the source yields per-replica batches
     self._one_shot = isinstance(source, collections.abc.Iterator)
     self._stash: list[Any] = []  # elements read ahead from a one-shot source (by element_spec)
@@ -135,9 +134,6 @@ class DistributedDataset:
     self._local_index = {r: i for i, r in enumerate(self._local)}  # replica -> its row in local arrays
     self._k = 0  # padded rows per replica (the first batch's); only grows
     self._batch_rows = 0  # rows of a full batch (global, or per replica for from_function)
-    # from_function: the largest batch each of this process's replicas' pipelines has given (its batch
-    # size, for `drop_remainder`)
-    self._replica_rows = np.zeros(len(self._local), np.int64)
     self._spec: Any = None
     self._spec_tree: Any = None
     self._valid_cache: dict[Any, tuple[jax.Array, np.ndarray]] = {}  # counts -> on the devices, int64 host
@@ -379,7 +375,8 @@ class DistributedDataset:
     return raw, (k, stack)
 
   def _prepare(self, raw: list[Any], index: int, count_only: bool = False,
-               stacked: tuple[int, list[np.ndarray]] | None = None) -> Prepared | None:
+               stacked: tuple[int, list[np.ndarray]] | None = None,
+               state: ProduceState | None = None) -> Prepared | None:
     """Validates and pads one step's raw batch(es), the first being element `index` of the dataset
     (`stacked`: the per-replica batches already stacked by `_read_replicas`). Returns the
     `Prepared` batch, or None if the batch is partial and `drop_remainder` is set. Sets the element
@@ -406,24 +403,15 @@ class DistributedDataset:
             f"{self._what}: a batch has structure {treedef}, but earlier batches had {self._spec_tree}; "
             "every batch of a dataset must have the same structure.")
       rows = max(p[2] for p in parts)
-      # TF's drop_remainder, per pipeline: a replica's batch is a remainder when it is smaller than the
-      # batches its own pipeline gave before (or the pipeline has ended), not when another replica's
-      # pipeline batches more rows.
-      ended = len(parts) < len(self._local)
-      short = any(p[2] < self._replica_rows[i] for i, p in enumerate(parts))
-      if self._per_replica and not count_only:
-        mine = self._replica_rows[:len(parts)]
-        np.maximum(mine, [p[2] for p in parts], out=mine)
       if rows > self._batch_rows:
         self._batch_rows = rows
         self._k = rows if self._per_replica else math.ceil(rows / self._num_replicas)
-      k, full = self._k, self._batch_rows
+      k = self._k
       if self._spec is None or count_only:
         self._set_spec(treedef, parts[0][0], k)
     if count_only:
       return None
-    partial = (short or ended) if self._per_replica else parts[0][2] < full
-    if partial and self._options.drop_remainder:
+    if state is not None and self._options.drop_remainder and self._dropped(parts, state):
       return None
     n_local = len(self._local)
     if self._per_replica:
@@ -444,6 +432,29 @@ class DistributedDataset:
       leaves = [take_rows(x, self._local) for x in leaves]
       owned = True
     return Prepared(treedef, leaves, counts, owned)
+
+  def _dropped(self, parts: list[Any], state: ProduceState) -> bool:
+    """`drop_remainder`: whether this step's batch is a remainder, against the batches before it in this
+    pass (`state`); updates the pass's reference.
+
+    A global batch is one when it has fewer rows than the largest before it. With datasets_from_function
+    the rule is TF's, per pipeline: a replica's batch is a remainder when it is smaller than the batches
+    that replica got before in the pass, or when it got none (its pipeline ended); the pass then ends,
+    as TF's iterator stops where a pipeline runs out."""
+    if not self._per_replica:
+      rows = parts[0][2]
+      partial = rows < state.largest
+      state.largest = max(state.largest, rows)
+      return partial
+    largest = state.replica_largest
+    largest.extend([0] * (len(self._local) - len(largest)))
+    short = any(p[2] < largest[i] for i, p in enumerate(parts))
+    for i, p in enumerate(parts):
+      largest[i] = max(largest[i], p[2])
+    if short or len(parts) < len(self._local):
+      state.ended = True
+      return True
+    return False
 
   def _counts(self, rows: int, k: int) -> np.ndarray:
     """The real rows of this process's replicas (read-only int32 ``[N_local]``) for a global batch of
@@ -469,8 +480,8 @@ class DistributedDataset:
     valid = jax.ShapeDtypeStruct((n,), np.int32, sharding=split)
     self._spec = jax.tree.unflatten(treedef, [
         PerReplica.from_stacked(
-            jax.ShapeDtypeStruct((n, k) + x.shape[1:], device_dtype(x), sharding=split), valid, tag=self._tag)
-        for x in leaves])
+            jax.ShapeDtypeStruct((n, k) + x.shape[1:], device_dtype(x), sharding=split), valid, tag=tag)
+        for x, tag in zip(leaves, element_tags(treedef))])
 
   def _produce(self, it: Iterator[Any], state: ProduceState) -> tuple[Any, int | None]:
     """The next chunk: ``(batch, None)``, one element ready for `run`, while the consumer takes one batch
@@ -499,10 +510,12 @@ class DistributedDataset:
           if state.pending is not None:
             jax.block_until_ready(state.pending)
             state.pending = None
+          if state.ended:  # datasets_from_function: a pipeline ran out (drop_remainder)
+            raise StopIteration
           first = state.read
           raw, stacked = self._next_raw(it, first)
           state.read += len(raw)
-          p = self._prepare(raw, first, stacked=stacked)
+          p = self._prepare(raw, first, stacked=stacked, state=state)
         except StopIteration:
           if prepared:
             break
@@ -515,7 +528,9 @@ class DistributedDataset:
           break
         if p is None:
           continue
-        state.positions.append((state.read, None if state.source_state is None else state.source_state()))
+        reference = [state.largest, list(state.replica_largest)] if self._options.drop_remainder else None
+        state.positions.append((state.read, None if state.source_state is None else state.source_state(),
+                                reference))
       if prepared and not self._stackable(prepared[0], p):
         state.held = p  # taken first by the next call, before the source is read again
         break
@@ -572,8 +587,8 @@ class DistributedDataset:
     if steps or self._multi_process:
       host_counts = None
     # Each leaf is its own PerReplica (like `run`'s outputs), so that the batch keeps the user's pytree.
-    return jax.tree.unflatten(treedef, [PerReplica.from_stacked(x, valid, host_real_rows=host_counts, tag=self._tag)
-                                        for x in arrays])
+    return jax.tree.unflatten(treedef, [PerReplica.from_stacked(x, valid, host_real_rows=host_counts, tag=tag)
+                                        for x, tag in zip(arrays, element_tags(treedef))])
 
   def _unaliased(self, leaves: list[np.ndarray], owned: bool, parts: int) -> list[np.ndarray]:
     """`leaves`, with those in the source's memory that a transfer would alias (XLA:CPU, aligned)
@@ -666,3 +681,12 @@ def distribute_datasets_from_function(strategy: StrategyLike, dataset_fn: Callab
         f"{what}: `dataset_fn` must return a dataset of per-replica batches ({ACCEPTED}), but it "
         f"returned {type(dataset).__name__}: {dataset!r:.100}.") from None
   return DistributedDataset(strategy, source, options, per_replica=True, what=what)
+
+
+@functools.lru_cache(maxsize=64)
+def element_tags(treedef: Any) -> tuple[ElementTag, ...]:
+  """The `ElementTag` of each leaf of a dataset element of structure `treedef`: the leaves of one element
+  are one batch for `run` (`PerReplica.batch_tag`)."""
+  dummy = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+  paths = tuple(tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0])
+  return tuple(ElementTag(paths, i) for i in range(len(paths)))

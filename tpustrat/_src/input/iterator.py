@@ -79,7 +79,8 @@ class DistributedIterator:
     self._chunks: collections.deque[tuple[Any, int | None]] = collections.deque()
     self._state = ProduceState(it)  # shared with the producer: it holds no reference to the iterator
     self._handed = 0  # batches handed out so far
-    self._position: tuple[int, Any] = (0, None)  # the source after the batches handed out (see _advance)
+    # The source after the batches handed out (see _advance), and the drop_remainder reference then.
+    self._position: tuple[int, Any, Any] = (0, None, None)
     self._produce = functools.partial(feed.produce, it, self._state)
     # The prefetch thread starts with the first request, once it is known whether the consumer takes one
     # batch or groups of k at a time (so that groups are stacked on the host from the start).
@@ -236,12 +237,15 @@ class DistributedIterator:
     >>> print(strategy.experimental_local_results(next(again))[0])
     [2.]
     """
-    elements, source = self._position
+    elements, source, reference = self._position
     encoding = None
     if isinstance(source, bytes):  # grain's DataLoader iterators give bytes
       source, encoding = bytes_to_text(source), "base64"
-    return {"format": _STATE_FORMAT, "batches": self._handed, "elements": elements, "source": source,
-            "source_encoding": encoding}
+    state = {"format": _STATE_FORMAT, "batches": self._handed, "elements": elements, "source": source,
+             "source_encoding": encoding}
+    if reference is not None:  # the batch sizes seen so far in this pass (for drop_remainder)
+      state["largest_batch"] = reference
+    return state
 
   def set_state(self, state: collections.abc.Mapping[str, Any]) -> None:
     """Moves to the position `state` (from `get_state`, possibly of another iterator, strategy or process).
@@ -258,15 +262,16 @@ class DistributedIterator:
         iterator without `set_state`, or fewer elements than `state` has read).
     """
     batches, elements, source = _check_state(state)
+    reference = _check_reference(state.get("largest_batch"))
     self._stop_prefetch("set_state")  # stop reading ahead from the old position
     it = self._feed.reopen(self._live(), elements, source)
     self._chunks.clear()
     self._error = None
     self._done = False
     self._closed = False
-    self._state = ProduceState(it, produced=batches, read=elements)
+    self._state = ProduceState(it, produced=batches, read=elements, reference=reference)
     self._handed = batches
-    self._position = (elements, source)
+    self._position = (elements, source, reference)
     self._produce = functools.partial(self._feed.produce, it, self._state)
 
   def _stop_prefetch(self, what: str) -> None:
@@ -320,6 +325,20 @@ def _check_state(state: Any) -> tuple[int, int, Any]:
   return counts[0], counts[1], source
 
 
+def _check_reference(reference: Any) -> Any:
+  """The ``largest_batch`` of a state: ``[largest global batch, [largest batch of each local replica]]``
+  (ints >= 0), or None (a state without it: nothing seen before in the pass)."""
+  if reference is None:
+    return None
+  ok = (isinstance(reference, (list, tuple)) and len(reference) == 2 and isinstance(reference[0], int)
+        and isinstance(reference[1], (list, tuple)) and all(isinstance(r, int) and r >= 0 for r in reference[1])
+        and reference[0] >= 0)
+  if not ok:
+    raise ValueError("DistributedIterator.set_state: `largest_batch` must be [int >= 0, [int >= 0, ...]] as "
+                     f"get_state() gives it, got {reference!r:.200}.")
+  return [reference[0], list(reference[1])]
+
+
 def _same_step(a: tuple[Any, int | None], b: tuple[Any, int | None]) -> bool:
   """Whether two chunks hold steps of one structure and shape (so that they can be stacked)."""
   (ta, na), (tb, nb) = a, b
@@ -333,9 +352,10 @@ def _same_step(a: tuple[Any, int | None], b: tuple[Any, int | None]) -> bool:
 class ProduceState:
   """What the producer of a `DistributedIterator` keeps between elements."""
 
-  __slots__ = ("grid", "produced", "held", "error", "read", "positions", "source_state", "pending")
+  __slots__ = ("grid", "produced", "held", "error", "read", "positions", "source_state", "pending", "largest",
+               "replica_largest", "ended")
 
-  def __init__(self, it: Iterator[Any], produced: int = 0, read: int = 0) -> None:
+  def __init__(self, it: Iterator[Any], produced: int = 0, read: int = 0, reference: Any = None) -> None:
     # Set by the consumer: (1, 0) for one batch at a time, (k, i) for groups of k from batch i on.
     self.grid = (1, produced)
     self.produced = produced  # batches placed so far
@@ -344,8 +364,13 @@ class ProduceState:
     self.read = read  # raw elements read from the source so far
     # Where the source stood after each batch kept, in order: (elements read, source state or None).
     # The consumer pops one per batch it hands out (`DistributedIterator.get_state`).
-    self.positions: collections.deque[tuple[int, Any]] = collections.deque()
+    self.positions: collections.deque[tuple[int, Any, Any]] = collections.deque()
     get_state = getattr(it, "get_state", None)  # grain iterators: their own, exact, cheap position
     self.source_state: Callable[[], Any] | None = get_state if callable(get_state) else None
     # Device arrays still being copied out of the source's memory: waited for before the next read.
     self.pending: Any = None
+    # drop_remainder's reference, per pass: the largest batch so far (global rows), and each local
+    # replica's largest batch (datasets_from_function); `ended`: a pipeline ran out (from_function).
+    self.largest = 0 if reference is None else reference[0]
+    self.replica_largest: list[int] = [] if reference is None else list(reference[1])
+    self.ended = False

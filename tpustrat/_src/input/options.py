@@ -43,16 +43,17 @@ class InputOptions:
       and TPU (as in TF: the transfer overlaps the previous steps) and 0 on XLA:CPU (there the transfer
       is a memory copy on the cores that compute the steps, so a thread cannot hide it and only costs:
       see `DEFAULT_BUFFER_SIZE`). An int >= 0 or None.
-    drop_remainder: if True, a batch with fewer rows than the largest batch read before it is dropped
-      instead of padded. For a dataset of equal batches this drops exactly the partial last batch, as
-      TF's ``drop_remainder`` does; a first batch smaller than later ones is kept. With
+    drop_remainder: if True, a batch with fewer rows than the largest batch read before it in the same
+      pass (epoch) is dropped instead of padded. For a dataset of equal batches this drops exactly the
+      partial last batch, as TF's ``drop_remainder`` does; a first batch smaller than later ones is
+      kept, in every epoch; a restored iterator keeps its pass's reference. With
       `experimental_distribute_datasets_from_function` the rule is TF's per pipeline: each replica's
       batch is compared with the batches of its own pipeline only (as ``batch(n,
-      drop_remainder=True)`` inside each pipeline would), and a step is dropped when some replica's
-      batch is smaller than its pipeline's earlier ones or its pipeline has ended (where TF's iterator
-      stops). Pipelines that batch different numbers of rows (7 replicas of 2 rows and one of 1, from
-      the first step on) lose nothing: the step is padded to the largest. Default False: every example
-      is used.
+      drop_remainder=True)`` inside each pipeline would); when some replica's batch is smaller than its
+      pipeline's earlier ones, or its pipeline has ended, that step is dropped and the pass ends (TF's
+      iterator stops there). Pipelines that batch different numbers of rows (7 replicas of 2 rows and
+      one of 1, from the first step on) lose nothing: the step is padded to the largest. Default False:
+      every example is used.
 
   All three are checked when the options are made: the two flags must be bools (TypeError) and the
   buffer size None or an int (TypeError) >= 0 (ValueError).

@@ -1,0 +1,51 @@
+"""Checkpoints of the whole training state with orbax-checkpoint: arrays, step and input position.
+
+TF checkpoints a training loop with ``tf.train.Checkpoint(model=..., optimizer=..., iterator=...)`` and
+a ``tf.train.CheckpointManager``. tpustrat's `CheckpointManager` wraps `orbax.checkpoint.CheckpointManager`
+and saves, under one step number, three items:
+
+* ``state``: any pytree of arrays (flax ``nnx.State``, optax states, a step counter, ...), saved with
+  orbax's `StandardSave`. `Mirrored` and `PerReplica` values are saved as the global `jax.Array` they
+  hold (a replicated array is written once, not once per replica), so a checkpoint does not depend on
+  the layout it was written from: restoring puts every array on the shardings of the strategy it is
+  restored under (any number of replicas, logical cores or processes), bit for bit.
+* ``iterator``: the position of a `DistributedIterator` (`DistributedIterator.get_state`), one small
+  JSON file per process: the batches the training loop has taken, not those read ahead by the
+  prefetch thread, so the restored iterator continues with the next batch, none skipped or repeated.
+* ``checksums``: two 32-bit fingerprints of the content of every array of ``state``, computed on the
+  devices when the state is saved (``checksums.json``, written by process 0). They depend on the
+  array's values only, not on its layout, so a restore onto any layout recomputes them and compares.
+
+A save is atomic: orbax writes into a temporary ``<step>.orbax-checkpoint-tmp-*`` directory and renames
+it to ``<step>`` only once every item of every process is written, so a save interrupted by an error or
+a crash leaves the previous checkpoints as they were, and `latest_step` never sees the partial one.
+
+Damaged checkpoints. A step whose files were changed, truncated or deleted after the save (a data file
+that no longer decodes, an array whose content no longer matches its checksum, a missing item, an empty
+step directory) is *damaged*. `restore(step)` raises `DamagedCheckpointError` naming the step, its
+directory and what is wrong. `restore()` (the latest step) warns with `DamagedCheckpointWarning`,
+naming the same, moves the damaged step aside (``<step>.damaged``, kept for inspection, so that the
+step can be saved again) and falls back to the next older step, until one is intact. In a multi-process
+job every process reads the step, the processes exchange their verdicts through the coordination
+service, and all fall back together when any of them could not read it; the checksums are computed on
+the global arrays, so every process reaches the same verdict on them.
+
+Bounded. Every blocking operation of the manager (`save`, `restore`, `wait_until_finished`, `close`,
+and the saves of `PreemptionCheckpointHandler`) must finish within the manager's `timeout`: by default
+the step timeout when one is set (``--step-timeout``, ``TPUSTRAT_STEP_TIMEOUT``), else 1200 s. Each
+process publishes what it is doing (taking the iterator's position, computing checksums, writing its
+part of step ``s``, reading step ``s``, ...) and when it has finished its own part. When an operation
+runs past the timeout, a thread ends the process with status 124 (`names.EXIT_STEP_TIMEOUT`) and a
+message naming the processes that have not finished their part and what each is doing; the others see
+the published message and stop too. It ends the process rather than raising because the main thread is
+then blocked inside orbax (a barrier that is a device collective), where no exception reaches it.
+
+orbax is imported on first use (it is a few hundred milliseconds), not by ``import tpustrat``.
+"""
+
+from tpustrat._src.checkpoint.deadlines import DEFAULT_TIMEOUT
+from tpustrat._src.checkpoint.handlers import DamagedCheckpointError, DamagedCheckpointWarning
+from tpustrat._src.checkpoint.manager import CheckpointManager, bounded_operation
+
+__all__ = ["DEFAULT_TIMEOUT", "CheckpointManager", "DamagedCheckpointError", "DamagedCheckpointWarning",
+           "bounded_operation"]

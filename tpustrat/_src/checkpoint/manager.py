@@ -1,0 +1,707 @@
+"""`CheckpointManager`: orbax's manager with tpustrat's items, checksums, fallback and bounded operations.
+
+See the package docstring (`tpustrat._src.checkpoint`) for what is saved and guaranteed.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import json
+import os
+import threading
+import time
+import types
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from tpustrat._src import context as context_lib
+from tpustrat._src import names
+from tpustrat._src.checkpoint import checksums
+from tpustrat._src.checkpoint.deadlines import (
+  DEADLINES,
+  DEFAULT_TIMEOUT,
+  KEY,
+  Operation,
+  Store,
+  check_timeout,
+  step_timeout,
+)
+from tpustrat._src.checkpoint.handlers import (
+  CHECKSUMS,
+  ITERATOR,
+  STATE,
+  DamagedCheckpointError,
+  DamagedCheckpointWarning,
+  NotRestorableHere,
+  SaveTracker,
+  api,
+)
+from tpustrat._src.embedding import ShardedTable, split_rows
+from tpustrat._src.input.encoding import bytes_to_text, text_to_bytes
+from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.values import Mirrored, PerReplica, is_distributed
+
+__all__ = ["CheckpointManager", "bounded_operation"]
+
+_POLL_SECONDS = 0.02  # how often a process looks for the others' verdicts
+
+_INSTANCES: collections.Counter[str] = collections.Counter()  # managers per directory in this process
+_INSTANCES_LOCK = threading.Lock()
+
+
+# -- the state pytree -----------------------------------------------------------------------------
+
+
+def _check_saveable(v: Any, where: str) -> None:
+  if isinstance(v, PerReplica) and v.padding_is_marked:
+    raise ValueError(
+        f"CheckpointManager.{where}: the state holds a padded batch from the input pipeline ({v!r}); save "
+        "the iterator's position (`iterator=`) instead of batches.")
+
+
+def _is_node(v: Any) -> bool:
+  return is_distributed(v) or isinstance(v, ShardedTable)
+
+
+def _unwrap(tree: Any) -> Any:
+  """`tree` with every `Mirrored` / `PerReplica` replaced by the pytree of global arrays it holds, and every
+  `ShardedTable` by ``{"blocks": [N, Vp / N, D] array}``."""
+
+  def unwrap(v: Any) -> Any:
+    if isinstance(v, ShardedTable):
+      return {"blocks": unwrap(v.blocks)}
+    if is_distributed(v):
+      _check_saveable(v, "save")
+      return v.tree
+    return v
+
+  return jax.tree.map(unwrap, tree, is_leaf=_is_node)
+
+
+def _saved_at(saved: Any, path: tuple[Any, ...]) -> Any:
+  """The node of the saved metadata tree at a target's key path (dict keys and sequence indices)."""
+  node = saved
+  for key in path:
+    name = getattr(key, "key", getattr(key, "idx", getattr(key, "name", None)))
+    try:
+      node = node[name] if isinstance(node, dict) or not isinstance(name, str) else node[name]
+    except (KeyError, IndexError, TypeError):
+      return None
+  return node
+
+
+def _table_targets(target: Any, saved: Any, strategy: Any) -> Any:
+  """`target` with each `ShardedTable` replaced by the restore item of its saved blocks: their saved shape
+  (which may be for another replica count), split over the replicas when that count divides, else
+  replicated. `_reshard_tables` re-pads and re-splits them afterwards."""
+  mesh, replicated, split = _shardings(strategy)
+
+  def node(path: Any, v: Any) -> Any:
+    if not isinstance(v, ShardedTable):
+      return v
+    meta = _saved_at(saved, tuple(path) + (jax.tree_util.DictKey("blocks"),))
+    if meta is None or not hasattr(meta, "shape"):
+      raise ValueError(f"CheckpointManager.restore: the checkpoint has no table blocks at "
+                       f"{jax.tree_util.keystr(tuple(path))} (it was saved from another structure).")
+    shape = tuple(meta.shape)
+    n = strategy.num_replicas_in_sync
+    sharding = split if mesh is not None and shape[0] % n == 0 else replicated
+    return {"blocks": jax.ShapeDtypeStruct(shape, meta.dtype, sharding=sharding)}
+
+  return jax.tree_util.tree_map_with_path(node, target, is_leaf=lambda v: isinstance(v, ShardedTable))
+
+
+def _reshard_tables(restored: Any, strategy: Any) -> Any:
+  """Every `ShardedTable` of `restored` split into this strategy's replica count (re-padded)."""
+  n, mesh = strategy.num_replicas_in_sync, strategy.mesh
+
+  def node(v: Any) -> Any:
+    if not isinstance(v, ShardedTable):
+      return v
+    blocks = v.blocks.tree if is_distributed(v.blocks) else v.blocks
+    if blocks.shape[0] == n and is_distributed(v.blocks):
+      return v
+    full = blocks.reshape(-1, blocks.shape[-1])[:v.vocabulary_size]
+    return ShardedTable(split_rows(full, n, mesh), v.vocabulary_size)
+
+  return jax.tree.map(node, restored, is_leaf=lambda v: isinstance(v, ShardedTable))
+
+
+def _shardings(strategy: Any) -> tuple[Any, Any, Any]:
+  """(mesh, sharding of replicated values, sharding of per-replica stacks) of `strategy`."""
+  mesh = strategy.mesh
+  if mesh is None:  # the default strategy: one replica on JAX's default device
+    device = SingleDeviceSharding(jax.local_devices()[0])
+    return None, device, device
+  return mesh, NamedSharding(mesh, P()), NamedSharding(mesh, P(REPLICA_AXIS))
+
+
+def _abstract(target: Any, strategy: Any) -> Any:
+  """The target as orbax's restore item: `jax.ShapeDtypeStruct`s on the strategy's shardings."""
+  mesh, replicated, split = _shardings(strategy)
+
+  def leaf(x: Any, sharding: Any) -> Any:
+    if isinstance(x, (bool, int, float, complex)):
+      return x  # saved as a Python scalar by orbax; restored as one
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return x if x.sharding is not None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(
+          f"CheckpointManager.restore: `target` must be a pytree of arrays, jax.ShapeDtypeStructs or "
+          f"Python numbers (like the saved state), got a {type(x).__name__}: {x!r:.100}.")
+    if (sharding is replicated and isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+        and x.sharding.mesh == mesh):
+      sharding = x.sharding  # a plain array already laid out on this strategy's mesh keeps its layout
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+  def node(v: Any) -> Any:
+    if isinstance(v, PerReplica):
+      _check_saveable(v, "restore")
+      return jax.tree.map(lambda x: leaf(x, split), v.tree)
+    if isinstance(v, Mirrored):
+      return jax.tree.map(lambda x: leaf(x, replicated), v.tree)
+    return leaf(v, replicated)
+
+  return jax.tree.map(node, target, is_leaf=is_distributed)
+
+
+def _check_shapes(abstract: Any, saved: Any, directory: str, step: int) -> None:
+  """Raises a readable ValueError where the target's shapes differ from the checkpoint's."""
+  ocp = api().ocp
+  try:
+    want = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract))
+    have = ocp.tree.to_flat_dict(saved)
+  except Exception:  # pylint: disable=broad-except  # unusual trees: leave the checks to orbax
+    return
+  for key, x in want.items():
+    m = have.get(key)
+    if m is None or not isinstance(x, jax.ShapeDtypeStruct) or tuple(getattr(m, "shape", ())) == x.shape:
+      continue
+    name = "/".join(str(k) for k in key)
+    hint = ""
+    if x.sharding is not None and getattr(x.sharding, "spec", None) == P(REPLICA_AXIS):
+      hint = (" A PerReplica value keeps one component per replica and can only be restored onto as many "
+              "replicas; save replicated (Mirrored) state to change the number of replicas.")
+    raise ValueError(
+        f"CheckpointManager.restore: the array at {name!r} of step {step} in {directory} has shape "
+        f"{tuple(m.shape)}, but `target` expects {x.shape}.{hint}")
+
+
+# -- iterator states ------------------------------------------------------------------------------
+
+
+def _iterator_state(iterator: Any) -> Any:
+  get_state = getattr(iterator, "get_state", None)
+  if not callable(get_state):
+    raise TypeError(
+        f"CheckpointManager.save: `iterator` must have get_state() (a tpustrat DistributedIterator or a "
+        f"grain iterator), got {type(iterator).__name__}.")
+  state = get_state()
+  if isinstance(state, bytes):  # grain's DataLoader iterators (the encoding of DistributedIterator's `source`)
+    return {"bytes_base64": bytes_to_text(state)}
+  return state
+
+
+def _set_iterator_state(iterator: Any, state: Any) -> None:
+  set_state = getattr(iterator, "set_state", None)
+  if not callable(set_state):
+    raise TypeError(
+        f"CheckpointManager.restore: `iterator` must have set_state() (a tpustrat DistributedIterator or a "
+        f"grain iterator), got {type(iterator).__name__}.")
+  if isinstance(state, dict) and set(state) == {"bytes_base64"}:
+    state = text_to_bytes(state["bytes_base64"])
+  set_state(state)
+
+
+# -- the manager ----------------------------------------------------------------------------------
+
+
+class CheckpointManager:
+  """Saves and restores training state and the input position (TF's `tf.train.CheckpointManager`).
+
+  A thin layer over `orbax.checkpoint.CheckpointManager`: each `save` writes the ``state`` pytree (arrays
+  with `Mirrored` / `PerReplica` wrappers unwrapped to their global arrays), the checksums of its arrays
+  and, optionally, a `DistributedIterator`'s position under one step number. `restore` reads them back
+  onto the shardings of a strategy, which may have another layout than the one that saved (8 replicas
+  saved, 4 replicas x 2 logical cores or 2 processes x 4 devices restored), checks every array against
+  its checksum, and moves the iterator to the saved position. Every process of a multi-process job must
+  make the same calls; the directory must be shared by them.
+
+  >>> import tempfile
+  >>> strategy = tpustrat.TPUStrategy()
+  >>> dist = strategy.experimental_distribute_dataset([np.full(8, i, np.float32) for i in range(4)])
+  >>> it = iter(dist)
+  >>> state = {"w": tpustrat.Mirrored(jnp.arange(3.0)), "step": jnp.int32(1)}
+  >>> batch = next(it)
+  >>> with tempfile.TemporaryDirectory() as d, CheckpointManager(d, strategy) as manager:
+  ...   manager.save(1, state, iterator=it)
+  ...   new_it = iter(dist)
+  ...   restored = manager.restore(target=state, iterator=new_it)
+  ...   manager.latest_step()
+  True
+  1
+  >>> restored["w"], int(restored["step"])
+  (Mirrored(float32[3]), 1)
+  >>> print(strategy.experimental_local_results(next(new_it))[0])  # the batch after the saved one
+  [1.]
+
+  Args:
+    directory: where the checkpoints go, one subdirectory per step (a local path, or any path orbax
+      supports such as ``gs://...``). Created if missing.
+    strategy: the strategy whose shardings `restore` places arrays on; default: the current strategy
+      when `restore` is called (`tpustrat.get_strategy()`).
+    max_to_keep: keep at most this many checkpoints (the oldest are deleted); None keeps them all.
+    save_interval_steps: `save` writes only steps that are multiples of this (unless ``force=True``).
+    enable_async_checkpointing: if True (orbax's default), `save` returns once the arrays are copied to
+      the host and writes them in the background; `wait_until_finished` waits for the write.
+    options: an `orbax.checkpoint.CheckpointManagerOptions` for everything else; when given, leave
+      `max_to_keep`, `save_interval_steps` and `enable_async_checkpointing` unset.
+    timeout: seconds that any one `save`, `restore`, `wait_until_finished` or `close` may take, barriers
+      and waits for the other processes included, before the job is stopped with status 124 and a
+      message naming the processes that have not finished their part (see the module docstring). None:
+      the step timeout when one is set (``--step-timeout``, ``TPUSTRAT_STEP_TIMEOUT``,
+      ``TPUClusterResolver(step_timeout=...)``), read at each operation, else 1200 s. Give it when a save
+      of the state legitimately takes longer than the step timeout.
+
+  Raises:
+    ValueError: `timeout` is not a positive finite number, or `options` is given with the arguments it
+      replaces.
+  """
+
+  def __init__(self, directory: str | os.PathLike[str], strategy: Any = None, *, max_to_keep: int | None = None,
+               save_interval_steps: int = 1, enable_async_checkpointing: bool = True, options: Any = None,
+               timeout: float | None = None) -> None:
+    orbax = api()
+    ocp = orbax.ocp
+    self._timeout = check_timeout(timeout)
+    if options is None:
+      options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
+                                             enable_async_checkpointing=enable_async_checkpointing)
+    elif (max_to_keep, save_interval_steps, enable_async_checkpointing) != (None, 1, True):
+      raise ValueError(
+          "CheckpointManager: give either `options` or max_to_keep / save_interval_steps / "
+          "enable_async_checkpointing, not both (set them in the CheckpointManagerOptions).")
+    path = os.fspath(directory)
+    if "://" not in path:
+      path = os.path.abspath(path)
+    self._directory = path
+    self._strategy = strategy
+    self._name_format = options.step_name_format or ocp.step.standard_name_format(
+        step_prefix=options.step_prefix, step_format_fixed_length=options.step_format_fixed_length)
+    self._state_handler = orbax.StateHandler()
+    self._iterator_handler = orbax.IteratorHandler()
+    self._checksum_handler = orbax.ChecksumHandler()
+    self._manager = ocp.CheckpointManager(
+        path, options=options,
+        item_handlers={STATE: self._state_handler, ITERATOR: self._iterator_handler,
+                       CHECKSUMS: self._checksum_handler})
+    self._store = Store()
+    with _INSTANCES_LOCK:
+      _INSTANCES[path] += 1
+      instance = _INSTANCES[path]
+    # The same name in every process (the processes create their managers in the same order).
+    self._prefix = f"{KEY}/{hashlib.sha1(path.encode()).hexdigest()[:12]}-{instance}"
+    self._seq = 0
+    self._pending: tuple[int, int] | None = None  # (seq, step) of a save whose writing may still run
+    self._last_restored_step: int | None = None
+
+  @property
+  def directory(self) -> str:
+    """The checkpoint directory."""
+    return self._directory
+
+  @property
+  def orbax_manager(self) -> Any:
+    """The underlying `orbax.checkpoint.CheckpointManager`."""
+    return self._manager
+
+  @property
+  def timeout(self) -> float:
+    """Seconds a blocking operation may take now (the `timeout` argument, else the step timeout, else
+    1200 s)."""
+    return self._timeout_and_source()[0]
+
+  @property
+  def last_restored_step(self) -> int | None:
+    """The step the last successful `restore` restored (None before any): with ``step=None``, the newest
+    intact step, which is older than the newest step when that one was damaged."""
+    return self._last_restored_step
+
+  def step_path(self, step: int) -> str:
+    """The directory of checkpoint `step` (whether or not it exists)."""
+    return os.fspath(self._step_epath(step))
+
+  def _step_epath(self, step: int) -> Any:
+    """`step_path` as orbax's path object (local or remote storage)."""
+    return api().ocp.step.build_step_path(self._directory, self._name_format, int(step))
+
+  def save(self, step: int, state: Any, *, iterator: Any = None, force: bool = False) -> bool:
+    """Saves `state` (and `iterator`'s position) as checkpoint `step`, with the checksums of its arrays.
+
+    Args:
+      step: the step number (an int >= 0), the checkpoint's name.
+      state: a pytree of arrays and Python numbers: parameters, optimizer state, step counter, ...
+        `Mirrored` and `PerReplica` values are saved as their global arrays.
+      iterator: a `DistributedIterator` (or any iterator with `get_state`, such as grain's) whose
+        position is saved: after the batches it has handed out, whatever it has read ahead. Its state is
+        taken now, so training may go on while an asynchronous save writes.
+      force: save even if `step` is not a multiple of `save_interval_steps`.
+
+    Returns:
+      Whether a checkpoint was saved (False when orbax's policy skips `step`).
+    """
+    orbax = api()
+    step = int(step)
+    if not force and not self._manager.should_save(step):
+      return False
+    self._wait_pending()  # orbax waits for the previous save too; here within the deadline
+    with self._operation(f"save of step {step}") as op:
+      unwrapped = _unwrap(state)
+      items = {STATE: orbax.StateSave(unwrapped)}
+      if iterator is not None:
+        self._progress(op, f"taking the iterator's position for step {step}")
+        items[ITERATOR] = orbax.IteratorSave(_iterator_state(iterator))
+      self._progress(op, f"computing the checksums of step {step}")
+      items[CHECKSUMS] = orbax.ChecksumSave({"algorithm": checksums.ALGORITHM,
+                                              "arrays": checksums.compute(checksums.flat_arrays(unwrapped))})
+      tracker = SaveTracker(set(items), lambda: self._mark_done(op.done_key, "written"))
+      self._progress(op, f"in orbax's save of step {step} (writing its part, or waiting at orbax's barriers)")
+      for handler in (self._state_handler, self._iterator_handler, self._checksum_handler):
+        handler.tracker = tracker
+      try:
+        saved = self._manager.save(step, args=orbax.ocp.args.Composite(**items), force=force)
+      finally:
+        for handler in (self._state_handler, self._iterator_handler, self._checksum_handler):
+          handler.tracker = None
+      if not saved:
+        self._mark_done(op.done_key, "skipped")
+        self._progress(op, f"skipped step {step} (orbax's interval policy)")
+      else:
+        self._pending = (op.seq, step)
+        self._progress(op, f"writing its part of step {step} in the background")
+      return saved
+
+  def restore(self, step: int | None = None, *, target: Any = None, iterator: Any = None) -> Any:
+    """Restores checkpoint `step` (default: the newest intact one), placing arrays on the strategy's
+    shardings, and checks every array against the checksum saved with it.
+
+    Args:
+      step: which checkpoint; None for the newest intact one. A damaged newest step (see the module
+        docstring) is then moved aside to ``<step>.damaged`` with a `DamagedCheckpointWarning` naming it
+        and its directory, and the next older step is tried; `last_restored_step` says which step was
+        restored. Every process of the job restores the same step.
+      target: the structure to restore into, usually the freshly initialised state (or the result of
+        `run`). Its `Mirrored` values come back `Mirrored`, replicated over the strategy's mesh;
+        `PerReplica` values come back `PerReplica`, one component per replica (the replica count must
+        be the saved one); plain arrays come back as arrays replicated over the mesh, or with their own
+        sharding when it is on the strategy's mesh; `jax.ShapeDtypeStruct`s with a sharding get that
+        sharding. Shapes must be the saved ones; dtypes are the target's (an array restored with
+        another dtype than it was saved with is not compared with its checksum). With no target, the
+        saved tree comes back as nested dicts and lists of replicated arrays.
+      iterator: a `DistributedIterator` (or grain iterator) to move to the saved position.
+
+    Returns:
+      The restored state, with the structure of `target`.
+
+    Raises:
+      FileNotFoundError: if there is no checkpoint (or no checkpoint `step`).
+      DamagedCheckpointError: checkpoint `step` is damaged, or, with ``step=None``, every checkpoint is
+        (the message names each step, its directory and what is wrong).
+      ValueError: if a shape in `target` differs from the checkpoint's, or the checkpoint has no
+        iterator state but `iterator` is given.
+    """
+    self._wait_pending()  # a save of this manager still being written
+    steps = self.all_steps()
+    if step is None:
+      if not steps:
+        raise FileNotFoundError(f"CheckpointManager.restore: no checkpoint in {self._directory}.")
+      candidates = steps[::-1]
+    else:
+      step = int(step)
+      if step not in steps:
+        raise FileNotFoundError(
+            f"CheckpointManager.restore: no checkpoint for step {step} in {self._directory} (steps: {steps}).")
+      candidates = [step]
+    strategy = self._strategy if self._strategy is not None else context_lib.get_strategy()
+    problems: list[tuple[int, str]] = []
+    with self._operation(f"restore of step {candidates[0]}") as op:
+      for attempt, candidate in enumerate(candidates):
+        op.what, op.done_key = f"restore of step {candidate}", f"{op.seq}.{attempt}"
+        restored, problem = self._restore_step(op, candidate, target, iterator, strategy)
+        if problem is None:
+          if problems:
+            self._set_aside(op, [s for s, _ in problems])
+          if iterator is not None:
+            _set_iterator_state(iterator, restored[ITERATOR])
+          self._last_restored_step = candidate
+          self._progress(op, f"restored step {candidate}")
+          if target is None:
+            return restored[STATE]
+          return _reshard_tables(
+              jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(restored[STATE])), strategy)
+        problems.append((candidate, problem))
+        where = f"checkpoint {candidate} at {self.step_path(candidate)}"
+        if step is not None:
+          raise DamagedCheckpointError(f"CheckpointManager.restore: {where} is damaged: {problem}")
+        if attempt + 1 < len(candidates):
+          warnings.warn(
+              f"CheckpointManager.restore: {where} is damaged: {problem}. Falling back to checkpoint "
+              f"{candidates[attempt + 1]}; the damaged step is moved aside to "
+              f"{self._damaged_path(candidate)}.", DamagedCheckpointWarning, stacklevel=2)
+    listed = "; ".join(f"checkpoint {s} at {self.step_path(s)}: {p}" for s, p in problems)
+    raise DamagedCheckpointError(
+        f"CheckpointManager.restore: every checkpoint in {self._directory} is damaged ({listed}).")
+
+  def latest_step(self) -> int | None:
+    """The newest checkpoint's step, or None. Includes a save of this manager still being written (see
+    `wait_until_finished`); checkpoints found on disk count only once complete. A damaged step counts
+    until `restore` finds it damaged."""
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """The steps of the checkpoints, oldest first (as for `latest_step`)."""
+    return sorted(self._manager.all_steps())
+
+  def should_save(self, step: int) -> bool:
+    """Whether `save(step, ...)` would write a checkpoint (orbax's interval policy)."""
+    return self._manager.should_save(step)
+
+  def wait_until_finished(self) -> None:
+    """Blocks until an asynchronous save has been written and committed (within `timeout`)."""
+    self._wait_pending()
+
+  def close(self) -> None:
+    """Waits for pending saves (within `timeout`), then releases orbax's resources."""
+    self._wait_pending()
+    self._manager.close()
+
+  def __enter__(self) -> CheckpointManager:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+  def __repr__(self) -> str:
+    return f"CheckpointManager({self._directory!r}, steps={self.all_steps()})"
+
+  # -- restoring one step ---------------------------------------------------------------------------
+
+  def _restore_step(self, op: Operation, step: int, target: Any, iterator: Any,
+                    strategy: Any) -> tuple[Any, str | None]:
+    """(the restored items, None), or (None, what is wrong with `step` on some process). Every process
+    returns the same verdict: they exchange their reading's outcome before the checksums (a program over
+    the global arrays) are computed."""
+    self._progress(op, f"reading step {step}")
+    problem: str | None = None
+    restored: Any = None
+    metadata: Any = None
+    try:
+      metadata = self._manager.item_metadata(step)
+      saved = metadata[STATE] if STATE in metadata else None
+      if saved is None:
+        problem = f"it has no {STATE!r} item ({_describe_contents(self._step_epath(step))})"
+    except Exception as e:  # noqa: BLE001  # unreadable metadata: damaged
+      problem = f"its metadata cannot be read ({type(e).__name__}: {e})"
+    if problem is None:
+      saved = getattr(saved, "tree", saved)
+      if target is None:
+        _, replicated, _ = _shardings(strategy)
+        abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated), saved,
+                                is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
+      else:
+        abstract = _abstract(_table_targets(target, saved, strategy), strategy)
+        _check_shapes(abstract, saved, self._directory, step)
+      if iterator is not None and ITERATOR not in metadata:
+        raise ValueError(
+            f"CheckpointManager.restore: checkpoint {step} in {self._directory} has no iterator state (it "
+            "was saved without `iterator=`).")
+      # The items are read through their handlers, not through orbax's manager: its restore ends with a
+      # barrier that is a device collective, where the other processes would wait forever for one whose
+      # reading failed. Here no process waits in a collective before all have said how their reading went.
+      directory = self._step_epath(step)
+      try:
+        restored = {STATE: self._state_handler.restore(directory / STATE, args=api().StateRestore(abstract))}
+        if iterator is not None:
+          restored[ITERATOR] = self._iterator_handler.restore(directory / ITERATOR)
+        if CHECKSUMS in metadata:
+          restored[CHECKSUMS] = self._checksum_handler.restore(directory / CHECKSUMS)
+      except NotRestorableHere:
+        raise
+      except Exception as e:  # noqa: BLE001  # a file that is missing or does not decode: damaged
+        problem = f"{type(e).__name__}: {e}"
+    failures = self._agree(op, problem)
+    if failures:
+      if self._store.count == 1:
+        return None, failures[0]
+      return None, "; ".join(f"process {p}: {text}" for p, text in sorted(failures.items()))
+    if restored is not None and CHECKSUMS in restored:
+      self._progress(op, f"verifying the checksums of step {step}")
+      saved_sums = restored[CHECKSUMS]
+      if not isinstance(saved_sums, dict) or saved_sums.get("algorithm") != checksums.ALGORITHM:
+        return None, f"its checksums file has an unknown format ({str(saved_sums)[:100]})"
+      bad = checksums.mismatches(saved_sums["arrays"], restored[STATE])
+      if bad:
+        return None, ("the content of " + ", ".join(bad) + " differs from what was saved (a data file was "
+                      "changed after the save)")
+    return restored, None
+
+  def _agree(self, op: Operation, problem: str | None) -> dict[int, str]:
+    """Publishes this process's outcome of reading the step; waits (within the operation's deadline) for
+    every process's; returns the problems, by process."""
+    self._mark_done(op.done_key, json.dumps({"problem": problem}))
+    store = self._store
+    if store.count == 1:
+      return {0: problem} if problem is not None else {}
+    self._progress(op, f"waiting for the other processes' reading of {op.what.removeprefix('restore of ')}")
+    found: dict[int, str | None] = {}
+    while len(found) < store.count:
+      for p in range(store.count):
+        if p not in found:
+          text = store.get(f"{self._prefix}/done/{op.done_key}/{p}")
+          if text is not None:
+            found[p] = json.loads(text)["problem"]
+      if len(found) < store.count:
+        time.sleep(_POLL_SECONDS)
+    return {p: text for p, text in found.items() if text is not None}
+
+  def _damaged_path(self, step: int) -> Any:
+    """Where a damaged `step` is moved: ``<step>.damaged``, or ``<step>.damaged-<k>`` when that is taken."""
+    source = self._step_epath(step)
+    path, k = source.parent / f"{source.name}.damaged", 1
+    while path.exists():
+      k += 1
+      path = source.parent / f"{source.name}.damaged-{k}"
+    return path
+
+  def _set_aside(self, op: Operation, steps: list[int]) -> None:
+    """Process 0 renames the damaged `steps` to ``<step>.damaged``; every process then forgets them."""
+    store = self._store
+    key = f"{self._prefix}/aside/{op.seq}"
+    if store.index == 0:
+      for s in steps:
+        source, dest = self._step_epath(s), self._damaged_path(s)
+        try:
+          source.rename(dest)
+        except Exception as e:  # noqa: BLE001  # read-only storage: the step stays, and says so
+          warnings.warn(f"CheckpointManager.restore: could not move the damaged checkpoint {s} at {source} aside "
+                        f"({type(e).__name__}: {e}); saving step {s} again will fail until it is removed.",
+                        DamagedCheckpointWarning, stacklevel=3)
+      store.set(key, "done")
+    else:
+      self._progress(op, "waiting for process 0 to move the damaged steps aside")
+      while store.get(key) is None:
+        time.sleep(_POLL_SECONDS)
+    self._manager.reload()
+
+  # -- bounded operations ---------------------------------------------------------------------------
+
+  def _timeout_and_source(self) -> tuple[float, str]:
+    if self._timeout is not None:
+      return self._timeout, "CheckpointManager(timeout=...)"
+    seconds = step_timeout()
+    if seconds is not None:
+      return seconds, "the step timeout; CheckpointManager(timeout=...) sets another"
+    return DEFAULT_TIMEOUT, "the default; CheckpointManager(timeout=...) sets another"
+
+  @contextlib.contextmanager
+  def _operation(self, what: str, done_key: str | None = None) -> Iterator[Operation]:
+    """Runs the body as one bounded operation (see `_Deadlines`)."""
+    self._seq += 1
+    timeout, source = self._timeout_and_source()
+    op = Operation(self, self._store, self._seq, what, done_key or f"{self._seq}.0", timeout, source, self._report)
+    self._progress(op, f"starting the {what}")
+    DEADLINES.add(op)
+    try:
+      yield op
+    finally:
+      DEADLINES.remove(op)
+
+  def _progress(self, op: Operation, phase: str) -> None:
+    op.stage += 1
+    self._store.set(f"{self._prefix}/progress/{self._store.index}", json.dumps(
+        {"seq": op.seq, "stage": op.stage, "what": op.what, "phase": phase, "since": time.time()}))
+
+  def _mark_done(self, done_key: str, value: str) -> None:
+    self._store.set(f"{self._prefix}/done/{done_key}/{self._store.index}", value)
+
+  def _wait_pending(self) -> None:
+    """Waits for this manager's save still being written, if any, as a bounded operation."""
+    pending, self._pending = self._pending, None
+    if pending is None:
+      self._manager.wait_until_finished()
+      return
+    seq, step = pending
+    with self._operation(f"wait for the save of step {step}", done_key=f"{seq}.0") as op:
+      self._progress(op, f"waiting for its save of step {step} to be written and committed")
+      self._manager.wait_until_finished()
+
+  def _report(self, expired: Operation, waited: float, op: Operation) -> str:
+    """The message when `expired` runs past its deadline: which processes have not finished their part of
+    `op` (the innermost operation in flight), the ones behind the others first, and what each is doing."""
+    store, me = self._store, self._store.index
+    lines = [f"tpustrat: checkpoint timeout: process {me} has waited {waited:.1f} s for the {expired.what} in "
+             f"{self._directory} (checkpoint timeout {expired.timeout:g} s: {expired.source})."]
+    target = int(op.done_key.split(".")[0])
+    now = time.time()
+    where: dict[int, tuple[int, int]] = {}
+    said: dict[int, str] = {}
+    for p in range(store.count):
+      if store.get(f"{self._prefix}/done/{op.done_key}/{p}") is not None:
+        continue
+      who = f"process {p}"
+      text = store.get(f"{self._prefix}/progress/{p}")
+      if text is None:
+        where[p], said[p] = (-1, 0), f"{who} has started no checkpoint operation on this directory"
+        continue
+      progress = json.loads(text)
+      where[p] = (progress["seq"], progress["stage"])
+      doing = f"{progress['phase']} (for {now - progress['since']:.1f} s)"
+      if progress["seq"] < target:
+        said[p] = f"{who} has not reached the {op.what} (its last checkpoint operation: the {progress['what']}, {doing})"
+      else:
+        said[p] = f"{who} is {doing}"
+    if not where:
+      lines.append(f"every process has finished its own part of the {op.what}; the commit did not finish (orbax's "
+                   "barriers, or process 0 renaming the temporary directory): check the storage.")
+    else:
+      low = min(where.values())
+      behind = [p for p in sorted(where) if where[p] == low]
+      waiting = [p for p in sorted(where) if where[p] != low]
+      finished = [p for p in range(store.count) if p not in where]
+      lines.append("stuck: " + "; ".join(said[p] for p in behind) + ".")
+      if waiting:
+        lines.append("waiting for them: " + "; ".join(said[p] for p in waiting) + ".")
+      if finished:
+        lines.append(f"finished their part of the {op.what}: " + ", ".join(f"process {p}" for p in finished) + ".")
+    lines.append(f"Every process of the job stops with status {names.EXIT_STEP_TIMEOUT}.")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def bounded_operation(manager: CheckpointManager, what: str) -> Iterator[Any]:
+  """A bounded operation of `manager` (its timeout, its report) around work that is not the manager's own
+  (the preemption handler's save, through its `save_fn`). The body gets an object with ``progress(phase)``
+  (what this process is doing, for the report) and ``finished()`` (this process's part is done)."""
+  with manager._operation(what) as op:  # pylint: disable=protected-access
+    manager._progress(op, f"in the {what}")  # pylint: disable=protected-access
+    yield types.SimpleNamespace(
+        finished=lambda: manager._mark_done(op.done_key, "done"),  # pylint: disable=protected-access
+        progress=lambda phase: manager._progress(op, phase))  # pylint: disable=protected-access
+
+
+def _describe_contents(path: Any) -> str:
+  try:
+    entries = sorted(p.name for p in path.iterdir())
+  except Exception as e:  # noqa: BLE001
+    return f"the directory cannot be listed: {e}"
+  if not entries:
+    return "the directory is empty"
+  return f"the directory holds {', '.join(entries[:8])}{' ...' if len(entries) > 8 else ''}"
