@@ -452,7 +452,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       # Programs of `--steps-per-program` steps, ending at every evaluation (and at the last step).
       stop = min(args.steps, (step // args.eval_every + 1) * args.eval_every)
       k = min(args.steps_per_program, stop - step)
-      state, out = strategy.experimental_run_steps(train_step, iterator, k, init=state)
+      state, out = strategy.experimental_run_steps(train_step, iterator, k, init=state,
+                                                   options=tpustrat.RunOptions(donate_argnums=0))
       losses.append(out)
       step += k
       if segment_start is None:  # throughput leaves out the first program, which compiled the step

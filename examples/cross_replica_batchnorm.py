@@ -340,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       while True:
         try:
           state, metrics = strategy.experimental_run_steps(train_step, iterator, args.steps_per_program,
-                                                           init=state)
+                                                           init=state, options=tpustrat.RunOptions(donate_argnums=0))
         except StopIteration:
           break
         epoch_metrics.append(metrics)

@@ -416,7 +416,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   with tqdm(total=args.steps, unit="step", disable=args.quiet, leave=False) as bar:
     while done < args.steps:
       state, out = strategy.experimental_run_steps(
-          train_step, iterator, min(args.steps_per_program, args.steps - done), init=state)
+          train_step, iterator, min(args.steps_per_program, args.steps - done), init=state,
+          options=tpustrat.RunOptions(donate_argnums=0))  # the old state's buffers hold the new one
       metrics.append(out)
       steps = int(out["loss"].values[0].shape[0])
       done += steps

@@ -96,7 +96,8 @@ def make_train_fn(strategy: tpustrat.Strategy, graphdef: Any, tx: Any, global_ba
     return new_state, tpustrat.get_replica_context().all_reduce("sum", loss)
 
   def train_fn(state, batch):
-    return strategy.run(step, args=(state, batch))
+    # The state's buffers are reused for the new state (donated): the old state is gone after the call.
+    return strategy.run(step, args=(state, batch), options=tpustrat.RunOptions(donate_argnums=0))
 
   return train_fn
 

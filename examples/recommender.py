@@ -404,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       make_dataset(strategy, embedding, train, args.global_batch_size))
   with tqdm(total=args.steps, unit="step", disable=quiet, leave=False) as bar:
     for step, batch in enumerate(dataset, start=1):
-      state, loss = strategy.run(train_step, args=(state, batch))
+      state, loss = strategy.run(train_step, args=(state, batch), options=tpustrat.RunOptions(donate_argnums=0))
       losses.append(loss)
       if timed_start is None:  # throughput leaves out the first step, which compiles the program
         jax.block_until_ready(loss)

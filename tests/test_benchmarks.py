@@ -127,6 +127,12 @@ CASES = {
         ("# 1000 rows: results allclose;",),
         ("rows", "optimizer", "steps x trials"),
         (("1000", "sgd", "2 x 1"),)),
+    # README: `bench_sharding.py` (donation of the training state), on a tiny transformer.
+    "sharding": Case(
+        "bench_sharding.py", ("--layers", "1", "--d-model", "32", "--batch", "8", "--seq-len", "16"),
+        ("# new states allclose (donated vs not)",),
+        ("variant",),
+        (("data parallel",), ("data parallel, state donated",))),
     # `bench_peers.py` (its docstring's command): tpustrat, hand-written JAX and, where it is installed
     # (the `bench` extra), Keras 3; then compile times at k = 1, 8, 64. Without Keras its rows are left out.
     "peers": Case(

@@ -74,7 +74,8 @@ from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.validation import check_fits_32_bits, check_int, tree_path
 from tpustrat._src.values import Mirrored, PerReplica, check_components, is_distributed, stacked_steps
 
-__all__ = ["RunOptions", "Engine", "InFlight", "dispatch", "wait_leaf", "DEFAULT_STEPS_IN_FLIGHT"]
+__all__ = ["RunOptions", "Engine", "InFlight", "check_not_deleted", "dispatch", "donated_leaves", "donation_used", "wait_leaf",
+           "DEFAULT_STEPS_IN_FLIGHT"]
 
 DEFAULT_STEPS_IN_FLIGHT = 2
 _MAX_WAIT_BYTES = 64 * 1024  # waiting on an output keeps it alive two steps longer: only small ones
@@ -92,16 +93,69 @@ class RunOptions:
     experimental_xla_options: accepted for TF compatibility; no effect.
     max_steps_in_flight: how many `run` calls may be queued on the devices before the next one waits
       for the oldest. `None` uses the strategy's default (2). Must be >= 1.
+    donate_argnums: positions of the arguments whose buffers the step may reuse for its results (JAX's
+      `jax.jit(..., donate_argnums=...)`): an int or a tuple of ints. For `strategy.run` they index
+      `args`; for `experimental_run_steps`, 0 is `init` (the carry) and 1 the stacked batches. A donated
+      argument's arrays are deleted by the call (using one again raises JAX's "Array has been deleted"
+      error), so the step holds the old and the new state at once only where XLA cannot reuse them: pass
+      the training state and keep only what the step returns. Without a mesh (the default strategy)
+      nothing is compiled and nothing is donated.
+
+  >>> RunOptions(donate_argnums=0).donate_argnums
+  (0,)
   """
 
   experimental_enable_dynamic_batch_size: bool = True
   experimental_bucketizing_dynamic_shape: bool = False
   experimental_xla_options: Any = None
   max_steps_in_flight: int | None = None
+  donate_argnums: int | tuple[int, ...] = ()
 
   def __post_init__(self) -> None:
     k = check_int(self.max_steps_in_flight, "RunOptions", "max_steps_in_flight", minimum=1, allow_none=True)
     object.__setattr__(self, "max_steps_in_flight", k)  # a Python int (frozen dataclass)
+    donate = self.donate_argnums
+    items = (donate,) if isinstance(donate, int) and not isinstance(donate, bool) else donate
+    if not isinstance(items, (tuple, list)):
+      raise TypeError(f"RunOptions: donate_argnums must be an int or a tuple of ints, got {donate!r:.100}.")
+    checked = [check_int(i, "RunOptions", f"donate_argnums[{j}]", minimum=0) for j, i in enumerate(items)]
+    if len(set(checked)) != len(checked):
+      raise ValueError(f"RunOptions: donate_argnums {tuple(checked)} names an argument twice.")
+    object.__setattr__(self, "donate_argnums", tuple(sorted(checked)))
+
+
+_DONATION_USED = [False]  # set once a program donates: from then on, arguments are checked (`check_not_deleted`)
+
+
+def donation_used(now: bool = False) -> bool:
+  """Whether a program of this process has donated arguments (`RunOptions.donate_argnums`); `now`: one
+  is about to."""
+  if now:
+    _DONATION_USED[0] = True
+  return _DONATION_USED[0]
+
+
+def check_not_deleted(leaves: list[Any], where: Callable[[int], str]) -> None:
+  """RuntimeError naming the first deleted array among `leaves` (`where(i)` says which it is): one donated
+  to an earlier program. Checked before dispatch, because a compiled program handed a deleted buffer
+  crashed the process on XLA:CPU instead of raising (JAX 0.10.2)."""
+  for i, x in enumerate(leaves):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+      raise RuntimeError(
+          f"{where(i)} has been deleted: it was donated to an earlier step (RunOptions(donate_argnums=...)) "
+          "or deleted. Pass the value that step returned instead (jax: Array has been deleted).")
+
+
+def donated_leaves(donate: tuple[int, ...], arg_leaves: list[int], where: str) -> tuple[int, ...]:
+  """The flat leaf positions of the arguments `donate` (see `RunOptions.donate_argnums`), given the
+  number of leaves of each positional argument; ValueError naming an index out of range."""
+  for i in donate:
+    if i >= len(arg_leaves):
+      raise ValueError(
+          f"{where}: RunOptions(donate_argnums={donate}) names argument {i}, but there are "
+          f"{len(arg_leaves)} positional arguments.")
+  starts = np.cumsum([0, *arg_leaves])
+  return tuple(int(j) for i in donate for j in range(starts[i], starts[i + 1]))
 
 
 def check_run_call(fn: Any, args: Any, kwargs: Any) -> dict[str, Any]:
@@ -150,7 +204,7 @@ class InFlight:
         oldest = pending.popleft()
       except IndexError:  # another thread took it
         break
-      oldest.block_until_ready()
+      _wait(oldest)
 
   def after_dispatch(self, token: Any) -> None:
     # The token is a small output of the step's program (at most 64 KiB, often a scalar loss), ready when
@@ -167,7 +221,24 @@ class InFlight:
         oldest = self._pending.popleft()
       except IndexError:
         break
-      oldest.block_until_ready()
+      _wait(oldest)
+
+
+  def forget(self, arrays: list[Any]) -> None:
+    """Stops waiting on any of `arrays` (by identity): arguments about to be donated to a program
+    (`RunOptions.donate_argnums`). That program cannot finish before the one that computed them, and
+    its own output is waited on instead, so the bound still holds."""
+    ids = {id(x) for x in arrays}
+    if any(id(t) in ids for t in self._pending):
+      kept = [t for t in self._pending if id(t) not in ids]
+      self._pending.clear()
+      self._pending.extend(kept)
+
+
+def _wait(token: jax.Array) -> None:
+  """Waits for a program's output (skipped if it was deleted)."""
+  if not token.is_deleted():
+    token.block_until_ready()
 
 
 _PROCESS_IN_FLIGHT = InFlight()  # for programs dispatched without an engine (cross-replica reductions)
@@ -239,6 +310,14 @@ class Engine:
       if type(x) not in array_types or x.sharding != targets[i]:
         _check_host_integers(x, in_tree, i)
         leaves[i] = self._place(x, targets[i])
+    if options is not None and options.donate_argnums:
+      donate = donated_leaves(options.donate_argnums, [jax.tree.structure(a).num_leaves for a in args],
+                              "strategy.run")
+      program = program.donating(donate)
+      _DONATION_USED[0] = True
+      self._in_flight.forget([leaves[i] for i in donate])
+    if _DONATION_USED[0]:  # a donated array passed again: XLA:CPU crashes on it (JAX 0.10.2), so say so first
+      check_not_deleted(leaves, lambda i: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}")
     return self.dispatch(program, leaves, limit=limit, steps=1)
 
   def dispatch(self, program: Callable[..., tuple[Any, Any]], *args: Any, limit: int | None = None,
@@ -323,6 +402,11 @@ class Engine:
   def wait(self) -> None:
     """Blocks until every step dispatched by `run` has finished."""
     self._in_flight.drain()
+
+  @property
+  def in_flight(self) -> InFlight:
+    """The bound on this engine's programs in flight (`dispatch` goes through it)."""
+    return self._in_flight
 
   def _make_program(self, fn: Callable[..., Any], groups: tuple[int, ...]) -> Callable[..., Any]:
     """The structured program of `fn`; `groups` (see `batch_group`) says which padded batch arguments
@@ -498,7 +582,8 @@ class _FlatProgram:
 
   def __init__(self, structured: Callable[..., Any], seen_tree: Any) -> None:
     self._out: tuple[Any, int] | None = None  # (result treedef, index of the leaf to wait on)
-    self._traced: tuple[Any, int] | None = None  # what the latest trace recorded
+    # What the latest trace recorded, shared with the donating variants (whose traces run `flat_program`).
+    self._record: dict[str, tuple[Any, int] | None] = {"traced": None}
     self._fallback: Callable[..., Any] | None = None
 
     def flat(*leaves: Any) -> tuple[list[Any], Any, int]:
@@ -512,7 +597,7 @@ class _FlatProgram:
 
     def flat_program(*leaves: Any) -> list[Any]:
       out, out_tree, wait = flat(*leaves)
-      self._traced = (out_tree, wait)
+      self._record["traced"] = (out_tree, wait)
       return out
 
     def tree_program(*leaves: Any) -> tuple[Any, Any]:
@@ -523,14 +608,31 @@ class _FlatProgram:
     flat_program.__name__ = tree_program.__name__ = self.__name__
     self._flat = jax.jit(flat_program)
     self._tree = jax.jit(tree_program)
+    self._flat_program, self._tree_program = flat_program, tree_program
+    self._donating: dict[tuple[int, ...], _FlatProgram] = {}
+
+  def donating(self, leaves: tuple[int, ...]) -> _FlatProgram:
+    """This program with the argument leaves at positions `leaves` donated (compiled once per set)."""
+    if not leaves:
+      return self
+    variant = self._donating.get(leaves)
+    if variant is None:
+      variant = object.__new__(_FlatProgram)
+      variant.__dict__.update(self.__dict__)
+      variant._flat = jax.jit(self._flat_program, donate_argnums=leaves)
+      variant._tree = jax.jit(self._tree_program, donate_argnums=leaves)
+      variant._fallback = None if self._fallback is None else variant._tree
+      variant._donating = {}
+      self._donating[leaves] = variant
+    return variant
 
   def __call__(self, leaves: list[Any]) -> tuple[Any, Any]:
     """Runs the program; returns (result pytree, the output to wait on)."""
     if self._fallback is not None:
       return self._fallback(*leaves)
-    self._traced = None
+    self._record["traced"] = None
     out = self._flat(*leaves)
-    traced = self._traced
+    traced = self._record["traced"]
     if traced is not None and self._out is not None and traced != self._out:
       self._fallback = self._tree  # two result structures: let jax.jit keep them apart from now on
     elif traced is not None and self._out is None:

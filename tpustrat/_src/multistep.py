@@ -185,7 +185,7 @@ _PROGRAMS: weakref.WeakKeyDictionary[Any, collections.OrderedDict[Any, Callable[
     weakref.WeakKeyDictionary())
 
 
-def _make_program(strategy: Strategy, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int, ...] = ()) -> Callable[..., Any]:
   step = _ReplicaStep(fn)
   strategy_ref = weakref.ref(strategy)  # the cache entry must not keep its strategy alive
 
@@ -199,19 +199,20 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any]) -> Callable[..., A
     return lax.scan(body, carry, batches)
 
   run_steps_program.__name__ = f"run_steps_{step.__name__}"
-  return jax.jit(run_steps_program)
+  return jax.jit(run_steps_program, donate_argnums=donate)
 
 
-def _program(strategy: Strategy, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int, ...] = ()) -> Callable[..., Any]:
   cache = _PROGRAMS.setdefault(strategy, collections.OrderedDict())
+  key = (fn, donate) if donate else fn
   try:
-    program = cache[fn]
+    program = cache[key]
   except KeyError:
-    program = cache[fn] = _make_program(strategy, fn)
+    program = cache[key] = _make_program(strategy, fn, donate)
     if len(cache) > _CACHE_SIZE:
       cache.popitem(last=False)
   except TypeError:  # an unhashable callable: compile without caching
-    program = _make_program(strategy, fn)
+    program = _make_program(strategy, fn, donate)
   return program
 
 
@@ -266,6 +267,14 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
     raise TypeError(f"{what} expects `options` to be a tpustrat.RunOptions or None, got {options!r:.100}.")
   if steps is not None:
     steps = check_int(steps, what, "steps", minimum=1)
+  donate = options.donate_argnums if options is not None else ()
+  if any(i > 1 for i in donate):
+    raise ValueError(
+        f"{what}: RunOptions(donate_argnums={donate}) names argument {max(donate)}, but the program's "
+        "arguments are 0 (init, the carry) and 1 (the stacked batches).")
+  if engine_lib.donation_used(now=bool(donate)):  # before any batch is taken from the iterator
+    engine_lib.check_not_deleted(jax.tree.leaves((init, iterator if not isinstance(
+        iterator, collections.abc.Iterator) else ())), lambda i: f"{what}: an array of init or of the batches")
   if isinstance(iterator, collections.abc.Iterator):
     if steps is None:
       raise TypeError(f"{what}: `steps` (how many batches to take from the iterator) is required.")
@@ -284,11 +293,14 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
       raise ValueError(f"{what}: `steps` is {steps} but the stacked batches hold {k} steps.")
   check_tree_fits_32_bits(batches, lambda path: f"{what}: the stacked batches" + (f" at {path}" if path else ""))
   carry = as_carry(strategy, init)
-  program = _program(strategy, fn)
+  program = _program(strategy, fn, donate)
+
   engine = strategy.extended.engine
   if engine is None:  # the default strategy: one device, no collectives to bound
     return program(carry, batches)
   limit = options.max_steps_in_flight if options is not None else None
+  if donate:  # the donated arrays are no longer outputs to wait on (`InFlight.forget`)
+    engine.in_flight.forget(jax.tree.leaves([(carry, batches)[i] for i in donate]))
   carry, outputs = engine.dispatch(_with_token(program), carry, batches, limit=limit, steps=k)
   # One replica: XLA's layouts do not say which outputs are stacked steps (see stacked_steps).
   return name_replica_axis(carry, steps=False), name_replica_axis(outputs, steps=True)
