@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import tpustrat
 from tpustrat import Mirrored, RunOptions
 
 N = 8
