@@ -40,6 +40,7 @@ from tpustrat._src.mirrored_strategy import MirroredStrategy as MirroredStrategy
 from tpustrat._src.preemption import PreemptionCheckpointHandler as PreemptionCheckpointHandler
 from tpustrat._src.preemption import TerminationConfig as TerminationConfig
 from tpustrat._src.reduce_op import ReduceOp as ReduceOp
+from tpustrat._src.sharding import MinSizePartitioner as MinSizePartitioner
 from tpustrat._src.steps import stack_steps as stack_steps
 from tpustrat._src.steps import unstack_steps as unstack_steps
 from tpustrat._src.strategy import Strategy as Strategy
@@ -48,8 +49,11 @@ from tpustrat._src.strategy import TPUStrategy as TPUStrategy
 from tpustrat._src.topology import DeviceAssignment as DeviceAssignment
 from tpustrat._src.topology import Topology as Topology
 from tpustrat._src.values import DistributedValues as DistributedValues
+from tpustrat._src.values import LocalShard as LocalShard
 from tpustrat._src.values import Mirrored as Mirrored
 from tpustrat._src.values import PerReplica as PerReplica
+from tpustrat._src.values import ShardedVariable as ShardedVariable
+from tpustrat._src.values import read_values as read_values
 
 __version__ = "0.1.0"
 
@@ -71,7 +75,11 @@ __all__ = [
     "InputContext",
     "InputOptions",
     "Mirrored",
+    "LocalShard",
+    "MinSizePartitioner",
     "PerReplica",
+    "ShardedVariable",
+    "read_values",
     "PreemptionCheckpointHandler",
     "ReduceOp",
     "ReplicaContext",

@@ -28,6 +28,7 @@ from jax import lax
 
 from tpustrat._src.reduce_op import ReduceOp
 from tpustrat._src.validation import normalize_axis
+from tpustrat._src.values import LocalShard
 
 __all__ = [
     "ReplicaContext",
@@ -269,6 +270,7 @@ class ReplicaContext:
     """
     op = ReduceOp.from_value(reduce_op)
     self._check_active("all_reduce")
+    _refuse_blocks(value, "all_reduce")
     return self._strategy.extended.replica_all_reduce(op, value, options, self._axis_name, group_assignment)
 
   def all_gather(self, value: Any, axis: int, options: Any = None, *, group_assignment: Any = None) -> Any:
@@ -280,6 +282,7 @@ class ReplicaContext:
     in group order: shape `[num_replicas_per_group * b, ...]`.
     """
     self._check_active("all_gather")
+    _refuse_blocks(value, "all_gather")
     for x in jax.tree.leaves(value):
       ndim = jnp.ndim(x)
       if ndim == 0:
@@ -291,6 +294,18 @@ class ReplicaContext:
 
   def __repr__(self) -> str:
     return f"ReplicaContext(strategy={self._strategy!r})"
+
+
+def _refuse_blocks(value: Any, what: str) -> None:
+  """A sharded value's blocks differ between replicas by design: reducing them adds different rows."""
+  leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=lambda x: isinstance(x, LocalShard))[0]
+  for path, x in leaves:
+    if isinstance(x, LocalShard):
+      raise ValueError(
+          f"ReplicaContext.{what}: the value at {jax.tree_util.keystr(path) or '<root>'} is a sharded value "
+          f"({x!r}): each replica holds a different block of it, so a cross-replica {what} would combine "
+          "different rows. Read it whole first (x.read_value(), tpustrat.read_values(tree)), or reduce the "
+          "block itself (x.block).")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,11 +68,19 @@ from jax.sharding import PartitionSpec as P
 from tpustrat._src import context as context_lib
 from tpustrat._src import host_memory, watchdog
 from tpustrat._src.batch_rows import BatchRowsWarning, Rows, leading_rows
-from tpustrat._src.jax_compat import eval_closed_jaxpr, open_jaxpr, varying_axes
+from tpustrat._src.jax_compat import eval_closed_jaxpr, open_jaxpr, to_varying, varying_axes
 from tpustrat._src.logical_interpreter import place_on_logical_devices
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.validation import check_fits_32_bits, check_int, tree_path
-from tpustrat._src.values import Mirrored, PerReplica, check_components, is_distributed, stacked_steps
+from tpustrat._src.values import (
+    LocalShard,
+    Mirrored,
+    PerReplica,
+    ShardedVariable,
+    check_components,
+    is_distributed,
+    stacked_steps,
+)
 
 __all__ = ["RunOptions", "Engine", "InFlight", "check_not_deleted", "dispatch", "donated_leaves", "donation_used", "wait_leaf",
            "DEFAULT_STEPS_IN_FLIGHT"]
@@ -173,7 +181,14 @@ def check_run_call(fn: Any, args: Any, kwargs: Any) -> dict[str, Any]:
   return kwargs
 
 
-def _as_output_array(x: Any, path: str) -> jax.Array:
+def is_output_node(x: Any) -> bool:
+  """What a step's result is flattened down to: distributed values (an error) and sharded blocks stay whole."""
+  return is_distributed(x) or isinstance(x, LocalShard)
+
+
+def _as_output_array(x: Any, path: str) -> Any:
+  if isinstance(x, LocalShard):
+    return x
   if is_distributed(x):
     raise TypeError(
         f"strategy.run: the function returned a {type(x).__name__} at {path}; distributed values "
@@ -349,6 +364,10 @@ class Engine:
         if node.padding_is_marked:
           groups.append(batch_group(node, path, roots, len(groups)))
         nodes.append(node)
+      elif isinstance(node, ShardedVariable):
+        for i in jax.tree.leaves(node.tree):
+          targets[i] = self._split  # blocks stacked on a leading replica axis, as a PerReplica's
+        nodes.append(node)
       elif isinstance(node, Mirrored):
         nodes.append(node.tree)
       else:
@@ -440,6 +459,10 @@ class Engine:
           rebuild.append(("padded" if valid is not None else "per_replica", inner, len(leaves)))
           flat.extend(leaves)
           specs.extend([P(axis)] * len(leaves))
+        elif isinstance(node, ShardedVariable):
+          rebuild.append(("sharded", (node.shape, node.axis), 1))
+          flat.append(node.tree)
+          specs.append(P(axis))
         elif isinstance(node, Mirrored):
           leaves, inner = jax.tree.flatten(node.tree)
           rebuild.append(("mirrored", inner, len(leaves)))
@@ -477,7 +500,7 @@ class Engine:
           # A step on padded batches is traced to a jaxpr, read (which outputs hold which batch's rows,
           # `batch_rows`), and evaluated here: `fn` is still traced once.
           step = _StepJaxpr(fn, nodes, outer, batch_leaves, sizes, counts, names, make_context)
-          out_leaves = [jnp.asarray(x) for x in step.evaluate()]
+          out_leaves = step.evaluate()
           out_tree, paths, marked = step.tree, step.paths, step.marked
           rows = step.rows
         else:
@@ -488,16 +511,21 @@ class Engine:
             ctx.note_batch_leaves(leaves, b)
           with context_lib.enter_replica_context(ctx):
             out = call(*call_args, **call_kwargs)
-          # Distributed values stay whole (trace time only), so that returning one is reported by name.
-          out_leaves, out_tree = jax.tree.flatten(out, is_leaf=is_distributed)
+          # Distributed values stay whole (trace time only), so that returning one is reported by name;
+          # sharded blocks (`LocalShard`) stay whole to come back as `ShardedVariable`s.
+          out_leaves, out_tree = jax.tree.flatten(out, is_leaf=is_output_node)
           paths = _leaf_paths(out_tree)
           marked = record.pop("marked")
           out_leaves = [_as_output_array(x, p) for x, p in zip(out_leaves, paths)]
           # With logical cores (and padded batches), the rows are read from one more trace of `fn`.
           rows = (lambda: _StepJaxpr(fn, nodes, outer, batch_leaves, sizes, counts, names, make_context,
                                      quiet=True).rows)
+        # A block (`LocalShard`) leaves as one more per-replica output, a `ShardedVariable` again (a block
+        # computed from constants, an optimizer's zeros, is cast to varying: it is still one replica's).
+        shards = [(x.shape, x.axis) if isinstance(x, LocalShard) else None for x in out_leaves]
+        out_leaves = [to_varying(x.block, axis) if isinstance(x, LocalShard) else x for x in out_leaves]
         is_varying = [axis in varying_axes(x) for x in out_leaves]
-        record["tree"], record["varying"] = out_tree, is_varying
+        record["tree"], record["varying"], record["shards"] = out_tree, is_varying, shards
         # Padding follows an output only as the user said: (batch, True) for a marked per-example output;
         # (batch, False), batch rows for `axis=0`, for an unmarked one whose axis 0 the program shows to
         # hold one padded batch's rows (`batch_rows`: traced, not read off its size).
@@ -509,10 +537,11 @@ class Engine:
       invariant, varying = jax.shard_map(
           body, mesh=mesh, in_specs=tuple(specs), out_specs=(P(), P(axis)), check_vma=True, **manual)(*flat)
       inv, var = iter(invariant), iter(varying)
-      outs = [PerReplica.from_stacked(next(var)) if v and p is None
+      outs = [ShardedVariable._wrap(next(var), *sh) if sh is not None
+              else PerReplica.from_stacked(next(var)) if v and p is None
               else PerReplica.from_stacked(next(var), flat[padded[batches[p[0]]]], per_example=p[1]) if v
               else Mirrored.from_global(next(inv))
-              for v, p in zip(record["varying"], record["padded"])]
+              for v, p, sh in zip(record["varying"], record["padded"], record["shards"])]
       return jax.tree.unflatten(record["tree"], outs)
 
     program.__name__ = f"run_{name}"
@@ -716,7 +745,9 @@ def _unpack(flat_in: Any, rebuild: list[tuple[str, Any, int]],
       arg += 1
       nodes.append(jax.tree.unflatten(inner, local))
       continue
-    if kind == "per_replica":
+    if kind == "sharded":  # this replica's block of a ShardedVariable
+      nodes.append(LocalShard(leaves[0].reshape(leaves[0].shape[1:]), *inner))
+    elif kind == "per_replica":
       nodes.append(jax.tree.unflatten(inner, [x.reshape(x.shape[1:]) for x in leaves]))
     elif kind == "mirrored":
       nodes.append(jax.tree.unflatten(inner, leaves))
@@ -751,18 +782,22 @@ class _StepJaxpr:
           warnings.simplefilter("ignore")
         out = fn(*args, **kwargs)
       # Distributed values stay whole here, so that returning one is reported by name.
-      out_leaves, self.tree = jax.tree.flatten(out, is_leaf=is_distributed)
+      out_leaves, self.tree = jax.tree.flatten(out, is_leaf=is_output_node)
       self.paths = _leaf_paths(self.tree)
+      self.shards = [(x.shape, x.axis) if isinstance(x, LocalShard) else None for x in out_leaves]
       # `tpustrat.per_example` marks arrays by identity: resolved to output positions here.
       self.marked = {i: j for i, x in enumerate(out_leaves) for m, j in ctx.per_example_marks if x is m}
-      return [_as_output_array(x, p) for x, p in zip(out_leaves, self.paths)]
+      return [x.block if isinstance(x, LocalShard) else _as_output_array(x, p)
+              for x, p in zip(out_leaves, self.paths)]
 
     self._args = [*leaves, *counts]
     self._jaxpr, self._consts = open_jaxpr(jax.make_jaxpr(flat_fn)(*self._args))
     self.rows = leading_rows(self._jaxpr, labels + [Rows.NONE] * len(counts))
 
   def evaluate(self) -> list[Any]:
-    return eval_closed_jaxpr(self._jaxpr, self._consts, self._args)
+    """The step's output leaves, emitted into the current trace (blocks as `LocalShard`s again)."""
+    out = eval_closed_jaxpr(self._jaxpr, self._consts, self._args)
+    return [jnp.asarray(x) if sh is None else LocalShard(x, *sh) for x, sh in zip(out, self.shards)]
 
 
 def _output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[bool],

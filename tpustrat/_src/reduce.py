@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from tpustrat._src import watchdog
 from tpustrat._src.reduce_op import ReduceOp
 from tpustrat._src.validation import normalize_axis
-from tpustrat._src.values import Mirrored, PerReplica, check_components, is_distributed
+from tpustrat._src.values import Mirrored, PerReplica, ShardedVariable, check_components, is_distributed
 
 __all__ = ["reduce", "gather", "local_results"]
 
@@ -133,12 +133,21 @@ def _place(result: jax.Array, mesh: jax.sharding.Mesh | None) -> jax.Array:
   return jax.device_put(result, NamedSharding(mesh, P()))
 
 
+def _refuse_sharded(node: Any, what: str) -> None:
+  if isinstance(node, ShardedVariable):
+    raise ValueError(
+        f"strategy.{what}: {node!r} is one value split over the replicas, not one value per replica: there "
+        f"is nothing to {what} across them. np.asarray(v) gives the whole value, "
+        "strategy.experimental_local_results(v) its blocks.")
+
+
 def reduce(reduce_op: ReduceOp | str, value: Any, axis: int | None, *, num_replicas: int,
            mesh: jax.sharding.Mesh | None) -> Any:
   """Host-side `Strategy.reduce` over every distributed (or plain) leaf of `value`."""
   op = ReduceOp.from_value(reduce_op)
 
   def one(node: Any) -> Any:
+    _refuse_sharded(node, "reduce")
     if isinstance(node, PerReplica):
       return jax.tree.map(lambda x: _one_leaf(x, stacked=True, per_replica=node), node.tree)
     if isinstance(node, Mirrored):
@@ -168,6 +177,7 @@ def gather(value: Any, axis: int, *, num_replicas: int, mesh: jax.sharding.Mesh 
   """Host-side `Strategy.gather`: concatenates every replica's component along `axis`."""
 
   def one(node: Any) -> Any:
+    _refuse_sharded(node, "gather")
     if isinstance(node, PerReplica):
       return jax.tree.map(lambda x: _one_leaf(x, stacked=True, padded=node), node.tree)
     if isinstance(node, Mirrored):

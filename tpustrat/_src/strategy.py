@@ -23,6 +23,7 @@ from tpustrat._src import context as context_lib
 from tpustrat._src import input as input_lib
 from tpustrat._src import logical as logical_lib
 from tpustrat._src import reduce as reduce_lib
+from tpustrat._src import sharding as sharding_lib
 from tpustrat._src.cluster_resolver import ClusterResolver, experimental_connect_to_cluster
 from tpustrat._src.cross_device import CrossDeviceExtendedMixin
 from tpustrat._src.engine import DEFAULT_STEPS_IN_FLIGHT, Engine, RunOptions, check_run_call
@@ -294,6 +295,28 @@ class Strategy:
     {'step': Mirrored(int32[]), 'w': Mirrored(float32[3])}
     """
     return multistep.as_carry(self, value)
+
+  def experimental_shard(self, value: Any, partitioner: Any = None) -> Any:
+    """Returns `value` with its large leaves split over the replicas (`tpustrat.ShardedVariable`) and the
+    others `Mirrored`: parameters and, through them, optimizer state at 1/N per device (ZeRO / FSDP).
+
+    Args:
+      value: a pytree of arrays (host or device), `Mirrored` values or `ShardedVariable`s.
+      partitioner: ``(path, shape, dtype) -> axis or None`` for each leaf (None: keep it `Mirrored`), or a
+        `tpustrat.MinSizePartitioner` (the default: leaves of at least 256 KiB, along axis 0).
+
+    Inside `run` a step sees each `ShardedVariable` as its block (`tpustrat.LocalShard`): read it whole with
+    ``v.read_value()`` or ``tpustrat.read_values(tree)``; gradients w.r.t. the blocks are blocks of the
+    gradient summed over replicas, optax works on the blocks, and `run` returns the new blocks as
+    `ShardedVariable`s.
+
+    >>> strategy = tpustrat.TPUStrategy()
+    >>> state = strategy.experimental_shard({"w": np.zeros((10, 4), np.float32), "b": np.zeros(4)},
+    ...                                     tpustrat.MinSizePartitioner(min_shard_bytes=64))
+    >>> state["w"], state["b"]
+    (ShardedVariable(shape=[10, 4], dtype=float32, axis=0, num_replicas=8), Mirrored(float32[4]))
+    """
+    return sharding_lib.shard(self, value, partitioner)
 
   # -- cross-replica reductions ---------------------------------------------------------------------
 

@@ -38,8 +38,8 @@ import numpy as np
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.validation import check_fits_32_bits, tree_path
 
-__all__ = ["DistributedValues", "ElementTag", "PerReplica", "Mirrored", "check_components", "is_distributed",
-           "name_replica_axis", "stacked_steps"]
+__all__ = ["DistributedValues", "ElementTag", "LocalShard", "PerReplica", "Mirrored", "ShardedVariable",
+           "block_size", "check_components", "is_distributed", "name_replica_axis", "read_values", "stacked_steps"]
 
 
 def _device_order(x: jax.Array) -> list[Any]:
@@ -532,6 +532,158 @@ def name_replica_axis(tree: Any, steps: bool) -> Any:
     return node
 
   return jax.tree.map(one, tree, is_leaf=is_distributed)
+
+
+@jax.tree_util.register_pytree_node_class
+class ShardedVariable(DistributedValues):
+  """One array split over the replicas along one axis (TF's `tf.distribute.experimental.ShardedVariable`):
+  each replica holds one block, and no device holds the whole value.
+
+  The global array holds the blocks stacked on a leading replica axis (``[N, ...block]``, the layout of a
+  `PerReplica`, sharded over the replicas): block ``r`` is rows ``[r*b, (r+1)*b)`` of `axis`, ``b = ceil(d /
+  N)`` for ``d`` the logical size there, zero-padded at the end; `shape` is the logical shape. Made by `strategy.experimental_shard`, and by
+  `strategy.run` for every sharded value a step returns (a block, as `LocalShard`).
+
+  * ``strategy.experimental_local_results(v)`` / ``v.values``: the blocks, one per replica of this process
+    (the last ones padded with zeros, or empty where ``d < N``).
+  * ``np.asarray(v)``: the whole value, padding stripped (TF's conversion to the concatenated tensor).
+  * Inside `strategy.run` a step sees its block as a `LocalShard`; ``read_value()`` all-gathers the value.
+  """
+
+  __slots__ = ("_shape", "_axis")
+
+  @classmethod
+  def _wrap(cls, value: Any, shape: tuple[int, ...] = (), axis: int = 0) -> ShardedVariable:  # type: ignore[override]
+    obj = object.__new__(cls)
+    obj._value = value
+    obj._shape = tuple(shape)
+    obj._axis = axis
+    return obj
+
+  def __init__(self, *args: Any, **kwargs: Any) -> None:
+    raise TypeError("ShardedVariable values are made by strategy.experimental_shard(tree) or returned by "
+                    "strategy.run; they are not built directly.")
+
+  def tree_flatten(self):
+    return (self._value,), (self._shape, self._axis)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls._wrap(children[0], *aux)
+
+  def map_global(self, fn: Any) -> ShardedVariable:
+    return ShardedVariable._wrap(fn(self._value), self._shape, self._axis)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The logical (unpadded) shape."""
+    return self._shape
+
+  @property
+  def axis(self) -> int:
+    """The axis the value is split along."""
+    return self._axis
+
+  @property
+  def dtype(self) -> Any:
+    return self._value.dtype
+
+  @property
+  def num_replicas(self) -> int:
+    """How many blocks the value is split into."""
+    return _replica_count(self._value)
+
+  @property
+  def values(self) -> tuple[Any, ...]:
+    """This process's blocks, in replica order (padded ones included: each block has the same shape)."""
+    return tuple(_unstack(self._value))
+
+  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    del copy
+    stacked = np.asarray(jax.device_get(_fully_replicated(self._value)))
+    full = np.concatenate(list(stacked), axis=self._axis)
+    full = np.take(full, np.arange(self._shape[self._axis]), axis=self._axis)
+    return full if dtype is None else full.astype(dtype)
+
+  def __repr__(self) -> str:
+    return (f"ShardedVariable(shape={list(self._shape)}, dtype={self._value.dtype}, axis={self._axis}, "
+            f"num_replicas={_replica_count(self._value)})")
+
+
+def block_size(size: int, num_replicas: int) -> int:
+  """Rows of each replica's block of an axis of `size` split over `num_replicas`: ``ceil(size / n)``."""
+  return -(-size // num_replicas)
+
+
+def _replica_count(x: Any) -> int:
+  return int(x.shape[0])  # blocks stacked on a leading replica axis
+
+
+def _fully_replicated(x: Any) -> Any:
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    mesh = x.sharding.mesh
+    return jax.jit(lambda v: v, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(x)
+  return x
+
+
+@jax.tree_util.register_pytree_node_class
+class LocalShard:
+  """A `ShardedVariable` as a step of `strategy.run` sees it: this replica's block.
+
+  A pytree node over the block, so `jax.grad`, optax and `jax.tree.map` work on blocks (an optimizer's
+  state made from it is sharded the same way, and `run` returns every `LocalShard` as a
+  `ShardedVariable`). Arithmetic on it is an error: read the whole value first with `read_value()` (or
+  `tpustrat.read_values(tree)`), whose gradient is this replica's block of the gradient summed over the
+  replicas (the all-gather's transpose is a reduce-scatter).
+  """
+
+  __slots__ = ("block", "shape", "axis")
+
+  def __init__(self, block: Any, shape: tuple[int, ...], axis: int) -> None:
+    self.block = block
+    self.shape = tuple(shape)
+    self.axis = axis
+
+  def tree_flatten(self):
+    return (self.block,), (self.shape, self.axis)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux)
+
+  @property
+  def dtype(self) -> Any:
+    return self.block.dtype
+
+  def read_value(self) -> jax.Array:
+    """The whole value (logical shape), all-gathered from every replica's block."""
+    full = jax.lax.all_gather(self.block, REPLICA_AXIS, axis=self.axis, tiled=True)
+    return jax.lax.slice_in_dim(full, 0, self.shape[self.axis], axis=self.axis)
+
+  def _refuse(self, *args: Any) -> Any:
+    raise TypeError(
+        f"A sharded value ({self!r}) holds only this replica's block: read the whole value first, "
+        "x.read_value() (or tpustrat.read_values(tree)), or update the block itself with jax.tree.map.")
+
+  __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+  __matmul__ = __rmatmul__ = __neg__ = __getitem__ = __pow__ = _refuse
+
+  def __jax_array__(self) -> Any:
+    self._refuse()
+
+  def __repr__(self) -> str:
+    return f"LocalShard(shape={list(self.shape)}, axis={self.axis}, block={getattr(self.block, 'shape', '?')})"
+
+
+def read_values(tree: Any) -> Any:
+  """`tree` with every sharded value (`LocalShard`, inside `strategy.run`) read whole (all-gathered); other
+  leaves as they are. The gradient w.r.t. the blocks is the block of the gradient summed over replicas.
+
+  >>> read_values({"b": np.ones(2)})["b"]
+  array([1., 1.])
+  """
+  return jax.tree.map(lambda x: x.read_value() if isinstance(x, LocalShard) else x, tree,
+                      is_leaf=lambda x: isinstance(x, LocalShard))
 
 
 def is_distributed(x: Any) -> bool:

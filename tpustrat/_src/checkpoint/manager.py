@@ -47,7 +47,8 @@ from tpustrat._src.checkpoint.handlers import (
 from tpustrat._src.embedding import ShardedTable, split_rows
 from tpustrat._src.input.encoding import bytes_to_text, text_to_bytes
 from tpustrat._src.names import REPLICA_AXIS
-from tpustrat._src.values import Mirrored, PerReplica, is_distributed
+from tpustrat._src.sharding import place_blocks
+from tpustrat._src.values import Mirrored, PerReplica, ShardedVariable, is_distributed
 
 __all__ = ["CheckpointManager", "bounded_operation"]
 
@@ -71,6 +72,11 @@ def _is_node(v: Any) -> bool:
   return is_distributed(v) or isinstance(v, ShardedTable)
 
 
+def _is_split(v: Any) -> bool:
+  """Values saved as row blocks that another replica count re-splits: tables and sharded variables."""
+  return isinstance(v, (ShardedTable, ShardedVariable))
+
+
 def _unwrap(tree: Any) -> Any:
   """`tree` with every `Mirrored` / `PerReplica` replaced by the pytree of global arrays it holds, and every
   `ShardedTable` by ``{"blocks": [N, Vp / N, D] array}``."""
@@ -78,6 +84,8 @@ def _unwrap(tree: Any) -> Any:
   def unwrap(v: Any) -> Any:
     if isinstance(v, ShardedTable):
       return {"blocks": unwrap(v.blocks)}
+    if isinstance(v, ShardedVariable):
+      return {"blocks": v.tree}  # [N, ...block]: re-split on restore when N differs
     if is_distributed(v):
       _check_saveable(v, "save")
       return v.tree
@@ -105,18 +113,19 @@ def _table_targets(target: Any, saved: Any, strategy: Any) -> Any:
   mesh, replicated, split = _shardings(strategy)
 
   def node(path: Any, v: Any) -> Any:
-    if not isinstance(v, ShardedTable):
+    if not _is_split(v):
       return v
     meta = _saved_at(saved, tuple(path) + (jax.tree_util.DictKey("blocks"),))
     if meta is None or not hasattr(meta, "shape"):
-      raise ValueError(f"CheckpointManager.restore: the checkpoint has no table blocks at "
+      kind = "table" if isinstance(v, ShardedTable) else "sharded variable"
+      raise ValueError(f"CheckpointManager.restore: the checkpoint has no {kind} blocks at "
                        f"{jax.tree_util.keystr(tuple(path))} (it was saved from another structure).")
     shape = tuple(meta.shape)
     n = strategy.num_replicas_in_sync
     sharding = split if mesh is not None and shape[0] % n == 0 else replicated
     return {"blocks": jax.ShapeDtypeStruct(shape, meta.dtype, sharding=sharding)}
 
-  return jax.tree_util.tree_map_with_path(node, target, is_leaf=lambda v: isinstance(v, ShardedTable))
+  return jax.tree_util.tree_map_with_path(node, target, is_leaf=_is_split)
 
 
 def _reshard_tables(restored: Any, strategy: Any) -> Any:
@@ -124,6 +133,15 @@ def _reshard_tables(restored: Any, strategy: Any) -> Any:
   n, mesh = strategy.num_replicas_in_sync, strategy.mesh
 
   def node(v: Any) -> Any:
+    if isinstance(v, ShardedVariable):
+      blocks = v.tree
+      if blocks.shape[0] == n and blocks.sharding == NamedSharding(mesh, P(REPLICA_AXIS)):
+        return v
+      # Saved on another replica count: the whole value from the saved blocks, split into this one's.
+      stacked = np.asarray(jax.device_get(blocks))
+      full = np.take(np.concatenate(list(stacked), axis=v.axis), np.arange(v.shape[v.axis]), axis=v.axis)
+      return ShardedVariable._wrap(  # pylint: disable=protected-access
+          place_blocks(full, v.axis, n, NamedSharding(mesh, P(REPLICA_AXIS))), v.shape, v.axis)
     if not isinstance(v, ShardedTable):
       return v
     blocks = v.blocks.tree if is_distributed(v.blocks) else v.blocks
@@ -132,7 +150,7 @@ def _reshard_tables(restored: Any, strategy: Any) -> Any:
     full = blocks.reshape(-1, blocks.shape[-1])[:v.vocabulary_size]
     return ShardedTable(split_rows(full, n, mesh), v.vocabulary_size)
 
-  return jax.tree.map(node, restored, is_leaf=lambda v: isinstance(v, ShardedTable))
+  return jax.tree.map(node, restored, is_leaf=_is_split)
 
 
 def _shardings(strategy: Any) -> tuple[Any, Any, Any]:

@@ -1,0 +1,124 @@
+"""Placing state split over the replicas: `strategy.experimental_shard` and its partitioners.
+
+TF shards variables with a partitioner (`tf.distribute.experimental.partitioners`) given to
+`ParameterServerStrategy`; a `ShardedVariable` then holds one block per parameter server. tpustrat splits a
+leaf over the replicas of the strategy instead (ZeRO / FSDP): each replica keeps one block of the
+parameter and, since optax's state is made from the parameters inside `run`, of the optimizer state too.
+
+`experimental_shard(tree, partitioner)` asks the partitioner for each leaf: an axis to split along, or
+None to keep the leaf `Mirrored` (small leaves are not worth a collective). The default is
+`MinSizePartitioner()`: leaves of at least 256 KiB, along axis 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.validation import check_int, normalize_axis, tree_path
+from tpustrat._src.values import Mirrored, PerReplica, ShardedVariable, block_size, is_distributed
+
+__all__ = ["MinSizePartitioner", "place_blocks", "shard"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MinSizePartitioner:
+  """Splits a leaf along `axis` over every replica when it holds at least `min_shard_bytes` bytes; smaller
+  leaves (and scalars) stay `Mirrored` (TF's `MinSizePartitioner`, along axis 0 like TF's).
+
+  TF's `max_shards` limits how many parameter servers a variable spans; here a leaf spans every replica or
+  none, so `max_shards` is accepted only as None or at least the number of replicas.
+
+  >>> p = MinSizePartitioner(min_shard_bytes=1024)
+  >>> p(("w",), (512, 4), np.dtype("float32")), p(("b",), (4,), np.dtype("float32"))
+  (0, None)
+  """
+
+  min_shard_bytes: int = 256 << 10
+  max_shards: int | None = None
+  axis: int = 0
+
+  def __post_init__(self) -> None:
+    check_int(self.min_shard_bytes, "MinSizePartitioner", "min_shard_bytes", minimum=0)
+    check_int(self.max_shards, "MinSizePartitioner", "max_shards", minimum=1, allow_none=True)
+    check_int(self.axis, "MinSizePartitioner", "axis")
+
+  def __call__(self, path: tuple[Any, ...], shape: tuple[int, ...], dtype: Any) -> int | None:
+    del path
+    if not shape:
+      return None
+    size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return self.axis if size >= self.min_shard_bytes else None
+
+
+Partitioner = Callable[[tuple[Any, ...], tuple[int, ...], Any], Any]
+
+
+def shard(strategy: Any, tree: Any, partitioner: Partitioner | None = None) -> Any:
+  """`Strategy.experimental_shard`: `tree` with the leaves `partitioner` splits as `ShardedVariable`s and
+  the others `Mirrored` (as `experimental_mirror` gives them)."""
+  mesh = strategy.mesh
+  if mesh is None:
+    raise ValueError("experimental_shard needs a strategy with a mesh (TPUStrategy, MirroredStrategy): the "
+                     "default strategy has one replica and nothing to split over.")
+  partitioner = MinSizePartitioner() if partitioner is None else partitioner
+  if not callable(partitioner):
+    raise TypeError(f"experimental_shard: partitioner must be callable (path, shape, dtype) -> axis or None, "
+                    f"got {partitioner!r:.100}.")
+  n = strategy.num_replicas_in_sync
+  if isinstance(partitioner, MinSizePartitioner) and partitioner.max_shards is not None and (
+      partitioner.max_shards < n):
+    raise ValueError(
+        f"experimental_shard: MinSizePartitioner(max_shards={partitioner.max_shards}) would split leaves "
+        f"over fewer than the {n} replicas; tpustrat splits a leaf over every replica or keeps it whole.")
+  split = NamedSharding(mesh, P(REPLICA_AXIS))
+  replicated = NamedSharding(mesh, P())
+
+  def one(path: tuple[Any, ...], x: Any) -> Any:
+    where = tree_path(path) or "<root>"
+    if isinstance(x, ShardedVariable):
+      return x
+    if isinstance(x, PerReplica):
+      raise ValueError(f"experimental_shard: the value at {where} is a PerReplica (one value per replica); "
+                       "only values that are the same on every replica can be split over them.")
+    if isinstance(x, Mirrored):
+      x = x.tree
+    value = np.asarray(jax.device_get(x))
+    axis = partitioner(tuple(path), tuple(value.shape), value.dtype)
+    if axis is None:
+      return Mirrored.from_global(jax.device_put(value, replicated))
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+      raise TypeError(f"experimental_shard: the partitioner returned {axis!r} for the leaf at {where}; "
+                      "expected an axis (int) or None.")
+    if value.ndim == 0:
+      raise ValueError(f"experimental_shard: the partitioner split the scalar at {where}; a scalar has no axis "
+                       "to split along (return None to keep it Mirrored).")
+    axis = normalize_axis(int(axis), value.ndim, f"experimental_shard (the leaf at {where})")
+    return ShardedVariable._wrap(place_blocks(value, axis, n, split), value.shape, axis)  # pylint: disable=protected-access
+
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: one(path, x), tree, is_leaf=lambda x: is_distributed(x))
+
+
+def place_blocks(value: np.ndarray, axis: int, n: int, split: NamedSharding) -> jax.Array:
+  """`value` as `n` blocks along `axis` (zero-padded to ``n * ceil(d / n)``), stacked ``[n, ...block]``
+  and split over the replicas; each process builds only its own blocks."""
+  b = block_size(value.shape[axis], n)
+  pad = [(0, 0)] * value.ndim
+  pad[axis] = (0, n * b - value.shape[axis])
+  padded = np.pad(value, pad)
+  block_shape = list(value.shape)
+  block_shape[axis] = b
+
+  def blocks(index: tuple[slice, ...]) -> np.ndarray:
+    rows = range(n)[index[0]]
+    return np.stack([np.take(padded, np.arange(r * b, (r + 1) * b), axis=axis) for r in rows])
+
+  return jax.make_array_from_callback((n, *block_shape), split, blocks)
