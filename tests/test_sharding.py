@@ -185,3 +185,36 @@ def test_sharded_state_restores_onto_another_replica_count_bit_for_bit(tmp_path,
   # Restored blocks are where run wants them: a step runs on them at once.
   out = loader.run(lambda s: s["w"].read_value().sum(), args=(got,))
   assert_close(out.values[0], w.sum(), scale=np.abs(w).sum())
+
+
+def test_clipping_by_the_whole_gradients_norm_equals_one_device(strategy):
+  rng = np.random.default_rng(4)
+  w0 = rng.normal(size=(21, 4)).astype(np.float32) * 3
+  b0 = rng.normal(size=(4,)).astype(np.float32)
+  x = rng.normal(size=(8 * N, 21)).astype(np.float32)
+  y = rng.normal(size=(8 * N, 4)).astype(np.float32)
+
+  def loss_fn(p, x, y):
+    return jnp.sum((x @ p["w"] + p["b"] - y) ** 2)
+
+  one = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+  params = {"w": jnp.asarray(w0), "b": jnp.asarray(b0)}
+  g = jax.grad(loss_fn)(params, x, y)
+  assert float(optax.tree.norm(g)) > 1.0  # the clip is active
+  updates, _ = one.update(g, one.init(params), params)
+  want = optax.apply_updates(params, updates)
+
+  tx = optax.chain(tpustrat.clip_by_global_norm(1.0), optax.sgd(0.1))
+  params = strategy.experimental_shard({"w": w0, "b": b0}, tpustrat.MinSizePartitioner(min_shard_bytes=64))
+  xs = strategy.experimental_distribute_values_from_function(lambda c: x[8 * c.replica_id_in_sync_group:][:8])
+  ys = strategy.experimental_distribute_values_from_function(lambda c: y[8 * c.replica_id_in_sync_group:][:8])
+
+  def step(p, x, y):
+    g = jax.grad(lambda q: loss_fn(tpustrat.read_values(q), x, y))(p)
+    updates, _ = tx.update(g, tx.init(p), p)
+    return optax.apply_updates(p, updates), tpustrat.global_norm(g)
+
+  new, norm = strategy.run(step, args=(params, xs, ys))
+  assert_close(norm.values[0], float(optax.tree.norm(jax.grad(loss_fn)({"w": w0, "b": b0}, x, y))), rtol=1e-4)
+  assert_close(np.asarray(new["w"]), want["w"], rtol=1e-5, scale=np.abs(want["w"]).max())
+  assert_close(new["b"].values[0], want["b"], rtol=1e-5, scale=np.abs(want["b"]).max())

@@ -41,6 +41,8 @@ from tpustrat._src.preemption import PreemptionCheckpointHandler as PreemptionCh
 from tpustrat._src.preemption import TerminationConfig as TerminationConfig
 from tpustrat._src.reduce_op import ReduceOp as ReduceOp
 from tpustrat._src.sharding import MinSizePartitioner as MinSizePartitioner
+from tpustrat._src.sharding import clip_by_global_norm as clip_by_global_norm
+from tpustrat._src.sharding import global_norm as global_norm
 from tpustrat._src.steps import stack_steps as stack_steps
 from tpustrat._src.steps import unstack_steps as unstack_steps
 from tpustrat._src.strategy import Strategy as Strategy
@@ -80,6 +82,8 @@ __all__ = [
     "PerReplica",
     "ShardedVariable",
     "read_values",
+    "clip_by_global_norm",
+    "global_norm",
     "PreemptionCheckpointHandler",
     "ReduceOp",
     "ReplicaContext",

@@ -17,15 +17,17 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.validation import check_int, normalize_axis, tree_path
-from tpustrat._src.values import Mirrored, PerReplica, ShardedVariable, block_size, is_distributed
+from tpustrat._src.values import LocalShard, Mirrored, PerReplica, ShardedVariable, block_size, is_distributed
 
-__all__ = ["MinSizePartitioner", "place_blocks", "shard"]
+__all__ = ["MinSizePartitioner", "clip_by_global_norm", "global_norm", "place_blocks", "shard"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,3 +124,40 @@ def place_blocks(value: np.ndarray, axis: int, n: int, split: NamedSharding) -> 
     return np.stack([np.take(padded, np.arange(r * b, (r + 1) * b), axis=axis) for r in rows])
 
   return jax.make_array_from_callback((n, *block_shape), split, blocks)
+
+
+def global_norm(tree: Any) -> jax.Array:
+  """The L2 norm of a whole pytree whose sharded leaves are blocks (`LocalShard`, inside `strategy.run`):
+  the blocks' squares are summed over the replicas (their padding is zero), the other leaves' counted once.
+  Outside `run`, or without blocks, it is `optax.tree.norm`.
+
+  >>> float(global_norm({"a": np.array([3.0]), "b": np.array([4.0])}))
+  5.0
+  """
+  leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LocalShard))
+  blocks = [x.block for x in leaves if isinstance(x, LocalShard)]
+  whole = [x for x in leaves if not isinstance(x, LocalShard)]
+  total = sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in whole), jnp.float32(0))
+  if blocks:
+    local = sum(jnp.sum(jnp.square(b.astype(jnp.float32))) for b in blocks)
+    total = total + jax.lax.psum(local, REPLICA_AXIS)
+  return jnp.sqrt(total)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """`optax.clip_by_global_norm` for updates with sharded leaves: scales every leaf (blocks included) by
+  ``min(1, max_norm / global_norm(updates))``, the norm of the whole gradient (`global_norm`), so every
+  replica clips its block by the same factor. `optax.clip_by_global_norm` itself would use each replica's
+  own blocks' norm."""
+
+  def init(params: Any) -> optax.EmptyState:
+    del params
+    return optax.EmptyState()
+
+  def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+    del params
+    norm = global_norm(updates)
+    scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
+    return jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates), state
+
+  return optax.GradientTransformation(init, update)
