@@ -238,12 +238,22 @@ def make_optimizer(learning_rate: float, warmup_steps: int, decay_steps: int) ->
   """AdamW with a linear warmup and a cosine decay to 10%, after clipping the gradient's global norm to 1."""
   schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1),
                                                 max(decay_steps, warmup_steps + 1), learning_rate * 0.1)
-  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=0.01))
+  # tpustrat's clip: the norm of the whole gradient also when parameters are sharded (--shard), where
+  # optax's would see each replica's blocks only; the same as optax's otherwise.
+  return optax.chain(tpustrat.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=0.01))
 
 
 def init_state(params: nnx.State, tx: optax.GradientTransformation) -> dict[str, Any]:
   """The training state: everything that changes during training, as one pytree."""
   return {"params": params, "opt_state": tx.init(params)}  # zeros, and a step count
+
+
+def sharded_state(strategy: tpustrat.Strategy, params: nnx.State, tx: optax.GradientTransformation,
+                  min_shard_bytes: int) -> dict[str, Any]:
+  """The training state with the parameters of at least `min_shard_bytes` split over the replicas (FSDP):
+  the optimizer state, made from them inside `run`, is split the same way."""
+  params = strategy.experimental_shard(params, tpustrat.MinSizePartitioner(min_shard_bytes=min_shard_bytes))
+  return {"params": params, "opt_state": strategy.run(tx.init, args=(params,))}
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, global_batch_size: int) -> Callable[..., jax.Array]:
@@ -254,7 +264,9 @@ def make_loss_fn(graphdef: nnx.GraphDef, global_batch_size: int) -> Callable[...
   """
 
   def loss_fn(params: nnx.State, batch: dict[str, jax.Array]) -> jax.Array:
-    logits = nnx.merge(graphdef, params)(batch["x"]).astype(jnp.float32)  # the softmax in float32
+    # Sharded parameters (--shard) are gathered whole here; the gradient w.r.t. their blocks is then the
+    # block of the gradient summed over replicas. Plain and Mirrored parameters pass as they are.
+    logits = nnx.merge(graphdef, tpustrat.read_values(params))(batch["x"]).astype(jnp.float32)
     per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"].astype(jnp.int32))
     return jnp.sum(per_token) / (global_batch_size * batch["y"].shape[-1])
 
@@ -268,7 +280,7 @@ def apply_gradients(tx: optax.GradientTransformation, state: dict[str, Any], gra
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    global_batch_size: int) -> Callable[..., Any]:
+                    global_batch_size: int, sharded: bool = False) -> Callable[..., Any]:
   """The per-replica step ``train_step(state, batch) -> (state, loss)`` for `run` / `experimental_run_steps`.
 
   ``loss`` is the global mean loss of the step (all-reduced, `Mirrored`). Create the step once: the
@@ -278,6 +290,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   def train_step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
     ctx = tpustrat.get_replica_context()
+    if sharded:  # FSDP: gradients come back summed over replicas (blocks: reduce-scattered)
+      loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+      return apply_gradients(tx, state, grads), ctx.all_reduce("sum", loss)
     # This replica's own gradients (TF's tape.gradient), float32 like the parameters they belong to,
     # then one float32 all-reduce. (W.r.t. `state["params"]` itself JAX would sum them already, but in
     # bfloat16, after each layer's cast: see the module docstring.)
@@ -334,8 +349,10 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt: bytes, length: i
 
 
 def host_params(strategy: tpustrat.Strategy, params: Any) -> Any:
-  """This process's first copy of `Mirrored` parameters: arrays on one local device."""
-  return strategy.experimental_local_results(params)[0]
+  """The parameters on the host: the first copy of `Mirrored` ones, sharded ones whole."""
+  sharded = lambda v: isinstance(v, tpustrat.ShardedVariable)  # noqa: E731
+  whole = jax.tree.map(lambda v: jnp.asarray(np.asarray(v)) if sharded(v) else v, params, is_leaf=sharded)
+  return strategy.experimental_local_results(whole)[0]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -374,6 +391,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
   parser.add_argument("--seed", type=int, default=0, help="seed of the initialisation, shuffle and sample")
   parser.add_argument("--quiet", action="store_true", help="no progress bar and no printing")
+  parser.add_argument("--shard", action="store_true",
+                      help="split the parameters and optimizer state over the replicas (FSDP)")
+  parser.add_argument("--shard-min-bytes", type=int, default=64 << 10,
+                      help="with --shard: parameters of at least this many bytes are split")
   args = parser.parse_args(argv)
   for name in ("steps", "steps_per_program", "seq_len", "global_batch_size", "layers", "d_model", "heads",
                "eval_every", "eval_batches"):
@@ -424,13 +445,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   graphdef, params = make_model(config, args.seed)
   tx = make_optimizer(args.learning_rate, args.warmup_steps, args.decay_steps)
-  # Mirrored from the start, as `experimental_run_steps` returns the state (and a restore target).
-  state = strategy.experimental_mirror(init_state(params, tx))
+  # Mirrored from the start, as `experimental_run_steps` returns the state (and a restore target); with
+  # --shard, the large parameters and their optimizer state split over the replicas.
+  if args.shard:
+    state = sharded_state(strategy, params, tx, args.shard_min_bytes)
+  else:
+    state = strategy.experimental_mirror(init_state(params, tx))
   num_params = sum(x.size for x in jax.tree.leaves(params))
   say(f"model: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, {num_params:,} float32 "
       f"parameters, computing in {args.dtype}")
 
-  train_step = make_train_step(graphdef, tx, args.global_batch_size)
+  train_step = make_train_step(graphdef, tx, args.global_batch_size, sharded=args.shard)
   eval_step = make_eval_step(graphdef, args.global_batch_size)
   iterator = iter(strategy.experimental_distribute_dataset(train_ds))
 

@@ -148,12 +148,19 @@ def reference(ct):
   return get
 
 
-def strategy_losses(ct, setup: Setup, num_replicas: int) -> tuple[np.ndarray, np.ndarray]:
-  """The same 20 steps through `strategy.run` (one per step) and `experimental_run_steps` (one program)."""
+def strategy_losses(ct, setup: Setup, num_replicas: int, sharded: bool = False) -> tuple[np.ndarray, np.ndarray]:
+  """The same 20 steps through `strategy.run` (one per step) and `experimental_run_steps` (one program);
+  `sharded`: parameters of 1 KiB or more (and their optimizer state) split over the replicas (FSDP)."""
   strategy = tpustrat.TPUStrategy(device_assignment=jax.devices()[:num_replicas])
   assert strategy.num_replicas_in_sync == num_replicas
-  train_step = ct.make_train_step(setup.graphdef, setup.tx, GLOBAL_BATCH)
-  init = strategy.experimental_mirror(ct.init_state(setup.params, setup.tx))  # as `run` returns it
+  train_step = ct.make_train_step(setup.graphdef, setup.tx, GLOBAL_BATCH, sharded=sharded)
+  if sharded:
+    init = ct.sharded_state(strategy, setup.params, setup.tx, min_shard_bytes=1024)
+    kinds = {type(v).__name__ for v in jax.tree.leaves(
+        init["params"], is_leaf=lambda v: isinstance(v, tpustrat.DistributedValues))}
+    assert kinds == {"ShardedVariable", "Mirrored"}, kinds  # big leaves split, small ones (biases) mirrored
+  else:
+    init = strategy.experimental_mirror(ct.init_state(setup.params, setup.tx))  # as `run` returns it
   dist = strategy.experimental_distribute_dataset(setup.batches)
 
   state, losses = init, []
@@ -182,6 +189,16 @@ def test_float32_matches_one_device_jax(ct, reference, num_replicas):
   run_losses, steps_losses = strategy_losses(ct, setup, num_replicas)
   np.testing.assert_allclose(run_losses, want, rtol=1e-5, atol=0, err_msg="strategy.run")
   np.testing.assert_allclose(steps_losses, want, rtol=1e-5, atol=0, err_msg="experimental_run_steps")
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2, 4, 8])
+def test_fsdp_float32_matches_one_device_jax(ct, reference, num_replicas):
+  # `--shard`: the parameters and AdamW state split over the replicas; the same losses as one device (and
+  # so as data parallel) to float32 rounding.
+  setup, want = reference("float32")
+  run_losses, steps_losses = strategy_losses(ct, setup, num_replicas, sharded=True)
+  np.testing.assert_allclose(run_losses, want, rtol=1e-5, atol=0, err_msg="strategy.run, sharded")
+  np.testing.assert_allclose(steps_losses, want, rtol=1e-5, atol=0, err_msg="experimental_run_steps, sharded")
 
 
 def test_bfloat16_matches_one_device_jax_within_the_measured_bound(ct, reference):

@@ -148,3 +148,32 @@ def test_many_donated_steps_whose_only_small_output_is_part_of_the_state(strateg
     state = strategy.run(step, args=(state,), options=options)
   assert int(state["step"].values[0]) == 12
   np.testing.assert_array_equal(state["w"].values[0], eye)
+
+
+def test_donations_xla_cannot_make_are_errors_before_dispatch(strategy):
+  w = strategy.experimental_mirror(np.ones((4, 4), np.float32))
+  tied = {"enc": w, "dec": w}  # one array at two leaves of the donated state
+  with pytest.raises(ValueError, match=r"args\[0\]\['dec'\] is the same array as the argument at args\[0\]\['enc'\]"):
+    strategy.run(lambda s: s, args=(tied,), options=RunOptions(donate_argnums=0))
+  with pytest.raises(ValueError, match=r"args\[1\] is the same array as the argument at args\[0\]"):
+    strategy.run(lambda a, b: a + b, args=(w, w), options=RunOptions(donate_argnums=0))
+  assert not w.tree.is_deleted()
+  batch = next(iter(strategy.experimental_distribute_dataset([np.ones((16, 2), np.float32)])))
+  with pytest.raises(ValueError, match=r"argument 1 holds a batch of a distributed dataset"):
+    strategy.run(lambda s, b: (s, b * 2.0), args=(w, batch), options=RunOptions(donate_argnums=(0, 1)))
+  it = iter(strategy.experimental_distribute_dataset([np.ones((16, 2), np.float32)] * 3))
+  with pytest.raises(ValueError, match=r"only argument 0 \(init, the carry\) can be donated"):
+    strategy.experimental_run_steps(lambda c, b: (c, b), it, steps=1, init=0.0,
+                                    options=RunOptions(donate_argnums=(0, 1)))
+
+
+def test_one_step_with_and_without_donation_and_two_donation_sets(strategy):
+  def step(a, b):
+    return a + 1.0, b * 2.0
+
+  for options in (RunOptions(donate_argnums=0), None, RunOptions(donate_argnums=(0, 1)), RunOptions(donate_argnums=1)):
+    a = strategy.experimental_mirror(np.zeros(3, np.float32))
+    b = strategy.experimental_mirror(np.ones(3, np.float32))
+    out_a, out_b = strategy.run(step, args=(a, b), options=options)
+    np.testing.assert_array_equal(out_a.values[0], np.ones(3))
+    np.testing.assert_array_equal(out_b.values[0], np.full(3, 2.0))

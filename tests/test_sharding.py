@@ -218,3 +218,44 @@ def test_clipping_by_the_whole_gradients_norm_equals_one_device(strategy):
   assert_close(norm.values[0], float(optax.tree.norm(jax.grad(loss_fn)({"w": w0, "b": b0}, x, y))), rtol=1e-4)
   assert_close(np.asarray(new["w"]), want["w"], rtol=1e-5, scale=np.abs(want["w"]).max())
   assert_close(new["b"].values[0], want["b"], rtol=1e-5, scale=np.abs(want["b"]).max())
+
+
+def test_sharded_carry_in_run_steps_and_in_experimental_mirror(strategy):
+  rng = np.random.default_rng(5)
+  w0 = rng.normal(size=(19, 3)).astype(np.float32)
+  w = strategy.experimental_shard(w0, lambda *_: 0)
+  mirrored = strategy.experimental_mirror({"w": w, "s": np.float32(1)})
+  assert isinstance(mirrored["w"], ShardedVariable) and isinstance(mirrored["s"], Mirrored)
+
+  def step(carry, x):
+    g = jax.grad(lambda v: jnp.sum((x @ v.read_value()) ** 2))(carry)
+    return jax.tree.map(lambda a, b: a - 1e-3 * b, carry, g), jnp.zeros(())
+
+  xs = [rng.normal(size=(16, 19)).astype(np.float32) for _ in range(3)]
+  carry, _ = strategy.experimental_run_steps(step, iter(strategy.experimental_distribute_dataset(xs)), steps=3,
+                                             init=w, options=tpustrat.RunOptions(donate_argnums=0))
+  want = w0.astype(np.float64)
+  for x in xs:
+    want = want - 1e-3 * 2 * x.T @ (x @ want)
+  assert isinstance(carry, ShardedVariable)
+  assert_close(np.asarray(carry), want, rtol=1e-4, scale=np.abs(want).max())
+
+
+def test_sharded_value_errors(strategy, tmp_path):
+  from tpustrat.checkpoint import CheckpointManager
+
+  with pytest.raises(ValueError, match=r"size 0 along axis 0"):
+    strategy.experimental_shard({"e": np.zeros((0, 4))}, lambda *_: 0)
+  v = strategy.experimental_shard({"w": np.ones((13, 3), np.float32)}, lambda *_: 0)
+  with pytest.raises(ValueError, match=r"sharded value at \['w'\] comes back with a block of shape \[1, 3\].*\[2, 3\]"):
+    strategy.run(lambda s: jax.tree.map(lambda b: b[:1], s), args=(v,))
+  # A checkpoint restored into a target of another axis or shape is an error, not garbage.
+  with CheckpointManager(tmp_path, strategy) as manager:
+    manager.save(1, v)
+    with pytest.raises(ValueError, match=r"sharded variable at \['w'\] was saved as 8 blocks of shape \[2, 3\]"):
+      manager.restore(1, target=strategy.experimental_shard({"w": np.zeros((3, 13), np.float32)}, lambda *_: 1))
+  # A value sharded on another replica count is split anew for this one.
+  four = make_strategy(4).experimental_shard(np.arange(10.0, dtype=np.float32), lambda *_: 0)
+  again = strategy.experimental_shard(four)
+  assert again.num_replicas == N
+  np.testing.assert_array_equal(np.asarray(again), np.arange(10.0))

@@ -154,6 +154,28 @@ def check_not_deleted(leaves: list[Any], where: Callable[[int], str]) -> None:
           "or deleted. Pass the value that step returned instead (jax: Array has been deleted).")
 
 
+def check_donatable(args: Any, donate_argnums: tuple[int, ...], leaves: list[Any], donate: tuple[int, ...],
+                    where: Callable[[int], str]) -> None:
+  """Errors, before dispatch, for donations XLA cannot make: an array donated and also passed at another
+  position (XLA:CPU crashed on "a buffer that was previously donated in the same call"), and batches of a
+  distributed dataset (their iterator still uses their buffers, and their real-row counts are shared)."""
+  for i in donate_argnums:
+    for node in jax.tree.leaves(args[i], is_leaf=is_distributed):
+      if isinstance(node, PerReplica) and node.real_rows_array is not None:
+        raise ValueError(
+            f"RunOptions(donate_argnums={donate_argnums}): argument {i} holds a batch of a distributed dataset "
+            f"({node!r}); its iterator keeps using the batch's buffers, so it cannot be donated. Donate the "
+            "training state only.")
+  donated = {id(leaves[j]): j for j in donate}
+  for j, x in enumerate(leaves):
+    first = donated.get(id(x))
+    if first is not None and first != j and isinstance(x, jax.Array):
+      raise ValueError(
+          f"{where(j)} is the same array as {where(first).split(': ', 1)[-1]}, which is donated: an array "
+          "can be donated only where it is passed once (tied weights: pass the copy that is donated once, or "
+          "do not donate).")
+
+
 def donated_leaves(donate: tuple[int, ...], arg_leaves: list[int], where: str) -> tuple[int, ...]:
   """The flat leaf positions of the arguments `donate` (see `RunOptions.donate_argnums`), given the
   number of leaves of each positional argument; ValueError naming an index out of range."""
@@ -328,6 +350,8 @@ class Engine:
     if options is not None and options.donate_argnums:
       donate = donated_leaves(options.donate_argnums, [jax.tree.structure(a).num_leaves for a in args],
                               "strategy.run")
+      check_donatable(args, options.donate_argnums, leaves, donate,
+                      lambda i: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}")
       program = program.donating(donate)
       _DONATION_USED[0] = True
       self._in_flight.forget([leaves[i] for i in donate])
@@ -523,13 +547,17 @@ class Engine:
         # A block (`LocalShard`) leaves as one more per-replica output, a `ShardedVariable` again (a block
         # computed from constants, an optimizer's zeros, is cast to varying: it is still one replica's).
         shards = [(x.shape, x.axis) if isinstance(x, LocalShard) else None for x in out_leaves]
+        for x, p in zip(out_leaves, paths):
+          if isinstance(x, LocalShard):
+            _check_block(x, p, n)
         out_leaves = [to_varying(x.block, axis) if isinstance(x, LocalShard) else x for x in out_leaves]
         is_varying = [axis in varying_axes(x) for x in out_leaves]
         record["tree"], record["varying"], record["shards"] = out_tree, is_varying, shards
         # Padding follows an output only as the user said: (batch, True) for a marked per-example output;
         # (batch, False), batch rows for `axis=0`, for an unmarked one whose axis 0 the program shows to
         # hold one padded batch's rows (`batch_rows`: traced, not read off its size).
-        record["padded"] = _output_padding(out_leaves, paths, is_varying, marked, sizes, names, rows)
+        record["padded"] = _output_padding(out_leaves, paths, [v and sh is None for v, sh in zip(is_varying, shards)],
+                                           marked, sizes, names, rows)  # blocks are never a batch's rows
         invariant = tuple(x for x, v in zip(out_leaves, is_varying) if not v)
         varying = tuple(x[None] for x, v in zip(out_leaves, is_varying) if v)
         return invariant, varying
@@ -610,7 +638,8 @@ class _FlatProgram:
   """
 
   def __init__(self, structured: Callable[..., Any], seen_tree: Any) -> None:
-    self._out: tuple[Any, int] | None = None  # (result treedef, index of the leaf to wait on)
+    # (result treedef, index of the leaf to wait on): in the record shared with the donating variants,
+    # whose calls may reuse a trace another variant made (jax.jit caches traces per function).
     # What the latest trace recorded, shared with the donating variants (whose traces run `flat_program`).
     self._record: dict[str, tuple[Any, int] | None] = {"traced": None}
     self._fallback: Callable[..., Any] | None = None
@@ -662,11 +691,12 @@ class _FlatProgram:
     self._record["traced"] = None
     out = self._flat(*leaves)
     traced = self._record["traced"]
-    if traced is not None and self._out is not None and traced != self._out:
+    known = self._record.get("out")
+    if traced is not None and known is not None and traced != known:
       self._fallback = self._tree  # two result structures: let jax.jit keep them apart from now on
-    elif traced is not None and self._out is None:
-      self._out = traced
-    out_tree, wait = traced or self._out
+    elif traced is not None and known is None:
+      self._record["out"] = traced
+    out_tree, wait = traced or self._record["out"]
     return out_tree.unflatten(out[:out_tree.num_leaves]), out[wait]
 
 
@@ -704,6 +734,18 @@ def _same_over_replicas(sharding: Any, target: NamedSharding, axis: str) -> bool
   if replica_dims(tuple(target.spec)):  # per replica: 'replica' alone on the leading dimension
     return bool(spec) and spec[0] in (axis, (axis,)) and replica_dims(spec) == [0]
   return not replica_dims(spec)
+
+
+def _check_block(x: LocalShard, path: str, n: int) -> None:
+  """A block a step returns must still be a block of its value: same shape (elementwise updates)."""
+  want = list(x.shape)
+  want[x.axis] = -(-x.shape[x.axis] // n)
+  if list(jnp.shape(x.block)) != want:
+    raise ValueError(
+        f"strategy.run: the sharded value at {path} comes back with a block of shape {list(jnp.shape(x.block))}, "
+        f"but a value of shape {list(x.shape)} split along axis {x.axis} over {n} replicas has blocks of shape "
+        f"{want}. Update blocks elementwise (jax.tree.map, optax), or return a new value read whole "
+        "(x.read_value()) instead of a LocalShard.")
 
 
 def batch_group(node: PerReplica, path: tuple[Any, ...], roots: dict[Any, int], index: int) -> int:

@@ -44,6 +44,7 @@ from tpustrat._src.validation import check_int, check_tree_fits_32_bits
 from tpustrat._src.values import (
     Mirrored,
     PerReplica,
+    ShardedVariable,
     is_distributed,
     name_replica_axis,
     stacked_steps,
@@ -101,6 +102,8 @@ def as_carry(strategy: Strategy, value: Any) -> Any:
   replicated, split = _shardings(mesh)
 
   def one(node: Any) -> Any:
+    if isinstance(node, ShardedVariable):  # already split over the replicas: its blocks where run wants them
+      return node.map_global(lambda x: _put(x, split))
     if isinstance(node, PerReplica):
       return jax.tree.map(lambda x: PerReplica.from_stacked(_put(_strong(x), split)), node.tree)
     if isinstance(node, Mirrored):
@@ -268,10 +271,11 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
   if steps is not None:
     steps = check_int(steps, what, "steps", minimum=1)
   donate = options.donate_argnums if options is not None else ()
-  if any(i > 1 for i in donate):
+  if any(i != 0 for i in donate):
     raise ValueError(
-        f"{what}: RunOptions(donate_argnums={donate}) names argument {max(donate)}, but the program's "
-        "arguments are 0 (init, the carry) and 1 (the stacked batches).")
+        f"{what}: RunOptions(donate_argnums={donate}) names argument {max(donate)}, but only argument 0 "
+        "(init, the carry) can be donated: the stacked batches come from the iterator, which keeps using "
+        "their buffers.")
   if engine_lib.donation_used(now=bool(donate)):  # before any batch is taken from the iterator
     engine_lib.check_not_deleted(jax.tree.leaves((init, iterator if not isinstance(
         iterator, collections.abc.Iterator) else ())), lambda i: f"{what}: an array of init or of the batches")
@@ -299,6 +303,10 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
   if engine is None:  # the default strategy: one device, no collectives to bound
     return program(carry, batches)
   limit = options.max_steps_in_flight if options is not None else None
+  if donate:
+    leaves = jax.tree.leaves((carry, batches))
+    engine_lib.check_donatable((carry, batches), donate, leaves, tuple(range(len(jax.tree.leaves(carry)))),
+                               lambda i: f"{what}: leaf {i} of init and the batches")
   if donate:  # the donated arrays are no longer outputs to wait on (`InFlight.forget`)
     engine.in_flight.forget(jax.tree.leaves([(carry, batches)[i] for i in donate]))
   carry, outputs = engine.dispatch(_with_token(program), carry, batches, limit=limit, steps=k)

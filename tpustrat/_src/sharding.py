@@ -86,7 +86,9 @@ def shard(strategy: Any, tree: Any, partitioner: Partitioner | None = None) -> A
   def one(path: tuple[Any, ...], x: Any) -> Any:
     where = tree_path(path) or "<root>"
     if isinstance(x, ShardedVariable):
-      return x
+      if x.num_replicas == n and x.tree.sharding == split:
+        return x
+      return ShardedVariable._wrap(place_blocks(np.asarray(x), x.axis, n, split), x.shape, x.axis)  # pylint: disable=protected-access
     if isinstance(x, PerReplica):
       raise ValueError(f"experimental_shard: the value at {where} is a PerReplica (one value per replica); "
                        "only values that are the same on every replica can be split over them.")
@@ -103,6 +105,9 @@ def shard(strategy: Any, tree: Any, partitioner: Partitioner | None = None) -> A
       raise ValueError(f"experimental_shard: the partitioner split the scalar at {where}; a scalar has no axis "
                        "to split along (return None to keep it Mirrored).")
     axis = normalize_axis(int(axis), value.ndim, f"experimental_shard (the leaf at {where})")
+    if value.shape[axis] == 0:
+      raise ValueError(f"experimental_shard: the leaf at {where} has size 0 along axis {axis} {value.shape}: "
+                       "there is nothing to split (return None to keep it Mirrored).")
     return ShardedVariable._wrap(place_blocks(value, axis, n, split), value.shape, axis)  # pylint: disable=protected-access
 
   return jax.tree_util.tree_map_with_path(

@@ -48,7 +48,7 @@ from tpustrat._src.embedding import ShardedTable, split_rows
 from tpustrat._src.input.encoding import bytes_to_text, text_to_bytes
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.sharding import place_blocks
-from tpustrat._src.values import Mirrored, PerReplica, ShardedVariable, is_distributed
+from tpustrat._src.values import Mirrored, PerReplica, ShardedVariable, block_size, is_distributed
 
 __all__ = ["CheckpointManager", "bounded_operation"]
 
@@ -122,6 +122,14 @@ def _table_targets(target: Any, saved: Any, strategy: Any) -> Any:
                        f"{jax.tree_util.keystr(tuple(path))} (it was saved from another structure).")
     shape = tuple(meta.shape)
     n = strategy.num_replicas_in_sync
+    if isinstance(v, ShardedVariable):  # the saved blocks must be blocks of a value of the target's shape
+      want = list(v.shape)
+      want[v.axis] = block_size(v.shape[v.axis], shape[0]) if shape else 0
+      if len(shape) != len(v.shape) + 1 or list(shape[1:]) != want:
+        raise ValueError(
+            f"CheckpointManager.restore: the sharded variable at {jax.tree_util.keystr(tuple(path))} was saved as "
+            f"{shape[0] if shape else 0} blocks of shape {list(shape[1:])}, which are not blocks of the target's "
+            f"{list(v.shape)} split along axis {v.axis} ({want} each): another shape or axis.")
     sharding = split if mesh is not None and shape[0] % n == 0 else replicated
     return {"blocks": jax.ShapeDtypeStruct(shape, meta.dtype, sharding=sharding)}
 
