@@ -154,11 +154,13 @@ def check_not_deleted(leaves: list[Any], where: Callable[[int], str]) -> None:
           "or deleted. Pass the value that step returned instead (jax: Array has been deleted).")
 
 
-def check_donatable(args: Any, donate_argnums: tuple[int, ...], leaves: list[Any], donate: tuple[int, ...],
-                    where: Callable[[int], str]) -> None:
-  """Errors, before dispatch, for donations XLA cannot make: an array donated and also passed at another
-  position (XLA:CPU crashed on "a buffer that was previously donated in the same call"), and batches of a
-  distributed dataset (their iterator still uses their buffers, and their real-row counts are shared)."""
+def check_donatable(args: Any, donate_argnums: tuple[int, ...], leaves: list[Any] | None,
+                    donate: tuple[int, ...], where: Callable[[int], str]) -> None:
+  """Errors, before dispatch, for donations XLA cannot make: batches of a distributed dataset among `args`
+  at `donate_argnums` (their iterator still uses their buffers, and their real-row counts are shared: a
+  property of the arguments' structure), and, among `leaves`, an array at a donated position `donate` that
+  is also passed at another position (XLA:CPU crashed on "a buffer that was previously donated in the same
+  call")."""
   for i in donate_argnums:
     for node in jax.tree.leaves(args[i], is_leaf=is_distributed):
       if isinstance(node, PerReplica) and node.real_rows_array is not None:
@@ -166,6 +168,8 @@ def check_donatable(args: Any, donate_argnums: tuple[int, ...], leaves: list[Any
             f"RunOptions(donate_argnums={donate_argnums}): argument {i} holds a batch of a distributed dataset "
             f"({node!r}); its iterator keeps using the batch's buffers, so it cannot be donated. Donate the "
             "training state only.")
+  if leaves is None:
+    return
   donated = {id(leaves[j]): j for j in donate}
   for j, x in enumerate(leaves):
     first = donated.get(id(x))
@@ -310,6 +314,7 @@ class Engine:
     self._axis = axis_name
     self._programs: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
     self._in_flight = InFlight()
+    self._donations: dict[Any, tuple[int, ...]] = {}  # (run key, donate_argnums) -> donated leaf positions
     self._entries: collections.OrderedDict[Any, tuple[_FlatProgram, list[NamedSharding]]] = (
         collections.OrderedDict())
     self._array_types: set[type] = set()  # concrete (non-tracer) jax.Array types seen already placed
@@ -348,10 +353,22 @@ class Engine:
         _check_host_integers(x, in_tree, i)
         leaves[i] = self._place(x, targets[i])
     if options is not None and options.donate_argnums:
-      donate = donated_leaves(options.donate_argnums, [jax.tree.structure(a).num_leaves for a in args],
-                              "strategy.run")
-      check_donatable(args, options.donate_argnums, leaves, donate,
-                      lambda i: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}")
+      # What depends on the argument structure alone is worked out once per structure.
+      try:
+        donate = self._donations.get((key, options.donate_argnums))
+      except TypeError:  # an unhashable callable: nothing is cached for it
+        donate = None
+      if donate is None:
+        donate = donated_leaves(options.donate_argnums, [jax.tree.structure(a).num_leaves for a in args],
+                                "strategy.run")
+        check_donatable(args, options.donate_argnums, None, (), str)
+        if len(self._donations) > _CACHE_SIZE:
+          self._donations.clear()
+        try:
+          self._donations[(key, options.donate_argnums)] = donate
+        except TypeError:
+          pass
+      check_donatable(None, (), leaves, donate, lambda i: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}")
       program = program.donating(donate)
       _DONATION_USED[0] = True
       self._in_flight.forget([leaves[i] for i in donate])
