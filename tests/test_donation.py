@@ -177,3 +177,22 @@ def test_one_step_with_and_without_donation_and_two_donation_sets(strategy):
     out_a, out_b = strategy.run(step, args=(a, b), options=options)
     np.testing.assert_array_equal(out_a.values[0], np.ones(3))
     np.testing.assert_array_equal(out_b.values[0], np.full(3, 2.0))
+
+
+def test_donating_steps_stay_bounded_by_max_steps_in_flight(strategy):
+  # Each donating program has a token of its own, so the bound counts every step: unbounded dispatch of
+  # collective programs deadlocks XLA:CPU. (Waiting on the step's small state leaf instead, which the next
+  # step donates, left the bound counting one step at most, and a 2-process job hung under load.)
+  engine = strategy.extended.engine
+  engine.wait()
+  state = strategy.experimental_mirror({"w": np.zeros((8, 8), np.float32), "step": np.int32(0)})
+  options = RunOptions(donate_argnums=0, max_steps_in_flight=2)
+  step = lambda s: {"w": s["w"] + 1.0, "step": s["step"] + 1}  # noqa: E731
+  for i in range(6):
+    state = strategy.run(step, args=(state,), options=options)
+    pending = list(engine.in_flight._pending)
+    assert len(pending) == min(i + 1, 2)
+    assert not any(t.is_deleted() for t in pending)
+    assert all(t is not leaf for t in pending for leaf in jax.tree.leaves(state))
+  engine.wait()
+  assert int(state["step"].values[0]) == 6

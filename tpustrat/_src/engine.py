@@ -654,17 +654,18 @@ class _FlatProgram:
   `jax.jit` tracks per signature.
   """
 
-  def __init__(self, structured: Callable[..., Any], seen_tree: Any) -> None:
-    # (result treedef, index of the leaf to wait on): in the record shared with the donating variants,
-    # whose calls may reuse a trace another variant made (jax.jit caches traces per function).
-    # What the latest trace recorded, shared with the donating variants (whose traces run `flat_program`).
-    self._record: dict[str, tuple[Any, int] | None] = {"traced": None}
+  def __init__(self, structured: Callable[..., Any], seen_tree: Any, donate: tuple[int, ...] = ()) -> None:
+    # What the latest trace recorded, and the (result treedef, index of the leaf to wait on) kept.
+    self._record: dict[str, tuple[Any, int] | None] = {"traced": None, "out": None}
     self._fallback: Callable[..., Any] | None = None
+    self._structured, self._seen_tree = structured, seen_tree
 
     def flat(*leaves: Any) -> tuple[list[Any], Any, int]:
       args, kwargs = jax.tree.unflatten(seen_tree, leaves)
       out, out_tree = jax.tree.flatten(structured(args, kwargs))
-      wait = wait_leaf(out, leaves)
+      # A donating program always waits on a token of its own: its small outputs are typically part of
+      # the state the next step donates, and a donated array cannot be waited on.
+      wait = None if donate else wait_leaf(out, leaves)
       if wait is None:  # nothing small computed: a one-byte token to wait on
         out.append(jnp.zeros((), jnp.int8))
         wait = len(out) - 1
@@ -681,9 +682,8 @@ class _FlatProgram:
 
     self.__name__ = getattr(structured, "__name__", "run_fn")
     flat_program.__name__ = tree_program.__name__ = self.__name__
-    self._flat = jax.jit(flat_program)
-    self._tree = jax.jit(tree_program)
-    self._flat_program, self._tree_program = flat_program, tree_program
+    self._flat = jax.jit(flat_program, donate_argnums=donate)
+    self._tree = jax.jit(tree_program, donate_argnums=donate)
     self._donating: dict[tuple[int, ...], _FlatProgram] = {}
 
   def donating(self, leaves: tuple[int, ...]) -> _FlatProgram:
@@ -692,13 +692,7 @@ class _FlatProgram:
       return self
     variant = self._donating.get(leaves)
     if variant is None:
-      variant = object.__new__(_FlatProgram)
-      variant.__dict__.update(self.__dict__)
-      variant._flat = jax.jit(self._flat_program, donate_argnums=leaves)
-      variant._tree = jax.jit(self._tree_program, donate_argnums=leaves)
-      variant._fallback = None if self._fallback is None else variant._tree
-      variant._donating = {}
-      self._donating[leaves] = variant
+      variant = self._donating[leaves] = _FlatProgram(self._structured, self._seen_tree, leaves)
     return variant
 
   def __call__(self, leaves: list[Any]) -> tuple[Any, Any]:

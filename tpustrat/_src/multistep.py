@@ -199,7 +199,10 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
       c, out = run(step, args=(c, batch))
       return _drop_counts(c), out
 
-    return lax.scan(body, carry, batches)
+    result = lax.scan(body, carry, batches)
+    # A donating program returns a token of its own to wait on (`_with_token`): the carry, which the next
+    # call donates, cannot be waited on.
+    return (*result, jnp.zeros((), jnp.int8)) if donate else result
 
   run_steps_program.__name__ = f"run_steps_{step.__name__}"
   return jax.jit(run_steps_program, donate_argnums=donate)
@@ -301,7 +304,8 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
 
   engine = strategy.extended.engine
   if engine is None:  # the default strategy: one device, no collectives to bound
-    return program(carry, batches)
+    result = program(carry, batches)
+    return result[:2]  # without a token (a donating program returns one)
   limit = options.max_steps_in_flight if options is not None else None
   if donate:
     leaves = jax.tree.leaves((carry, batches))
@@ -321,6 +325,8 @@ def _with_token(program: Callable[..., Any]) -> Callable[..., tuple[Any, Any]]:
 
   def dispatched(carry: Any, batches: Any) -> tuple[Any, Any]:
     result = program(carry, batches)
+    if len(result) == 3:  # a donating program's own token (see `_make_program`)
+      return result[:2], result[2]
     leaves = jax.tree.leaves(result)
     i = engine_lib.wait_leaf(leaves, tuple(jax.tree.leaves((carry, batches))))
     if i is None and leaves:
