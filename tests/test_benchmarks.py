@@ -130,9 +130,9 @@ CASES = {
     # README: `bench_sharding.py` (donation of the training state), on a tiny transformer.
     "sharding": Case(
         "bench_sharding.py", ("--layers", "1", "--d-model", "32", "--batch", "8", "--seq-len", "16"),
-        ("# new states allclose (donated vs not)",),
+        ("# new states allclose (donated vs not; FSDP vs data parallel)",),
         ("variant",),
-        (("data parallel",), ("data parallel, state donated",))),
+        (("data parallel",), ("data parallel, state donated",), ("FSDP, state donated",))),
     # `bench_peers.py` (its docstring's command): tpustrat, hand-written JAX and, where it is installed
     # (the `bench` extra), Keras 3; then compile times at k = 1, 8, 64. Without Keras its rows are left out.
     "peers": Case(
