@@ -143,12 +143,22 @@ def donation_used(now: bool = False) -> bool:
   return _DONATION_USED[0]
 
 
+_CONCRETE_ARRAY_TYPES: set[type] = set()  # concrete (non-tracer) jax.Array types seen by `check_not_deleted`
+
+
 def check_not_deleted(leaves: list[Any], where: Callable[[int], str]) -> None:
   """RuntimeError naming the first deleted array among `leaves` (`where(i)` says which it is): one donated
   to an earlier program. Checked before dispatch, because a compiled program handed a deleted buffer
-  crashed the process on XLA:CPU instead of raising (JAX 0.10.2)."""
+  crashed the process on XLA:CPU instead of raising (JAX 0.10.2). Per step: a set lookup of the leaf's type
+  and `is_deleted()` (about 50 ns a leaf here)."""
+  known = _CONCRETE_ARRAY_TYPES
   for i, x in enumerate(leaves):
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+    kind = type(x)
+    if kind not in known:
+      if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        continue
+      known.add(kind)
+    if x.is_deleted():
       raise RuntimeError(
           f"{where(i)} has been deleted: it was donated to an earlier step (RunOptions(donate_argnums=...)) "
           "or deleted. Pass the value that step returned instead (jax: Array has been deleted).")
