@@ -592,15 +592,20 @@ def _terminated_job(tmp_path, mode: str, *args: str) -> subprocess.Popen:
   return launcher
 
 
-def test_sigterm_is_forwarded_and_the_processes_save_and_their_status_is_the_launchers(tmp_path):
-  launcher = _terminated_job(tmp_path, "save", "--termination-grace-period", "60")
+def _sigterm(launcher: subprocess.Popen) -> tuple[str, float]:
+  """Sends the launcher SIGTERM and waits for it to end: (its stderr, the seconds it took)."""
   try:
     start = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
-    out, err = launcher.communicate(timeout=60)
-    elapsed = time.monotonic() - start
+    _, err = launcher.communicate(timeout=60)
+    return err, time.monotonic() - start
   finally:
     _stop_and_reap(launcher)
+
+
+def test_sigterm_is_forwarded_and_the_processes_save_and_their_status_is_the_launchers(tmp_path):
+  launcher = _terminated_job(tmp_path, "save", "--termination-grace-period", "60")
+  err, elapsed = _sigterm(launcher)
   # Every process saved (and so did the helper each started, in its process group), then exited with 42:
   # the launcher exits with 42 too, for a supervisor to restart the job.
   assert launcher.returncode == names.EXIT_RESTART, err[-3000:]
@@ -620,13 +625,7 @@ def test_after_the_termination_grace_period_the_rest_is_killed(tmp_path):
   # Process 1 ignores SIGTERM: it is killed once the grace period is over; process 0 saved and exited 42,
   # the first status of the job, which is the launcher's.
   launcher = _terminated_job(tmp_path, "ignore", "--termination-grace-period", "2")
-  try:
-    start = time.monotonic()
-    launcher.send_signal(signal.SIGTERM)
-    out, err = launcher.communicate(timeout=60)
-    elapsed = time.monotonic() - start
-  finally:
-    _stop_and_reap(launcher)
+  err, elapsed = _sigterm(launcher)
   assert launcher.returncode == names.EXIT_RESTART, err[-3000:]
   assert (tmp_path / "saved0").exists() and not (tmp_path / "saved1").exists()
   assert "process 1 was still running 2 s after the SIGTERM and was killed by the launcher" in err, err[-3000:]

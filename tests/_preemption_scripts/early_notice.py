@@ -14,14 +14,12 @@ an uninterrupted run of that script.
 
 import argparse
 import importlib.util
-import json
 import os
 import pathlib
 import signal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import tpustrat
 
@@ -55,24 +53,7 @@ def main():
   def train(state, batch):
     return strategy.run(linear_sgd.step, args=(state, batch))
 
-  log = open(os.path.join(args.out_dir, f"steps_p{index}.jsonl"), "a")
-  while handler.total_run_calls < linear_sgd.STEPS:
-    batch = next(it)
-    ids = [int(i) for i in np.asarray(strategy.gather(batch["id"], axis=0))]
-    log.write(json.dumps({"attempt": attempt, "step": handler.total_run_calls + 1, "ids": ids}) + "\n")
-    log.flush()
-    state, loss = handler.run(train, state, batch)
-    step_no = handler.total_run_calls
-    np.asarray(strategy.experimental_local_results(loss)[0])
-    if step_no % 10 == 0:
-      manager.save(step_no, state, iterator=it)
-      manager.wait_until_finished()
-  manager.wait_until_finished()
-  handler.close()
-  if index == 0:
-    final = np.asarray(strategy.experimental_local_results(state["w"])[0])
-    np.savez(os.path.join(args.out_dir, "final.npz"), w=final, total_run_calls=handler.total_run_calls)
-  print(f"process {index} done at step {handler.total_run_calls}", flush=True)
+  linear_sgd.train_loop(strategy, handler, manager, it, state, train, args.out_dir, attempt)
 
 
 if __name__ == "__main__":

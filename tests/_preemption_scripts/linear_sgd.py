@@ -80,7 +80,14 @@ def main():
         os.kill(os.getpid(), signal.SIGTERM if args.fault == "term" else signal.SIGKILL)
     return strategy.run(step, args=(state, batch))
 
-  log = open(os.path.join(args.out_dir, f"steps_p{index}.jsonl"), "a")
+  train_loop(strategy, handler, manager, it, state, train, args.out_dir, attempt)
+
+
+def train_loop(strategy, handler, manager, it, state, train, out_dir, attempt):
+  """The loop both scripts run: each step's batch ids logged to ``OUT_DIR/steps_p<index>.jsonl`` before
+  the call, a checkpoint every 10 steps, and process 0's final parameters in ``OUT_DIR/final.npz``."""
+  index = jax.process_index()
+  log = open(os.path.join(out_dir, f"steps_p{index}.jsonl"), "a")
   while handler.total_run_calls < STEPS:
     batch = next(it)
     ids = [int(i) for i in np.asarray(strategy.gather(batch["id"], axis=0))]
@@ -99,7 +106,7 @@ def main():
   handler.close()
   if index == 0:
     final = np.asarray(strategy.experimental_local_results(state["w"])[0])
-    np.savez(os.path.join(args.out_dir, "final.npz"), w=final, total_run_calls=handler.total_run_calls)
+    np.savez(os.path.join(out_dir, "final.npz"), w=final, total_run_calls=handler.total_run_calls)
   print(f"process {index} done at step {handler.total_run_calls}", flush=True)
 
 
