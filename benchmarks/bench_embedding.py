@@ -14,8 +14,9 @@ table sizes (``--rows``, width ``--dim``, float32):
 * ``sharded``: `TPUEmbedding` (one `FeatureConfig` on one `TableConfig`): inside `strategy.run`,
   ``emb.lookup`` (two `all_to_all`: ids out, rows back), the gradient of the loss with respect to the
   activations (`jax.grad`), and ``emb.apply_gradients`` (two more: ids and per-id gradients to the
-  rows' owners, which update their rows). The table and its slots are `ShardedTable`s: a `PerReplica`
-  of ``[N, Vp/N, D]``, each replica holding ``Vp/N`` rows (``Vp``: ``V`` padded to a multiple of ``N``).
+  rows' owners, which update their rows). The table and its slots are `ShardedVariable`s of shape
+  ``[V, D]`` split along axis 0: blocks ``[N, Vp/N, D]``, each replica holding ``Vp/N`` rows (``Vp``:
+  ``V`` padded to a multiple of ``N``).
 * ``replicated``: what one writes without it (TF's `MirroredStrategy` with the table as a variable):
   the table (and slot) is a `Mirrored` ``[V, D]`` array, a whole copy on every device; inside
   `strategy.run` the activations are ``jnp.take`` and the same combiner, the gradient with respect to
@@ -242,7 +243,7 @@ def check_same(emb: embedding.TPUEmbedding, sharded: Variant, dense: Variant, ro
   got = emb.embedding_tables(state)["table"]
   np.testing.assert_allclose(got, _array(table), **tol, err_msg=f"{what} tables")
   for name, slot in slots.items():
-    np.testing.assert_allclose(state["slots"]["table"][name].full(), _array(slot), **tol,
+    np.testing.assert_allclose(np.asarray(state["slots"]["table"][name]), _array(slot), **tol,
                                err_msg=f"{what} {name}")
   np.testing.assert_allclose(_array(w_s), _array(w_d), **tol, err_msg=f"{what} dense layers")
   np.testing.assert_allclose(_array(loss_s), _array(loss_d), **tol, err_msg=f"{what} losses")

@@ -180,6 +180,7 @@ class Config:
   d_model: int = 128
   heads: int = 4
   dtype: str = "float32"  # or "bfloat16": the compute dtype
+  remat: bool = False  # recompute each block in the backward pass (sharded weights are gathered again)
 
   @property
   def compute_dtype(self) -> Any:
@@ -203,14 +204,24 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  """Decoder-only: byte and position embeddings, `layers` blocks, a final LayerNorm and a byte head."""
+  """Decoder-only: byte and position embeddings, `layers` blocks, a final LayerNorm and a byte head.
+
+  The blocks are stacked: ``blocks`` is one `Block` whose parameters have a leading layer axis, and the
+  forward pass is a `lax.scan` over it (one compiled layer, however many layers). With sharded parameters
+  (``--shard``) the scan body reads (all-gathers) one layer's weights at a time, and with
+  ``Config.remat`` the backward pass gathers them again instead of keeping every gathered layer
+  (`tpustrat.gather_again_policy`): per-layer gathering, as FSDP does it.
+  """
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs) -> None:
     kw = {"dtype": config.compute_dtype, "param_dtype": jnp.float32, "rngs": rngs}
     init = nnx.initializers.normal(0.02)
     self.tokens = nnx.Embed(VOCAB_SIZE, config.d_model, embedding_init=init, **kw)
     self.positions = nnx.Embed(config.seq_len, config.d_model, embedding_init=init, **kw)
-    self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.layers)])
+    # `layers` blocks initialised one after the other, then stacked on a leading layer axis.
+    blocks = [nnx.split(Block(config, rngs=rngs)) for _ in range(config.layers)]
+    self.blocks = nnx.merge(blocks[0][0], jax.tree.map(lambda *xs: jnp.stack(xs), *[s for _, s in blocks]))
+    self.remat = config.remat
     self.ln_final = nnx.LayerNorm(config.d_model, **kw)
     self.head = nnx.Linear(config.d_model, VOCAB_SIZE, kernel_init=init, **kw)
 
@@ -219,8 +230,16 @@ class Transformer(nnx.Module):
     tokens = tokens.astype(jnp.int32)
     x = self.tokens(tokens) + self.positions(jnp.arange(tokens.shape[-1]))
     mask = nnx.make_causal_mask(tokens)  # [batch, 1, T, T]: position t sees positions <= t
-    for block in self.blocks:
-      x = block(x, mask)
+    block_def, stacked = nnx.split(self.blocks)
+
+    def layer(x: jax.Array, params: nnx.State) -> tuple[jax.Array, None]:
+      # One layer's parameters; sharded ones (blocks of [layers, ...] values) are gathered here, one layer
+      # at a time. Plain arrays pass as they are.
+      return nnx.merge(block_def, tpustrat.read_values(params))(x, mask), None
+
+    if self.remat:
+      layer = jax.checkpoint(layer, policy=tpustrat.gather_again_policy())
+    x, _ = jax.lax.scan(layer, x, stacked)
     return self.head(self.ln_final(x))
 
 
@@ -248,12 +267,36 @@ def init_state(params: nnx.State, tx: optax.GradientTransformation) -> dict[str,
   return {"params": params, "opt_state": tx.init(params)}  # zeros, and a step count
 
 
+def fsdp_partitioner(min_shard_bytes: int) -> Callable[..., int | None]:
+  """Which parameters `--shard` splits, and along which axis: those of at least `min_shard_bytes`. The
+  stacked blocks' parameters (``[layers, ...]``) split along their largest axis after the layer axis, so
+  that the scan over layers reads one layer at a time; the others along axis 0 (`MinSizePartitioner`)."""
+  big = tpustrat.MinSizePartitioner(min_shard_bytes=min_shard_bytes)
+
+  def partition(path: tuple[Any, ...], shape: tuple[int, ...], dtype: Any) -> int | None:
+    if big(path, shape, dtype) is None:
+      return None
+    if getattr(path[0], "key", None) == "blocks":
+      return 1 + int(np.argmax(shape[1:])) if len(shape) > 1 else None
+    return 0
+
+  return partition
+
+
 def sharded_state(strategy: tpustrat.Strategy, params: nnx.State, tx: optax.GradientTransformation,
                   min_shard_bytes: int) -> dict[str, Any]:
   """The training state with the parameters of at least `min_shard_bytes` split over the replicas (FSDP):
   the optimizer state, made from them inside `run`, is split the same way."""
-  params = strategy.experimental_shard(params, tpustrat.MinSizePartitioner(min_shard_bytes=min_shard_bytes))
+  params = strategy.experimental_shard(params, fsdp_partitioner(min_shard_bytes))
   return {"params": params, "opt_state": strategy.run(tx.init, args=(params,))}
+
+
+def read_outside_blocks(params: nnx.State) -> nnx.State:
+  """`params` with the sharded parameters outside the stacked blocks read whole (`tpustrat.read_values`);
+  the blocks' stay blocks, for the scan over layers to read one layer at a time."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: x if getattr(path[0], "key", None) == "blocks" else tpustrat.read_values(x), params,
+      is_leaf=lambda x: isinstance(x, tpustrat.LocalShard))
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, global_batch_size: int) -> Callable[..., jax.Array]:
@@ -264,9 +307,10 @@ def make_loss_fn(graphdef: nnx.GraphDef, global_batch_size: int) -> Callable[...
   """
 
   def loss_fn(params: nnx.State, batch: dict[str, jax.Array]) -> jax.Array:
-    # Sharded parameters (--shard) are gathered whole here; the gradient w.r.t. their blocks is then the
-    # block of the gradient summed over replicas. Plain and Mirrored parameters pass as they are.
-    logits = nnx.merge(graphdef, tpustrat.read_values(params))(batch["x"]).astype(jnp.float32)
+    # Sharded parameters (--shard) are gathered whole here, the stacked blocks' one layer at a time inside
+    # the model's scan; the gradient w.r.t. their blocks is then the block of the gradient summed over
+    # replicas. Plain and Mirrored parameters pass as they are.
+    logits = nnx.merge(graphdef, read_outside_blocks(params))(batch["x"]).astype(jnp.float32)
     per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"].astype(jnp.int32))
     return jnp.sum(per_token) / (global_batch_size * batch["y"].shape[-1])
 
@@ -395,6 +439,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="split the parameters and optimizer state over the replicas (FSDP)")
   parser.add_argument("--shard-min-bytes", type=int, default=64 << 10,
                       help="with --shard: parameters of at least this many bytes are split")
+  parser.add_argument("--remat", action="store_true",
+                      help="recompute each block in the backward pass instead of keeping its activations "
+                           "(with --shard: gather each layer's weights again, so one layer is whole at a time)")
   args = parser.parse_args(argv)
   for name in ("steps", "steps_per_program", "seq_len", "global_batch_size", "layers", "d_model", "heads",
                "eval_every", "eval_batches"):
@@ -431,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     raise SystemExit(f"--global-batch-size {args.global_batch_size} is not a multiple of the {n} replicas; "
                      f"pick a multiple of {n}.")
   config = Config(seq_len=args.seq_len, layers=args.layers, d_model=args.d_model, heads=args.heads,
-                  dtype=args.dtype)
+                  dtype=args.dtype, remat=args.remat)
 
   train_files, val_files = split_files(stdlib_files(args.max_files))
   train_text, val_text = read_bytes(train_files), read_bytes(val_files)

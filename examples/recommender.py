@@ -378,8 +378,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   state["embedding"] = embedding.build(seed=args.seed)
   rows_per_device = {}
   for f in features:
-    blocks = state["embedding"]["tables"][f.name].blocks  # [replica, rows per replica, 16], one block per device
-    rows_per_device[f.name] = int(strategy.experimental_local_results(blocks)[0].shape[0])
+    table = state["embedding"]["tables"][f.name]  # a ShardedVariable [V, 16] split by rows: a block per device
+    assert table.shape == (f.vocabulary_size, EMBEDDING_DIM) and table.axis == 0
+    rows_per_device[f.name] = int(strategy.experimental_local_results(table)[0].shape[0])
     assert rows_per_device[f.name] == embedding.rows_per_replica(f.name) == -(-f.vocabulary_size // n)
   total_rows, device_rows = sum(f.vocabulary_size for f in features), sum(rows_per_device.values())
   say(f"{strategy!r} on {jax.devices()[0].platform}: {len(features)} tables, {total_rows:,} rows x "

@@ -54,6 +54,7 @@ class Case:
   agree: tuple[str, ...]
   key: tuple[str, ...]
   rows: tuple[tuple[str, ...], ...]
+  table: int = 0  # which table of the output the rows are checked in
 
 
 CASES = {
@@ -127,12 +128,25 @@ CASES = {
         ("# 1000 rows: results allclose;",),
         ("rows", "optimizer", "steps x trials"),
         (("1000", "sgd", "2 x 1"),)),
-    # README: `bench_sharding.py` (donation of the training state), on a tiny transformer.
+    # README: `bench_sharding.py` (donation, FSDP, per-layer gathering), on a tiny transformer; the step
+    # timing is left out (its own table).
     "sharding": Case(
-        "bench_sharding.py", ("--layers", "1", "--d-model", "32", "--batch", "8", "--seq-len", "16"),
-        ("# new states allclose (donated vs not; FSDP vs data parallel)",),
+        "bench_sharding.py", ("--layers", "2", "--d-model", "32", "--batch", "8", "--seq-len", "16",
+                              "--trials", "0"),
+        ("# new states allclose (donated vs not; FSDP vs data parallel; hand-written FSDP)",),
         ("variant",),
-        (("data parallel",), ("data parallel, state donated",), ("FSDP, state donated",))),
+        (("data parallel",), ("data parallel, state donated",), ("data parallel, remat, state donated",),
+         ("FSDP, state donated",), ("FSDP, per-layer gathering, donated",))),
+    # ... and its step timing (the second table): FSDP against data parallel and hand-written FSDP.
+    "sharding step time": Case(
+        "bench_sharding.py", ("--layers", "1", "--d-model", "32", "--batch", "8", "--seq-len", "16",
+                              "--trials", "1", "--steps", "1"),
+        ("# new states allclose (donated vs not; FSDP vs data parallel; hand-written FSDP)",),
+        ("variant", "throughput vs"),
+        (("data parallel, state donated", ""), ("FSDP, state donated", "data parallel, state donated"),
+         ("FSDP, per-layer gathering, donated", "data parallel, state donated"),
+         ("FSDP, state donated", "hand-written FSDP"), ("hand-written FSDP", "")),
+        table=1),
     # `bench_peers.py` (its docstring's command): tpustrat, hand-written JAX and, where it is installed
     # (the `bench` extra), Keras 3; then compile times at k = 1, 8, 64. Without Keras its rows are left out.
     "peers": Case(
@@ -161,9 +175,19 @@ def run_script(script: str, *flags: str) -> str:
   return proc.stdout
 
 
-def markdown_table(text: str) -> list[dict[str, str]]:
-  """The rows of the one markdown table in `text`, each as {column name: cell}."""
-  lines = [line for line in text.splitlines() if line.startswith("|")]
+def markdown_table(text: str, which: int = 0) -> list[dict[str, str]]:
+  """The rows of markdown table number `which` in `text` (tables are runs of lines starting with "|"),
+  each as {column name: cell}."""
+  tables, previous = [], False
+  for line in text.splitlines():
+    row = line.startswith("|")
+    if row and not previous:
+      tables.append([])
+    if row:
+      tables[-1].append(line)
+    previous = row
+  assert len(tables) > which, f"no markdown table number {which} in:\n{text}"
+  lines = tables[which]
   assert len(lines) >= 2, f"no markdown table in:\n{text}"
   def cells(line: str) -> list[str]:
     assert line.endswith("|"), line
@@ -178,6 +202,8 @@ def markdown_table(text: str) -> list[dict[str, str]]:
 def test_markdown_table_parser():
   text = "# a comment\n\n| a | b c |\n|---|---:|\n| x, y | 1.0 [0.9, 1.1] |\n| z |  |\n\nfooter\n"
   assert markdown_table(text) == [{"a": "x, y", "b c": "1.0 [0.9, 1.1]"}, {"a": "z", "b c": ""}]
+  two = text + "\n| c |\n|---|\n| 3 |\n"
+  assert markdown_table(two, 1) == [{"c": "3"}] and markdown_table(two) == markdown_table(text)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -187,5 +213,5 @@ def test_benchmark_runs_and_its_variants_agree(name):
   assert out.startswith("# jax "), out[:500]  # the machine line
   for line in case.agree:
     assert sum(x.startswith(line) for x in out.splitlines()) == 1, f"missing {line!r} in:\n{out}"
-  rows = markdown_table(out)
+  rows = markdown_table(out, case.table)
   assert [tuple(r[c] for c in case.key) for r in rows] == list(case.rows), out

@@ -109,8 +109,8 @@ def test_main_trains_and_resumes_from_its_checkpoint_bit_for_bit(ct, tmp_path):
 class Setup:
   """The tiny model, its optimizer and 20 global batches of real training data (numpy)."""
 
-  def __init__(self, ct, dtype: str) -> None:
-    self.config = ct.Config(seq_len=16, layers=1, d_model=32, heads=2, dtype=dtype)
+  def __init__(self, ct, dtype: str, layers: int = 1, remat: bool = False) -> None:
+    self.config = ct.Config(seq_len=16, layers=layers, d_model=32, heads=2, dtype=dtype, remat=remat)
     self.graphdef, self.params = ct.make_model(self.config, seed=0)
     self.tx = ct.make_optimizer(1e-2, warmup_steps=2, decay_steps=STEPS)
     files = ct.split_files(ct.stdlib_files(12))[0]
@@ -139,11 +139,11 @@ def reference(ct):
   """``{dtype: (Setup, one-device losses)}``, computed once per dtype."""
   cache = {}
 
-  def get(dtype: str):
-    if dtype not in cache:
-      setup = Setup(ct, dtype)
-      cache[dtype] = setup, one_device_losses(ct, setup)
-    return cache[dtype]
+  def get(dtype: str, layers: int = 1, remat: bool = False):
+    if (dtype, layers, remat) not in cache:
+      setup = Setup(ct, dtype, layers, remat)
+      cache[dtype, layers, remat] = setup, one_device_losses(ct, setup)
+    return cache[dtype, layers, remat]
 
   return get
 
@@ -199,6 +199,19 @@ def test_fsdp_float32_matches_one_device_jax(ct, reference, num_replicas):
   run_losses, steps_losses = strategy_losses(ct, setup, num_replicas, sharded=True)
   np.testing.assert_allclose(run_losses, want, rtol=1e-5, atol=0, err_msg="strategy.run, sharded")
   np.testing.assert_allclose(steps_losses, want, rtol=1e-5, atol=0, err_msg="experimental_run_steps, sharded")
+
+
+@pytest.mark.parametrize("num_replicas", [2, 8])
+def test_fsdp_per_layer_gathering_matches_one_device_jax(ct, reference, num_replicas):
+  # `--shard --remat` on 3 stacked layers: the scan over layers gathers one layer at a time, and the
+  # backward pass gathers it again; the same losses as the one-device model (without remat: it changes
+  # memory, not numbers).
+  setup, want = reference("float32", layers=3)
+  assert want[-1] < want[0] - 0.5
+  remat = Setup(ct, "float32", layers=3, remat=True)
+  run_losses, steps_losses = strategy_losses(ct, remat, num_replicas, sharded=True)
+  np.testing.assert_allclose(run_losses, want, rtol=1e-5, atol=0, err_msg="strategy.run, per-layer")
+  np.testing.assert_allclose(steps_losses, want, rtol=1e-5, atol=0, err_msg="experimental_run_steps, per-layer")
 
 
 def test_bfloat16_matches_one_device_jax_within_the_measured_bound(ct, reference):

@@ -23,7 +23,6 @@ from conftest import assert_close
 
 import tpustrat
 from tpustrat import embedding as emb_lib
-from tpustrat._src.embedding import ShardedTable  # not re-exported by tpustrat.embedding
 from tpustrat.checkpoint import CheckpointManager
 
 V = 37  # does not divide by 2, 4 or 8: the last block holds padding rows
@@ -290,11 +289,11 @@ def poison_padding(state):
   """`state` with the padding rows of every table set to POISON (they must never be read or written)."""
   tables = {}
   for name, t in state["tables"].items():
-    blocks = t.blocks.tree
+    blocks = t.tree  # [N, ceil(V/N), D]
     array = np.array(blocks)
     flat = array.reshape(-1, array.shape[-1])
     flat[V:] = POISON
-    tables[name] = ShardedTable(tpustrat.PerReplica.from_stacked(jax.device_put(array, blocks.sharding)), V)
+    tables[name] = tpustrat.ShardedVariable._wrap(jax.device_put(array, blocks.sharding), t.shape, t.axis)
   return {**state, "tables": tables}
 
 
@@ -307,7 +306,7 @@ def assert_matches(emb, state, ref, what):
     assert_close(tables[name], expected, err_msg=f"{what}: table {name}")
     assert sorted(state["slots"][name]) == sorted(ref.slots[name])
     for slot, value in ref.slots[name].items():
-      assert_close(state["slots"][name][slot].full(), value, err_msg=f"{what}: slot {slot} of {name}")
+      assert_close(np.asarray(state["slots"][name][slot]), value, err_msg=f"{what}: slot {slot} of {name}")
 
 
 def check_padding(emb, state, n, initial_state):
@@ -315,12 +314,12 @@ def check_padding(emb, state, n, initial_state):
   rows = -(-V // n)
   for name, (_, dim) in TABLES.items():
     assert emb.rows_per_replica(name) == rows
-    blocks = np.asarray(state["tables"][name].blocks.tree)
+    blocks = np.asarray(state["tables"][name].tree)
     assert blocks.shape == (n, rows, dim)
     np.testing.assert_array_equal(blocks.reshape(-1, dim)[V:], POISON, err_msg=f"padding rows of {name}")
     for slot, table in state["slots"][name].items():
-      got = np.asarray(table.blocks.tree).reshape(-1, dim)[V:]
-      want = np.asarray(initial_state["slots"][name][slot].blocks.tree).reshape(-1, dim)[V:]
+      got = np.asarray(table.tree).reshape(-1, dim)[V:]
+      want = np.asarray(initial_state["slots"][name][slot].tree).reshape(-1, dim)[V:]
       np.testing.assert_array_equal(got, want, err_msg=f"padding rows of slot {slot} of {name}")
 
 
@@ -383,9 +382,57 @@ def test_default_initializer_is_seeded_truncated_normal(strategies):
   assert not np.array_equal(a, c)
   assert np.abs(a).max() <= 2 / np.sqrt(16) + 1e-6  # truncated at 2 standard deviations
   assert 0.15 < a.std() < 0.25  # 1 / sqrt(16) = 0.25, truncation shrinks it to ~0.22
-  blocks = np.asarray(emb.build(0)["tables"]["t"].blocks.tree)
+  blocks = np.asarray(emb.build(0)["tables"]["t"].tree)
   assert blocks.shape == (8, 5, 16)
   np.testing.assert_array_equal(blocks.reshape(-1, 16)[V:], 0.0)
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+def test_tables_and_slots_are_sharded_variables_split_by_rows(strategies, n):
+  """A built table (and each optimizer slot) is a ShardedVariable of shape (V, D) along axis 0, blocks
+  [n, ceil(V/n), D] split over the replicas; np.asarray of it is embedding_tables' array. Inside run a step
+  sees LocalShards of the blocks, and the state comes back as ShardedVariables of the same layout."""
+  strategy = strategies[n]
+  emb = make_embedding(strategy, ASSIGNMENTS["A"], features={"sum_1": FEATURES["sum_1"]})  # lazy Adam: 2 slots
+  state = emb.build()
+  split = jax.sharding.NamedSharding(strategy.mesh, jax.sharding.PartitionSpec("replica"))
+  rows = -(-V // n)
+
+  def check(state, what):
+    tables = emb.embedding_tables(state)
+    for value in [state["tables"]["t_sum"], *state["slots"]["t_sum"].values()]:
+      assert isinstance(value, tpustrat.ShardedVariable), (what, value)
+      assert (value.shape, value.axis, value.num_replicas, value.dtype) == ((V, 4), 0, n, np.float32), (what, value)
+      assert value.tree.shape == (n, rows, 4) and value.tree.sharding == split, (what, value.tree.sharding)
+      assert [b.shape for b in strategy.experimental_local_results(value)] == [(rows, 4)] * n
+      np.testing.assert_array_equal(np.asarray(value.tree).reshape(-1, 4)[V:], 0.0, err_msg=f"{what}: padding")
+    np.testing.assert_array_equal(np.asarray(state["tables"]["t_sum"]), tables["t_sum"], err_msg=what)
+    return tables["t_sum"], {k: np.asarray(v) for k, v in state["slots"]["t_sum"].items()}
+
+  table, slots = check(state, "built")
+  np.testing.assert_array_equal(table, INITIAL["t_sum"])
+  assert sorted(slots) == ["momenta", "velocities"]
+  for slot in slots.values():
+    np.testing.assert_array_equal(slot, 0.0)
+
+  seen = []
+
+  def step(state, ids):
+    seen.append([(type(x).__name__, x.shape, x.axis, x.block.shape)
+                 for x in [state["tables"]["t_sum"], *state["slots"]["t_sum"].values()]])
+    act = emb.lookup(state, {"sum_1": ids})
+    return emb.apply_gradients(state, {"sum_1": ids}, {"sum_1": jnp.ones_like(act["sum_1"])})
+
+  ids = np.arange(B, dtype=np.int32) * 2 % V
+  state = strategy.run(step, args=(state, strategy.experimental_distribute_values_from_function(
+      lambda ctx: ids[ctx.replica_id_in_sync_group * (B // n):(ctx.replica_id_in_sync_group + 1) * (B // n)])))
+  assert seen == [[("LocalShard", (V, 4), 0, (rows, 4))] * 3]
+  table, slots = check(state, "after a step")
+  touched = np.zeros(V, bool)
+  touched[ids] = True
+  assert np.all(table[touched] != INITIAL["t_sum"][touched]) and np.all(slots["momenta"][touched] != 0)
+  np.testing.assert_array_equal(table[~touched], INITIAL["t_sum"][~touched])  # lazy Adam
+  np.testing.assert_array_equal(slots["velocities"][~touched], 0.0)
 
 
 def test_out_of_range_id_inside_run_looks_up_zeros_and_gets_no_update(strategies):
@@ -403,7 +450,7 @@ def test_out_of_range_id_inside_run_looks_up_zeros_and_gets_no_update(strategies
     state, act = strategy.run(step, args=(state, ids))
     np.testing.assert_array_equal(np.concatenate(strategy.experimental_local_results(act)), 0.0)
   np.testing.assert_array_equal(emb.embedding_tables(state)["t"], 1.0)
-  blocks = np.asarray(state["tables"]["t"].blocks.tree)
+  blocks = np.asarray(state["tables"]["t"].tree)
   assert blocks.shape == (4, 10, 2)
   np.testing.assert_array_equal(blocks.reshape(-1, 2)[V:], 0.0)
 
@@ -515,15 +562,16 @@ def test_checkpoint_saved_on_8_replicas_restores_on_4_and_training_continues(str
   assert int(s4.experimental_local_results(restored["step"])[0]) == 2
   saved_tables, restored_tables = emb8.embedding_tables(state), emb4.embedding_tables(restored)
   for name, (_, dim) in TABLES.items():
-    assert isinstance(restored["tables"][name], ShardedTable)
-    assert np.asarray(restored["tables"][name].blocks.tree).shape == (4, 10, dim)
+    assert isinstance(restored["tables"][name], tpustrat.ShardedVariable)
+    assert restored["tables"][name].shape == (V, dim) and restored["tables"][name].axis == 0
+    assert np.asarray(restored["tables"][name].tree).shape == (4, 10, dim)
     assert restored_tables[name].shape == (V, dim)
     np.testing.assert_array_equal(restored_tables[name], saved_tables[name])
     assert sorted(restored["slots"][name]) == sorted(state["slots"][name])
     for slot in state["slots"][name]:
-      np.testing.assert_array_equal(restored["slots"][name][slot].full(), state["slots"][name][slot].full(),
+      np.testing.assert_array_equal(np.asarray(restored["slots"][name][slot]), np.asarray(state["slots"][name][slot]),
                                     err_msg=f"slot {slot} of {name}")
-      padding = np.asarray(restored["slots"][name][slot].blocks.tree).reshape(-1, dim)[V:]
+      padding = np.asarray(restored["slots"][name][slot].tree).reshape(-1, dim)[V:]
       np.testing.assert_array_equal(padding, 0.0)
   assert_matches(emb4, restored, ref, "restored")
 
@@ -536,6 +584,106 @@ def test_checkpoint_saved_on_8_replicas_restores_on_4_and_training_continues(str
     ref.apply_gradients(batch["ids"], batch["grads"], batch["weights"])
   assert int(s4.experimental_local_results(state["step"])[0]) == STEPS
   assert_matches(emb4, state, ref, "4 replicas after the restore")
+
+
+def trained_on_8(strategies, steps=2):
+  """The state after `steps` training steps on 8 replicas (assignment A: every kind of slot)."""
+  emb8, step8 = model(strategies, 8)
+  state = emb8.build()
+  for batch in BATCHES[:steps]:
+    state, _ = strategies[8].run(step8, args=(state, distribute(strategies[8], batch)))
+  return state
+
+
+def as_numpy(state):
+  """{"tables/<name>" and "slots/<name>/<slot>": the whole [V, D] value} of an embedding state."""
+  out = {f"tables/{name}": np.asarray(t) for name, t in state["tables"].items()}
+  out.update({f"slots/{name}/{slot}": np.asarray(v) for name, slots in state["slots"].items()
+              for slot, v in slots.items()})
+  return out
+
+
+@pytest.mark.parametrize("n", (8, 4, 2, 1))
+def test_tables_and_slots_saved_on_8_replicas_restore_on_n_as_sharded_variables(strategies, tmp_path, n):
+  """Tables and slots go through the checkpoint's ShardedVariable path: saved as their [8, 5, D] blocks,
+  restored re-padded and re-split onto n replicas ([n, ceil(V/n), D], zero padding), bit for bit."""
+  state = trained_on_8(strategies)
+  saved = as_numpy(state)
+  assert np.any(saved["slots/t_sum/momenta"] != 0) and np.any(saved["slots/t_mean/accumulators"] != 0.1)
+  with CheckpointManager(tmp_path / "ckpt", strategies[8]) as manager:
+    manager.save(2, state)
+  emb = make_embedding(strategies[n], ASSIGNMENTS[ASSIGNMENT_OF[8]], initial=make_initial_tables(seed=7))
+  target = emb.build()
+  with CheckpointManager(tmp_path / "ckpt", strategies[n]) as manager:
+    restored = manager.restore(target=target)
+  split = jax.sharding.NamedSharding(strategies[n].mesh, jax.sharding.PartitionSpec("replica"))
+  for path, value in jax.tree_util.tree_flatten_with_path(
+      {"tables": restored["tables"], "slots": restored["slots"]}, is_leaf=lambda x: isinstance(x, tpustrat.DistributedValues))[0]:
+    where = jax.tree_util.keystr(path)
+    assert isinstance(value, tpustrat.ShardedVariable), where
+    dim = value.shape[1]
+    assert (value.shape, value.axis, value.tree.shape) == ((V, dim), 0, (n, -(-V // n), dim)), where
+    assert value.tree.sharding == split, where
+    np.testing.assert_array_equal(np.asarray(value.tree).reshape(-1, dim)[V:], 0.0, err_msg=f"{where}: padding")
+  got = as_numpy(restored)
+  assert sorted(got) == sorted(saved)
+  for key, value in saved.items():
+    np.testing.assert_array_equal(got[key], value, err_msg=key)
+  np.testing.assert_array_equal(emb.embedding_tables(restored)["t_sum"], saved["tables/t_sum"])
+  assert int(strategies[n].experimental_local_results(restored["step"])[0]) == 2
+
+
+def test_tables_restore_whole_onto_mirrored_and_back(strategies, tmp_path):
+  """As every ShardedVariable: a table saved sharded restores whole where the target holds a Mirrored
+  [V, D] array (a dense model's embedding), and a Mirrored [V, D] array saved restores as a table."""
+  s8, s4 = strategies[8], strategies[4]
+  state = trained_on_8(strategies)
+  saved = as_numpy(state)
+  with CheckpointManager(tmp_path / "sharded", s8) as manager:
+    manager.save(2, state)
+  dense_target = jax.tree.map(
+      lambda v: s4.experimental_mirror(np.zeros(v.shape, np.float32)) if isinstance(v, tpustrat.ShardedVariable)
+      else v, state, is_leaf=lambda x: isinstance(x, tpustrat.DistributedValues))
+  with CheckpointManager(tmp_path / "sharded", s4) as manager:
+    dense = manager.restore(target=dense_target)
+  for name in TABLES:
+    assert isinstance(dense["tables"][name], tpustrat.Mirrored)
+    np.testing.assert_array_equal(np.asarray(dense["tables"][name].tree), saved[f"tables/{name}"], err_msg=name)
+    for slot, value in dense["slots"][name].items():
+      assert isinstance(value, tpustrat.Mirrored)
+      np.testing.assert_array_equal(np.asarray(value.tree), saved[f"slots/{name}/{slot}"], err_msg=f"{name} {slot}")
+  whole = {"tables": {name: s8.experimental_mirror(saved[f"tables/{name}"]) for name in TABLES}}
+  with CheckpointManager(tmp_path / "whole", s8) as manager:
+    manager.save(1, whole)
+  emb4 = make_embedding(s4, ASSIGNMENTS[ASSIGNMENT_OF[4]], initial=make_initial_tables(seed=7))
+  with CheckpointManager(tmp_path / "whole", s4) as manager:
+    restored = manager.restore(target={"tables": emb4.build()["tables"]})
+  for name in TABLES:
+    assert isinstance(restored["tables"][name], tpustrat.ShardedVariable)
+    np.testing.assert_array_equal(np.asarray(restored["tables"][name]), saved[f"tables/{name}"], err_msg=name)
+
+
+def test_checkpoint_in_the_layout_of_sharded_tables_restores(strategies, tmp_path):
+  """Checkpoints written before tables were ShardedVariables (embedding.ShardedTable, saved as
+  ``{"blocks": [N, ceil(V/N), D]}``, the PerReplica's stacked array) hold the layout ShardedVariables are
+  saved in, so they restore into today's state (onto another replica count too)."""
+  state = trained_on_8(strategies)
+  saved = as_numpy(state)
+
+  def old_layout(v):  # what the ShardedTable node was unwrapped to
+    return {"blocks": tpustrat.PerReplica.from_stacked(v.tree)}
+
+  old = {"tables": {k: old_layout(v) for k, v in state["tables"].items()},
+         "slots": {k: {s: old_layout(v) for s, v in slots.items()} for k, slots in state["slots"].items()},
+         "step": state["step"]}
+  with CheckpointManager(tmp_path / "ckpt", strategies[8]) as manager:
+    manager.save(2, old)
+  emb4 = make_embedding(strategies[4], ASSIGNMENTS[ASSIGNMENT_OF[4]], initial=make_initial_tables(seed=7))
+  with CheckpointManager(tmp_path / "ckpt", strategies[4]) as manager:
+    restored = manager.restore(target=emb4.build())
+  got = as_numpy(restored)
+  for key, value in saved.items():
+    np.testing.assert_array_equal(got[key], value, err_msg=key)
 
 
 # -- experimental_run_steps ----------------------------------------------------------------------------
@@ -557,8 +705,9 @@ def test_run_steps_over_a_distributed_dataset_equals_step_by_step(strategies):
     by_step_acts.append(gathered(strategy, act))
 
   state, outputs = strategy.experimental_run_steps(step, iter(dist), STEPS, init=emb.build())
-  assert isinstance(state["tables"]["t_sum"], ShardedTable)
-  assert isinstance(state["tables"]["t_sum"].blocks, tpustrat.PerReplica)
+  assert isinstance(state["tables"]["t_sum"], tpustrat.ShardedVariable)
+  assert state["tables"]["t_sum"].shape == (V, 4) and state["tables"]["t_sum"].axis == 0
+  assert np.asarray(state["tables"]["t_sum"].tree).shape == (4, 10, 4)
   assert int(strategy.experimental_local_results(state["step"])[0]) == STEPS
   per_step = tpustrat.unstack_steps(outputs)
   assert len(per_step) == STEPS
@@ -573,7 +722,7 @@ def test_run_steps_over_a_distributed_dataset_equals_step_by_step(strategies):
   for name in scanned:
     assert_close(scanned[name], stepped[name], rtol=1e-6, err_msg=f"table {name}, scan vs run")
     for slot in state["slots"][name]:
-      assert_close(state["slots"][name][slot].full(), by_step["slots"][name][slot].full(), rtol=1e-6,
+      assert_close(np.asarray(state["slots"][name][slot]), np.asarray(by_step["slots"][name][slot]), rtol=1e-6,
                    err_msg=f"slot {slot} of {name}, scan vs run")
   assert_matches(emb, state, ref, "experimental_run_steps")
 
@@ -630,6 +779,17 @@ def test_lookup_and_apply_gradients_outside_run_raise_runtime_error(strategies):
     emb.apply_gradients(state, ids, grads)
   with pytest.raises(RuntimeError, match="strategy.run"):
     strategies[8].run(lambda: emb.build())
+
+
+def test_a_table_that_is_not_a_row_block_inside_run_raises_type_error(strategies):
+  """A state whose table reaches the step whole (Mirrored, say) names the table instead of failing later."""
+  strategy = strategies[2]
+  emb = make_embedding(strategy, ASSIGNMENTS["A"], features={"sum_1": FEATURES["sum_1"]})
+  state = emb.build()
+  state = {**state, "tables": {"t_sum": strategy.experimental_mirror(np.asarray(state["tables"]["t_sum"]))}}
+  ids = strategy.experimental_distribute_values_from_function(lambda ctx: np.array([1, 2], np.int32))
+  with pytest.raises(TypeError, match="table 't_sum'.*LocalShard"):
+    strategy.run(lambda state, ids: emb.lookup(state, {"sum_1": ids}), args=(state, ids))
 
 
 @pytest.mark.parametrize("bad", [V, -2])

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     # Input, and the stacked-steps layout it shares with multistep.
     ("tpustrat._src.steps", "tpustrat._src.input"),
     # Multistep; cross-device ops; the cluster and its topology.
-    ("tpustrat._src.multistep", "tpustrat._src.sharding", "tpustrat._src.cross_device", "tpustrat._src.distributed",
+    ("tpustrat._src.multistep", "tpustrat._src.sharding", "tpustrat._src.zero", "tpustrat._src.cross_device", "tpustrat._src.distributed",
      "tpustrat._src.cluster_resolver", "tpustrat._src.slurm_cluster_resolver",
      "tpustrat._src.tfconfig_cluster_resolver", "tpustrat._src.topology"),
     # Strategies.

@@ -259,3 +259,199 @@ def test_sharded_value_errors(strategy, tmp_path):
   again = strategy.experimental_shard(four)
   assert again.num_replicas == N
   np.testing.assert_array_equal(np.asarray(again), np.arange(10.0))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-layer gathering: stacked layers scanned over, read one layer at a time
+# ---------------------------------------------------------------------------------------------------
+
+
+def _stacked_mlp_loss(read, policy=None):
+  """``loss(w, x)`` of L tanh layers ``x <- tanh(x @ w[l])`` scanned over the leading axis of `w`
+  (``[L, d, d]``); `read` turns the scanned slice into the layer's weights; with a `policy` the layer is
+  rematerialised (`jax.checkpoint`)."""
+
+  def loss(w, x):
+    def layer(h, wl):
+      return jnp.tanh(h @ read(wl)), None
+
+    h, _ = jax.lax.scan(layer if policy is None else jax.checkpoint(layer, policy=policy), x, w)
+    return jnp.sum(h ** 2)
+
+  return loss
+
+
+def _numpy_stacked_mlp_grad(w, xs):
+  """The gradient of sum over replicas r of sum(tanh(...tanh(x_r @ w0)... @ w[L-1])^2) w.r.t. w, by hand."""
+  grad = np.zeros_like(w, np.float64)
+  for x in xs:
+    hs = [x.astype(np.float64)]
+    for wl in w:
+      hs.append(np.tanh(hs[-1] @ wl))
+    upstream = 2 * hs[-1]
+    for l in reversed(range(len(w))):
+      pre = upstream * (1 - hs[l + 1] ** 2)
+      grad[l] += hs[l].T @ pre
+      upstream = pre @ w[l].T
+  return grad
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_scanned_layers_read_one_layer_and_their_gradient_is_one_devices(n, remat):
+  # A value of shape [L, d, d] split along axis 1 (odd d: padded); a scan over its layers hands the body
+  # [d/N, d] blocks, and read_value gathers that layer only. The gradient is the block of the gradient
+  # summed over replicas, as numpy computes it on one device.
+  strategy = make_strategy(n)
+  rng = np.random.default_rng(1)
+  L, d = 3, 11
+  w = (rng.normal(size=(L, d, d)) / np.sqrt(d)).astype(np.float32)
+  xs = rng.normal(size=(n, 2, d)).astype(np.float32)
+  v = strategy.experimental_shard(w, lambda *_: 1)
+  policy = tpustrat.gather_again_policy() if remat else None
+  loss = _stacked_mlp_loss(lambda wl: wl.read_value(), policy)
+
+  def step(v, x):
+    return jax.grad(loss)(v, x)
+
+  x = strategy.experimental_distribute_values_from_function(lambda ctx: xs[ctx.replica_id_in_sync_group])
+  grad = strategy.run(step, args=(v, x))
+  assert isinstance(grad, ShardedVariable) and grad.shape == (L, d, d) and grad.axis == 1
+  want = _numpy_stacked_mlp_grad(w.astype(np.float64), xs)
+  assert_close(np.asarray(grad), want, scale=np.abs(want).max() * d)
+
+
+def test_scanning_over_the_split_axis_is_an_error(strategy):
+  v = strategy.experimental_shard(np.ones((16, 4), np.float32), lambda *_: 0)
+
+  def step(v):
+    return jax.lax.scan(lambda c, row: (c + jnp.sum(row.read_value()), None), 0.0, v)[0]
+
+  with pytest.raises(ValueError, match=r"only leading axes before the split axis may be indexed away"):
+    strategy.run(step, args=(v,))
+
+
+def _compiled(strategy, step, args):
+  engine = strategy._engine
+  leaves, in_tree = jax.tree.flatten((tuple(args), {}))
+  (program, targets), = [e for (k, t), e in engine._entries.items() if t == in_tree and (
+      k() if callable(k) else k) is step]
+  return program._flat.lower(*[engine._place(v, t) for v, t in zip(leaves, targets)]).compile()
+
+
+def test_remat_keeps_one_gathered_layer_not_the_models(strategy):
+  # 8 layers of [256, 256] float32 (256 KiB each, 2 MiB in all), split along axis 1, a batch of 2 rows
+  # per replica (activations are small): without remat the backward pass keeps every gathered layer
+  # (temporaries >= the whole model); with `gather_again_policy` it gathers each layer again, so the
+  # temporaries hold about one layer's weights and its gradient.
+  L, d = 8, 256
+  layer_bytes = d * d * 4
+  w = strategy.experimental_shard(np.full((L, d, d), 0.01, np.float32), lambda *_: 1)
+  x = strategy.experimental_distribute_values_from_function(lambda c: np.ones((2, d), np.float32))
+
+  def make(policy):
+    def layer(h, wl):
+      return jnp.tanh(h @ wl.read_value()), None
+
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+
+    def step(w, x):
+      g = jax.grad(lambda w: jnp.sum(jax.lax.scan(body, x, w)[0] ** 2))(w)
+      return jax.tree.map(lambda a, b: a - 0.1 * b, w, g)
+
+    return step
+
+  figures = {}
+  for name, policy in [("plain", None), ("remat", tpustrat.gather_again_policy())]:
+    step = make(policy)
+    strategy.run(step, args=(w, x))
+    compiled = _compiled(strategy, step, (w, x))
+    hlo = compiled.as_text()
+    figures[name] = (compiled.memory_analysis().temp_size_in_bytes, hlo.count("all-gather("),
+                     hlo.count("reduce-scatter("))
+  (plain_temp, plain_gathers, plain_scatters), (remat_temp, remat_gathers, remat_scatters) = (
+      figures["plain"], figures["remat"])
+  assert plain_temp >= L * layer_bytes, figures  # every gathered layer kept for the backward pass
+  assert remat_temp <= 3 * layer_bytes, figures  # about one layer (+ its gradient), not the model's 8
+  # One all-gather in the forward scan's body, one more in the backward's (gathered again); one
+  # reduce-scatter per layer in the backward's body.
+  assert (plain_gathers, plain_scatters) == (1, 1) and (remat_gathers, remat_scatters) == (2, 1), figures
+
+
+def _sgd_reference(w, xs, lr, steps):
+  """``steps`` SGD steps of sum_r sum((x_r @ w)^2) on one device, float64 numpy."""
+  w = w.astype(np.float64)
+  for _ in range(steps):
+    w = w - lr * sum(2 * x.T.astype(np.float64) @ (x.astype(np.float64) @ w) for x in xs)
+  return w
+
+
+def test_sharded_state_through_run_in_a_users_jit_and_scan(strategy):
+  # `run` inside the user's `jax.jit`, and inside a `lax.scan` there, carrying a ShardedVariable (odd rows:
+  # padded): the carry keeps its type, and the numbers are one device's.
+  rng = np.random.default_rng(3)
+  w0 = rng.normal(size=(13, 6)).astype(np.float32)
+  xs = rng.normal(size=(N, 2, 13)).astype(np.float32)
+  x = strategy.experimental_distribute_values_from_function(lambda c: xs[c.replica_id_in_sync_group])
+  lr = 1e-3
+
+  def step(w, x):
+    g = jax.grad(lambda v: jnp.sum((x @ v.read_value()) ** 2))(w)
+    return jax.tree.map(lambda a, b: a - lr * b, w, g)
+
+  @jax.jit
+  def once(w, x):
+    return strategy.run(step, args=(w, x))
+
+  @jax.jit
+  def many(w, x):
+    return jax.lax.scan(lambda w, _: (strategy.run(step, args=(w, x)), None), w, None, length=3)[0]
+
+  w = strategy.experimental_shard(w0, lambda *_: 0)
+  one = once(w, x)
+  assert isinstance(one, ShardedVariable) and one.shape == (13, 6)
+  want = _sgd_reference(w0, xs, lr, 1)
+  assert_close(np.asarray(one), want, scale=np.abs(want).max() + 1)
+  three = many(w, x)
+  assert isinstance(three, ShardedVariable) and three.shape == (13, 6)
+  want = _sgd_reference(w0, xs, lr, 3)
+  assert_close(np.asarray(three), want, scale=np.abs(want).max() + 1)
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_bfloat16_sharded_parameters_with_adam(n):
+  # bfloat16 parameters split over the replicas (odd size), Adam's state made from them inside `run`:
+  # the same as optax on one device in bfloat16, to bfloat16's resolution; blocks stay bfloat16.
+  strategy = make_strategy(n)
+  rng = np.random.default_rng(4)
+  w0 = rng.normal(size=(29, 3)).astype(jnp.bfloat16)
+  xs = rng.normal(size=(n, 4, 29)).astype(np.float32)
+  tx = optax.adam(1e-2)
+
+  def loss_fn(w, x):
+    return jnp.sum((x @ w.astype(jnp.float32)) ** 2)
+
+  w_one, opt_one = jnp.asarray(w0), tx.init(jnp.asarray(w0))
+  for _ in range(3):
+    g = sum(jax.grad(loss_fn)(w_one, x) for x in xs)
+    u, opt_one = tx.update(g, opt_one, w_one)
+    w_one = optax.apply_updates(w_one, u)
+
+  w = strategy.experimental_shard(w0, lambda *_: 0)
+  assert w.dtype == jnp.bfloat16
+  opt = strategy.run(tx.init, args=(w,))
+  x = strategy.experimental_distribute_values_from_function(lambda c: xs[c.replica_id_in_sync_group])
+
+  def step(w, opt, x):
+    g = jax.grad(lambda v: loss_fn(v.read_value(), x))(w)
+    u, opt = tx.update(g, opt, w)
+    return optax.apply_updates(w, u), opt
+
+  for _ in range(3):
+    w, opt = strategy.run(step, args=(w, opt, x), options=tpustrat.RunOptions(donate_argnums=(0, 1)))
+  assert isinstance(w, ShardedVariable) and w.dtype == jnp.bfloat16
+  got, want = np.asarray(w).astype(np.float32), np.asarray(w_one).astype(np.float32)
+  # Adam moved each entry by about lr per step (3e-2 in all); the two runs may differ by one bfloat16 step
+  # of the value (2^-7 of it at most) where the float32 gradient sums round differently.
+  assert np.abs(want - w0.astype(np.float32)).max() > 2e-2
+  np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3)

@@ -36,6 +36,7 @@ from tpustrat._src.input import InputOptions as InputOptions
 from tpustrat._src.input import num_valid_examples as num_valid_examples
 from tpustrat._src.input import per_example as per_example
 from tpustrat._src.input import valid_mask as valid_mask
+from tpustrat._src.logical import LayoutMap as LayoutMap
 from tpustrat._src.mirrored_strategy import MirroredStrategy as MirroredStrategy
 from tpustrat._src.preemption import PreemptionCheckpointHandler as PreemptionCheckpointHandler
 from tpustrat._src.preemption import TerminationConfig as TerminationConfig
@@ -50,12 +51,15 @@ from tpustrat._src.strategy import StrategyExtended as StrategyExtended
 from tpustrat._src.strategy import TPUStrategy as TPUStrategy
 from tpustrat._src.topology import DeviceAssignment as DeviceAssignment
 from tpustrat._src.topology import Topology as Topology
+from tpustrat._src.values import GATHERED as GATHERED
 from tpustrat._src.values import DistributedValues as DistributedValues
 from tpustrat._src.values import LocalShard as LocalShard
 from tpustrat._src.values import Mirrored as Mirrored
 from tpustrat._src.values import PerReplica as PerReplica
 from tpustrat._src.values import ShardedVariable as ShardedVariable
+from tpustrat._src.values import gather_again_policy as gather_again_policy
 from tpustrat._src.values import read_values as read_values
+from tpustrat._src.zero import sharded_optimizer as sharded_optimizer
 
 __version__ = "0.1.0"
 
@@ -79,11 +83,15 @@ __all__ = [
     "Mirrored",
     "LocalShard",
     "MinSizePartitioner",
+    "LayoutMap",
     "PerReplica",
     "ShardedVariable",
     "read_values",
+    "GATHERED",
+    "gather_again_policy",
     "clip_by_global_norm",
     "global_norm",
+    "sharded_optimizer",
     "PreemptionCheckpointHandler",
     "ReduceOp",
     "ReplicaContext",

@@ -1,11 +1,13 @@
-"""Embedding tables sharded by rows over the replicas, over AllToAll (TF's `tf.tpu.experimental.embedding`)."""
+"""Embedding tables sharded by rows over the replicas, over AllToAll (TF's `tf.tpu.experimental.embedding`).
+
+Tables and their optimizer slots are `tpustrat.ShardedVariable`s of shape ``[V, D]`` split along axis 0.
+"""
 
 from tpustrat._src.embedding import SGD as SGD
 from tpustrat._src.embedding import Adagrad as Adagrad
 from tpustrat._src.embedding import Adam as Adam
 from tpustrat._src.embedding import FeatureConfig as FeatureConfig
-from tpustrat._src.embedding import ShardedTable as ShardedTable
 from tpustrat._src.embedding import TableConfig as TableConfig
 from tpustrat._src.embedding import TPUEmbedding as TPUEmbedding
 
-__all__ = ["SGD", "Adagrad", "Adam", "FeatureConfig", "ShardedTable", "TPUEmbedding", "TableConfig"]
+__all__ = ["SGD", "Adagrad", "Adam", "FeatureConfig", "TPUEmbedding", "TableConfig"]

@@ -4,7 +4,12 @@ TF's `tf.tpu.experimental.embedding.TPUEmbedding`, with functional state, on eve
 ``V`` rows of width ``D`` is padded to ``Vp`` rows (the next multiple of the replica count ``N``) and
 split into ``N`` contiguous blocks of ``Vp / N`` rows: replica ``r`` owns rows ``[r * Vp/N, (r+1) * Vp/N)``,
 so each device holds ``Vp * D / N`` table values (and as many per optimizer slot). The padding rows are
-never looked up (ids must be below ``V``) and stay zero.
+never looked up (ids must be below ``V``) and stay zero. Each table, and each of its optimizer slots, is
+a `tpustrat.ShardedVariable` of logical shape ``[V, D]`` split along axis 0: its global array stacks the
+blocks, ``[N, Vp / N, D]`` sharded over the replicas, and ``np.asarray(table)`` is the ``[V, D]`` table.
+Inside `strategy.run` a step sees it as a `LocalShard` whose ``.block`` is this replica's rows; it saves,
+restores onto another replica count and goes through `run`, `experimental_run_steps` and `jax.tree`
+functions as every sharded value does.
 
 Inside `strategy.run`, a lookup of this replica's ids:
 
@@ -41,56 +46,31 @@ from jax.sharding import PartitionSpec as P
 from tpustrat._src import context as context_lib
 from tpustrat._src.batch_rows import same_rows
 from tpustrat._src.names import REPLICA_AXIS
-from tpustrat._src.values import Mirrored, PerReplica, is_distributed
+from tpustrat._src.sharding import place_blocks
+from tpustrat._src.values import LocalShard, Mirrored, ShardedVariable, is_distributed
 
-__all__ = ["Adagrad", "Adam", "FeatureConfig", "SGD", "ShardedTable", "TPUEmbedding", "TableConfig"]
+__all__ = ["Adagrad", "Adam", "FeatureConfig", "SGD", "TPUEmbedding", "TableConfig"]
 
 _COMBINERS = ("sum", "mean", "sqrtn")
 
 
-@jax.tree_util.register_pytree_node_class
-class ShardedTable:
-  """The rows of one ``[V, D]`` table (or optimizer slot), one block of rows per replica.
-
-  `blocks` is a `PerReplica` of ``[N, Vp / N, D]`` (rows ``[r * Vp/N, (r+1) * Vp/N)`` on replica ``r``;
-  ``Vp`` is ``V`` padded to a multiple of ``N``); inside `strategy.run` it is this replica's block,
-  ``[Vp / N, D]``. A pytree node, so the state goes through `run`, `experimental_run_steps` and
-  `jax.tree` functions like any other. `tpustrat.checkpoint.CheckpointManager` saves the blocks and
-  restores them onto another replica count (re-padded and re-split), which it cannot do for a plain
-  `PerReplica`: this node says that the components are row blocks of one table.
-  """
-
-  __slots__ = ("blocks", "vocabulary_size")
-
-  def __init__(self, blocks: Any, vocabulary_size: int) -> None:
-    self.blocks = blocks
-    self.vocabulary_size = vocabulary_size
-
-  def tree_flatten(self):
-    return (self.blocks,), self.vocabulary_size
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    return cls(children[0], aux)
-
-  def __repr__(self) -> str:
-    return f"ShardedTable({self.blocks!r}, vocabulary_size={self.vocabulary_size})"
-
-  def full(self) -> np.ndarray:
-    """The whole ``[V, D]`` table on the host (cross-replica context)."""
-    stacked = self.blocks.tree if is_distributed(self.blocks) else self.blocks
-    array = np.asarray(jax.device_get(stacked))
-    return array.reshape(-1, array.shape[-1])[:self.vocabulary_size]
+def split_rows(full: Any, num_replicas: int, mesh: Any) -> ShardedVariable:
+  """`full` ``[V, D]`` as a `ShardedVariable` split along axis 0: padded with zero rows to a multiple of
+  `num_replicas` and split into one block of ``ceil(V / N)`` rows per replica, the blocks stacked
+  ``[N, ceil(V / N), D]`` and sharded over the replicas. Placed from the host as `experimental_shard`
+  places a value (`place_blocks`): each device receives only its block, each process builds only its own."""
+  value = np.asarray(jax.device_get(full))
+  blocks = place_blocks(value, 0, num_replicas, NamedSharding(mesh, P(REPLICA_AXIS)))
+  return ShardedVariable._wrap(blocks, value.shape, 0)  # pylint: disable=protected-access
 
 
-def split_rows(full: jax.Array, num_replicas: int, mesh: Any) -> PerReplica:
-  """`full` ``[V, D]`` padded with zero rows to a multiple of `num_replicas` and split into one block per
-  replica: a `PerReplica` of ``[N, Vp / N, D]`` sharded over the replicas."""
-  v, d = full.shape
-  rows = -(-v // num_replicas)
-  padded = jnp.zeros((num_replicas * rows, d), full.dtype).at[:v].set(full)
-  return PerReplica.from_stacked(jax.device_put(padded.reshape(num_replicas, rows, d),
-                                                NamedSharding(mesh, P(REPLICA_AXIS))))
+def _block(value: Any, name: str, where: str) -> jax.Array:
+  """This replica's ``[ceil(V / N), D]`` block of a table or slot: the `LocalShard` `run` hands the step."""
+  if isinstance(value, LocalShard) and value.axis == 0:
+    return value.block
+  raise TypeError(f"TPUEmbedding.{where}: the state's {name} is {value!r:.120}, not this replica's block of a "
+                  "table split by rows (a LocalShard inside strategy.run): pass the state TPUEmbedding.build or "
+                  "a previous step returned.")
 
 
 # -- optimizers ---------------------------------------------------------------------------------------
@@ -337,10 +317,13 @@ class TPUEmbedding:
     return list(self._names)
 
   def build(self, seed: int = 0) -> dict[str, Any]:
-    """The initial state (cross-replica context): ``{"tables": {name: ShardedTable}, "slots": {name: {slot:
-    ShardedTable}}, "step": Mirrored int32}``. Each table is initialised whole (the `TableConfig`'s
-    initializer, or TF's truncated normal from `seed`), padded to a multiple of the replica count with
-    zero rows, and split into one block of rows per replica."""
+    """The initial state (cross-replica context): ``{"tables": {name: ShardedVariable}, "slots": {name: {slot:
+    ShardedVariable}}, "step": Mirrored int32}``. Each table is initialised whole (the `TableConfig`'s
+    initializer, or TF's truncated normal from `seed`) and split by rows: a `tpustrat.ShardedVariable` of
+    shape ``[V, D]`` along axis 0, one block of ``ceil(V / N)`` rows per replica (the last ones padded
+    with zero rows); each optimizer slot likewise. Inside `strategy.run` a step sees each as a
+    `LocalShard` over its block, and the `LocalShard`s `apply_gradients` returns come back from `run` as
+    `ShardedVariable`s."""
     if context_lib.in_replica_context_of_a_run():
       raise RuntimeError("TPUEmbedding.build is called in the cross-replica context, not inside strategy.run.")
     key = jax.random.key(seed)
@@ -354,16 +337,15 @@ class TPUEmbedding:
         if full.shape != shape:
           raise ValueError(f"TPUEmbedding.build: the initializer of table {name!r} returned shape {full.shape}, "
                            f"expected {shape}.")
-      v = t.vocabulary_size
-      tables[name] = ShardedTable(split_rows(full, self._n, self._mesh), v)
-      slots[name] = {slot: ShardedTable(split_rows(jnp.full(shape, value, jnp.float32), self._n, self._mesh), v)
+      tables[name] = split_rows(full, self._n, self._mesh)
+      slots[name] = {slot: split_rows(np.full(shape, value, np.float32), self._n, self._mesh)
                      for slot, value in self._opt(t).slot_initial_values().items()}
     step = Mirrored.from_global(jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self._mesh, P())))
     return {"tables": tables, "slots": slots, "step": step}
 
   def embedding_tables(self, state: dict[str, Any]) -> dict[str, np.ndarray]:
     """``{table name: the whole [V, D] table}`` as numpy (cross-replica context), padding removed."""
-    return {name: state["tables"][name].full() for name in self._names}
+    return {name: np.asarray(state["tables"][name]) for name in self._names}
 
   def check_ids(self, features: Any) -> None:
     """Raises a ValueError naming the feature and the id if a host (numpy) feature holds an id outside
@@ -456,7 +438,7 @@ class TPUEmbedding:
     """
     activations = []
     for f, name, ids, coef in self._prepare(state, features, weights, "lookup"):
-      block = state["tables"][name].blocks
+      block = _block(state["tables"][name], f"table {name!r}", "lookup")
       rows = block.shape[0]
       flat = ids.reshape(-1)
       owner, slot, valid, send = self._route(flat, rows)
@@ -480,7 +462,7 @@ class TPUEmbedding:
     grad_list = self._treedef.flatten_up_to(gradients)
     per_table: dict[str, tuple[jax.Array, jax.Array]] = {}
     for (f, name, ids, coef), g in zip(self._prepare(state, features, weights, "apply_gradients"), grad_list):
-      block = state["tables"][name].blocks
+      block = _block(state["tables"][name], f"table {name!r}", "apply_gradients")
       rows, dim = block.shape
       g = jnp.asarray(g, jnp.float32)
       if g.shape != (ids.shape[0], dim):
@@ -505,8 +487,12 @@ class TPUEmbedding:
       if name not in per_table:
         continue
       summed, touched = per_table[name]
-      old_slots = {k: v.blocks for k, v in state["slots"][name].items()}
-      new_rows, new_slots = self._opt(t).update(state["tables"][name].blocks, old_slots, summed, touched, step)
-      tables[name] = ShardedTable(new_rows, t.vocabulary_size)
-      slots[name] = {k: ShardedTable(v, t.vocabulary_size) for k, v in new_slots.items()}
+      table = state["tables"][name]
+      old_slots = {k: _block(v, f"slot {k!r} of table {name!r}", "apply_gradients")
+                   for k, v in state["slots"][name].items()}
+      new_rows, new_slots = self._opt(t).update(_block(table, f"table {name!r}", "apply_gradients"), old_slots,
+                                                summed, touched, step)
+      # Blocks again, so that run returns them as ShardedVariables of the same [V, D] along axis 0.
+      tables[name] = LocalShard(new_rows, table.shape, 0)
+      slots[name] = {k: LocalShard(v, table.shape, 0) for k, v in new_slots.items()}
     return {"tables": tables, "slots": slots, "step": step}

@@ -35,6 +35,10 @@
   tracks ``'replica'`` only, so a value split across the cores of each replica but equal across
   replicas is `Mirrored`. Results keep the layout XLA gives them over the cores (a split tensor comes
   back split), and arguments laid out differently over the cores only are passed as they are.
+  `RunOptions(experimental_layout_map=...)` (a `logical.LayoutMap`) pins the results it matches, by their
+  path in `fn`'s result, to its layout over the cores (a sharding constraint on the global result, after
+  the `shard_map`): state that `strategy.experimental_shard(..., layout_map=...)` split over the cores
+  stays split, optimizer state made inside the step included.
 * Steps in flight: before dispatching step ``i``, `run` waits for step ``i - k`` (``k`` =
   `RunOptions.max_steps_in_flight`), on the smallest output the program computes (chosen when it is
   traced; a one-byte token output is added only when there is none of at most 64 KiB). Unbounded
@@ -69,6 +73,7 @@ from tpustrat._src import context as context_lib
 from tpustrat._src import host_memory, watchdog
 from tpustrat._src.batch_rows import BatchRowsWarning, Rows, leading_rows
 from tpustrat._src.jax_compat import eval_closed_jaxpr, open_jaxpr, to_varying, varying_axes
+from tpustrat._src.logical import LayoutMap, check_layout_map, layout_spec
 from tpustrat._src.logical_interpreter import place_on_logical_devices
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.validation import check_fits_32_bits, check_int, tree_path
@@ -108,6 +113,14 @@ class RunOptions:
       error), so the step holds the old and the new state at once only where XLA cannot reuse them: pass
       the training state and keep only what the step returns. Without a mesh (the default strategy)
       nothing is compiled and nothing is donated.
+    experimental_layout_map: a `tpustrat.LayoutMap` (needs logical cores per replica): every result of
+      the step whose path in the step's result (``[0]['w1']``, ``[1][0].mu['w1']``) a pattern matches is
+      laid out on the replica's logical cores as the map says (a sharding constraint), so state placed by
+      ``strategy.experimental_shard(..., layout_map=...)`` stays split, optimizer state made in the step
+      included. A result two patterns match, or whose shape the layout does not fit, is an error; a map
+      that matches none of the step's `Mirrored` arrays (of rank >= 1) is an error too (a pattern anchored to the tree given to
+      `experimental_shard`, ``^\\['w1'\\]``, does not find ``[0]['w1']``). Ignored by
+      `experimental_run_steps`.
 
   >>> RunOptions(donate_argnums=0).donate_argnums
   (0,)
@@ -118,8 +131,12 @@ class RunOptions:
   experimental_xla_options: Any = None
   max_steps_in_flight: int | None = None
   donate_argnums: int | tuple[int, ...] = ()
+  experimental_layout_map: LayoutMap | None = None
 
   def __post_init__(self) -> None:
+    if self.experimental_layout_map is not None and not isinstance(self.experimental_layout_map, LayoutMap):
+      raise TypeError(f"RunOptions: experimental_layout_map must be a tpustrat.LayoutMap or None, got "
+                      f"{self.experimental_layout_map!r:.100}.")
     k = check_int(self.max_steps_in_flight, "RunOptions", "max_steps_in_flight", minimum=1, allow_none=True)
     object.__setattr__(self, "max_steps_in_flight", k)  # a Python int (frozen dataclass)
     donate = self.donate_argnums
@@ -347,16 +364,21 @@ class Engine:
     leaves, in_tree = jax.tree.flatten((tuple(args), kwargs))
     fn_key = weak_key(fn)
     key = (fn_key, in_tree)
+    layout_map = options.experimental_layout_map if options is not None else None
+    if layout_map is not None:  # a program per layout: the map's patterns and layouts join the cache keys
+      check_layout_map(self, layout_map, "strategy.run")
+      fn_key = (fn_key, layout_map.signature())
+      key = (fn_key, in_tree)
     entries = self._entries
     try:
       program, targets = entries[key]
       entries.move_to_end(key)  # least recently used first out
     except KeyError:
-      program, targets = entries[key] = self._entry(fn, fn_key, in_tree)
+      program, targets = entries[key] = self._entry(fn, fn_key, in_tree, layout_map)
       if len(entries) > _CACHE_SIZE:
         entries.popitem(last=False)
     except TypeError:  # an unhashable callable (or tree): compile without caching
-      program, targets = self._entry(fn, fn_key, in_tree)
+      program, targets = self._entry(fn, fn_key, in_tree, layout_map)
     array_types = self._array_types
     for i, x in enumerate(leaves):  # arrays already where the program wants them pass untouched
       if type(x) not in array_types or x.sharding != targets[i]:
@@ -395,8 +417,8 @@ class Engine:
     return dispatch(program, *args, in_flight=self._in_flight, limit=limit or self.max_steps_in_flight,
                     steps=steps)
 
-  def _entry(self, fn: Callable[..., Any], fn_key: Any,
-             in_tree: Any) -> tuple[_FlatProgram, list[NamedSharding]]:
+  def _entry(self, fn: Callable[..., Any], fn_key: Any, in_tree: Any,
+             layout_map: LayoutMap | None = None) -> tuple[_FlatProgram, list[NamedSharding]]:
     """The program for `fn` called with arguments of structure `in_tree` (`PerReplica` and `Mirrored`
     nodes included), and the sharding each flattened argument leaf must have.
 
@@ -430,11 +452,11 @@ class Engine:
       program = programs[key]
       programs.move_to_end(key)
     except KeyError:
-      program = programs[key] = _FlatProgram(self._make_program(fn, tuple(groups)), seen_tree)
+      program = programs[key] = _FlatProgram(self._make_program(fn, tuple(groups), layout_map), seen_tree)
       if len(programs) > _CACHE_SIZE:
         programs.popitem(last=False)
     except TypeError:
-      program = _FlatProgram(self._make_program(fn, tuple(groups)), seen_tree)
+      program = _FlatProgram(self._make_program(fn, tuple(groups), layout_map), seen_tree)
     return program, targets
 
   def _place(self, x: Any, target: NamedSharding) -> Any:
@@ -469,6 +491,44 @@ class Engine:
       placed.block_until_ready()
     return placed
 
+  @property
+  def mesh(self) -> jax.sharding.Mesh:
+    """The strategy's mesh (``'replica'``, then the logical-core axes)."""
+    return self._mesh
+
+  def _pin_layouts(self, outs: list[Any], layout_map: LayoutMap, record: dict[str, Any]) -> list[Any]:
+    """`RunOptions.experimental_layout_map`: the program's global results (`outs`, at trace time), each
+    result a pattern matches constrained to its layout over the core axes (replicated over ``'replica'``
+    for a `Mirrored` result, split on its leading axis for a `PerReplica` one). Without it XLA picks the
+    results' layouts, and state made inside the step (an optimizer's zeros) comes back replicated."""
+    where = "strategy.run (RunOptions.experimental_layout_map)"
+    dummy = jax.tree.unflatten(record["tree"], list(range(record["tree"].num_leaves)))
+    paths = [tree_path(p) or "<root>" for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+    pinned, matched = [], False
+    for x, path, v, sh, shape in zip(outs, paths, record["varying"], record["shards"], record["shapes"]):
+      hit = layout_map.match(path, where)
+      if hit is None:
+        pinned.append(x)
+        continue
+      matched = True
+      if sh is not None:
+        raise ValueError(
+            f"{where}: the result at {path} is a sharded value (a ShardedVariable, split over the replicas) and "
+            f"matches the LayoutMap pattern {hit[0]!r}; a value is split over the replicas or laid out on the "
+            "logical cores, not both. Make the pattern skip it.")
+      spec = tuple(layout_spec(self, path, hit[0], hit[1], shape, where))
+      spec = (self._axis, *spec) if v else spec
+      pinned.append(jax.lax.with_sharding_constraint(x, NamedSharding(self._mesh, P(*spec))))
+    # A map that finds none of the step's replicated (Mirrored) arrays is most likely anchored to the tree
+    # given to experimental_shard; steps without such results (a loss, a stateless optimizer's init) pass.
+    if not matched and any(not v and len(shape) for v, shape in zip(record["varying"], record["shapes"])):
+      raise ValueError(
+          f"{where}: no pattern of the LayoutMap ({', '.join(repr(p) for p in layout_map)}) matches a result of "
+          f"the step (results: {', '.join(paths[:8])}{', ...' if len(paths) > 8 else ''}); pass the map only to "
+          "steps that return the state it lays out. Patterns are searched (re.search) in the result's paths: "
+          "do not anchor them to the tree given to experimental_shard.")
+    return pinned
+
   def wait(self) -> None:
     """Blocks until every step dispatched by `run` has finished."""
     self._in_flight.drain()
@@ -478,9 +538,11 @@ class Engine:
     """The bound on this engine's programs in flight (`dispatch` goes through it)."""
     return self._in_flight
 
-  def _make_program(self, fn: Callable[..., Any], groups: tuple[int, ...]) -> Callable[..., Any]:
+  def _make_program(self, fn: Callable[..., Any], groups: tuple[int, ...],
+                    layout_map: LayoutMap | None = None) -> Callable[..., Any]:
     """The structured program of `fn`; `groups` (see `batch_group`) says which padded batch arguments
-    are one batch (share their real-row counts)."""
+    are one batch (share their real-row counts); `layout_map` pins the results it matches to their
+    layouts over the logical cores (`RunOptions.experimental_layout_map`)."""
     name = getattr(fn, "__name__", "fn")
     fn = weak_callable(fn)  # the cache must not keep the user's function (and its closure) alive
     make_context, mesh, axis = self._make_context, self._mesh, self._axis
@@ -580,6 +642,7 @@ class Engine:
         out_leaves = [to_varying(x.block, axis) if isinstance(x, LocalShard) else x for x in out_leaves]
         is_varying = [axis in varying_axes(x) for x in out_leaves]
         record["tree"], record["varying"], record["shards"] = out_tree, is_varying, shards
+        record["shapes"] = [jnp.shape(x) for x in out_leaves]  # one replica's (a block's for a shard)
         # Padding follows an output only as the user said: (batch, True) for a marked per-example output;
         # (batch, False), batch rows for `axis=0`, for an unmarked one whose axis 0 the program shows to
         # hold one padded batch's rows (`batch_rows`: traced, not read off its size).
@@ -592,11 +655,14 @@ class Engine:
       invariant, varying = jax.shard_map(
           body, mesh=mesh, in_specs=tuple(specs), out_specs=(P(), P(axis)), check_vma=True, **manual)(*flat)
       inv, var = iter(invariant), iter(varying)
-      outs = [ShardedVariable._wrap(next(var), *sh) if sh is not None
-              else PerReplica.from_stacked(next(var)) if v and p is None
-              else PerReplica.from_stacked(next(var), flat[padded[batches[p[0]]]], per_example=p[1]) if v
-              else Mirrored.from_global(next(inv))
-              for v, p, sh in zip(record["varying"], record["padded"], record["shards"])]
+      picked = [next(var) if v else next(inv) for v in record["varying"]]  # blocks are varying
+      if layout_map is not None:
+        picked = self._pin_layouts(picked, layout_map, record)
+      outs = [ShardedVariable._wrap(x, *sh) if sh is not None
+              else PerReplica.from_stacked(x) if v and p is None
+              else PerReplica.from_stacked(x, flat[padded[batches[p[0]]]], per_example=p[1]) if v
+              else Mirrored.from_global(x)
+              for x, v, p, sh in zip(picked, record["varying"], record["padded"], record["shards"])]
       return jax.tree.unflatten(record["tree"], outs)
 
     program.__name__ = f"run_{name}"

@@ -60,7 +60,8 @@ between replicas (there is one) and avoids the error; a collective over ``'repli
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -76,6 +77,7 @@ from tpustrat._src.logical_interpreter import assign_p
 from tpustrat._src.names import REPLICA_AXIS
 
 __all__ = [
+    "LayoutMap",
     "assign_to_logical_device",
     "core_axis_sizes",
     "replica_core_mesh",
@@ -240,3 +242,137 @@ def assign_to_logical_device(strategy: MeshStrategy, tensor: Any, logical_device
   return jax.tree.map(lambda x: assign_p.bind(jnp.asarray(x), logical_device_id=k), tensor)
 
 
+
+
+# -- LayoutMap: state laid out on the logical cores (tensor parallelism inside a replica) ------------------
+
+
+class LayoutMap(MutableMapping):
+  r"""Which leaves of a pytree are split over a replica's logical cores, and how: Keras's `LayoutMap` in
+  TF's logical-device vocabulary (tensor parallelism inside a replica).
+
+  An ordered mapping from a regular expression to a layout. A leaf's path (as error messages write it,
+  e.g. ``['dense1']['kernel']``) is matched with `re.search` against every pattern; the one that matches
+  gives its layout:
+
+  * a list of ints, one per dimension: TF's ``partition_dimensions``, as for
+    `experimental_split_to_logical_devices`: dimension ``d`` is cut into ``layout[d]`` equal pieces, the
+    entries multiply to the logical cores per replica, and each divides its dimension;
+  * None: the leaf is replicated on the replica's cores (matched, so no other pattern may match it).
+
+  Leaves no pattern matches are left alone. A leaf two patterns match is an error (a conflict), as in
+  Keras. Use it with `strategy.experimental_shard(tree, layout_map=...)` (places the leaves; a pattern that
+  matches no leaf is an error) and `RunOptions(experimental_layout_map=...)` (keeps the step's results
+  laid out the same way). Since patterns are searched, ``r"\['w1'\]"`` finds the parameter ``w1`` in
+  the tree given to `experimental_shard` (``['w1']``), in a step's result ``(params, opt_state)``
+  (``[0]['w1']``) and in Adam's moments (``[1][0].mu['w1']``): do not anchor patterns with ``^``.
+
+  >>> layout_map = LayoutMap({r"dense.*kernel": [1, 2]})
+  >>> layout_map[r"dense.*bias"] = [2]
+  >>> layout_map["['dense1']['kernel']"], list(layout_map)
+  ((1, 2), ['dense.*kernel', 'dense.*bias'])
+  """
+
+  def __init__(self, layouts: Mapping[str, Sequence[int] | None] | None = None) -> None:
+    self._layouts: dict[str, tuple[int, ...] | None] = {}
+    self._compiled: dict[str, re.Pattern[str]] = {}
+    if layouts is not None:
+      if not isinstance(layouts, Mapping):
+        raise TypeError(f"LayoutMap: expected a mapping from regex to layout, got {type(layouts).__name__}.")
+      for pattern, layout in layouts.items():
+        self[pattern] = layout
+
+  def __setitem__(self, pattern: str, layout: Sequence[int] | None) -> None:
+    if not isinstance(pattern, str):
+      raise TypeError(f"LayoutMap: a key must be a regular expression (str), got {type(pattern).__name__} "
+                      f"{pattern!r:.60}.")
+    if pattern in self._layouts:
+      raise ValueError(f"LayoutMap: the pattern {pattern!r} already has the layout {self._layouts[pattern]}; "
+                       "delete it first to change it.")
+    try:
+      compiled = re.compile(pattern)
+    except re.error as e:
+      raise ValueError(f"LayoutMap: {pattern!r} is not a regular expression: {e}.") from None
+    if layout is not None:
+      if isinstance(layout, (str, bytes)) or not isinstance(layout, (Sequence, np.ndarray)):
+        raise TypeError(
+            f"LayoutMap: the layout of {pattern!r} must be a list of ints (TF's partition_dimensions, one per "
+            f"dimension) or None (replicated on the cores), got {layout!r:.100}.")
+      layout = tuple(validation.check_int(d, "LayoutMap", f"[{pattern!r}][{i}]", minimum=1)
+                     for i, d in enumerate(layout))
+    self._compiled[pattern] = compiled
+    self._layouts[pattern] = layout
+
+  def __getitem__(self, path: str) -> tuple[int, ...] | None:
+    """The layout of the leaf at `path` (Keras's lookup): a pattern equal to `path`, else the one pattern
+    `path` matches (`re.search`); None if none does; ValueError if several do."""
+    if path in self._layouts:
+      return self._layouts[path]
+    found = self.match(path)
+    return None if found is None else found[1]
+
+  def __delitem__(self, pattern: str) -> None:
+    del self._layouts[pattern]
+    del self._compiled[pattern]
+
+  def __contains__(self, pattern: object) -> bool:
+    return pattern in self._layouts
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._layouts)
+
+  def __len__(self) -> int:
+    return len(self._layouts)
+
+  def __repr__(self) -> str:
+    return f"LayoutMap({self._layouts!r})"
+
+  def signature(self) -> tuple[tuple[str, tuple[int, ...] | None], ...]:
+    """The patterns and layouts, hashable (part of a compiled program's cache key)."""
+    return tuple(self._layouts.items())
+
+  def match(self, path: str, where: str = "LayoutMap") -> tuple[str, tuple[int, ...] | None] | None:
+    """``(pattern, layout)`` of the one pattern that `path` matches, or None; ValueError if several do."""
+    found = [p for p, c in self._compiled.items() if c.search(path)]
+    if len(found) > 1:
+      raise ValueError(
+          f"{where}: the leaf at {path} is matched by {len(found)} patterns of the LayoutMap "
+          f"({', '.join(repr(p) for p in found)}), with layouts {[self._layouts[p] for p in found]}: a leaf "
+          "may have one layout. Make the patterns exclusive.")
+    return (found[0], self._layouts[found[0]]) if found else None
+
+
+def check_layout_map(strategy: MeshStrategy, layout_map: Any, where: str) -> None:
+  """TypeError unless `layout_map` is a `LayoutMap`; ValueError if the strategy has one core per replica."""
+  if not isinstance(layout_map, LayoutMap):
+    raise TypeError(f"{where}: layout_map must be a tpustrat.LayoutMap or None, got {type(layout_map).__name__} "
+                    f"{layout_map!r:.100}.")
+  if not _core_axes(strategy)[0]:
+    raise ValueError(
+        f"{where}: a LayoutMap lays leaves out on the logical cores of each replica, and this strategy has one "
+        "core per replica. Build the strategy with a tpustrat.DeviceAssignment of num_cores_per_replica > 1 "
+        "(DeviceAssignment.build(topology, computation_shape=[1, 1, 2], ...)), or split state over the "
+        "replicas with a partitioner instead.")
+
+
+def layout_spec(strategy: MeshStrategy, path: str, pattern: str, layout: tuple[int, ...] | None,
+                shape: Sequence[int], where: str) -> P:
+  """The `PartitionSpec` over the core axes for a leaf of `shape` at `path` that `pattern` gave `layout`
+  (``P()`` for None); ValueError naming the leaf and the pattern when the layout does not fit it."""
+  if layout is None:
+    return P()
+  names, sizes = _core_axes(strategy)
+  num_cores = int(np.prod(sizes, dtype=np.int64))
+  shape = tuple(int(d) for d in shape)
+  said = f"{where}: the leaf at {path} (shape {list(shape)}) matches the LayoutMap pattern {pattern!r}"
+  if len(layout) != len(shape):
+    raise ValueError(f"{said}, whose layout {list(layout)} has {len(layout)} entries: a layout has one entry "
+                     f"per dimension of the leaf ({len(shape)}).")
+  if int(np.prod(layout, dtype=np.int64)) != num_cores:
+    raise ValueError(f"{said}, whose layout {list(layout)} splits it into {int(np.prod(layout, dtype=np.int64))} "
+                     f"tiles: the entries must multiply to the {num_cores} logical cores per replica.")
+  for d, (size, k) in enumerate(zip(shape, layout)):
+    if size % k:
+      raise ValueError(f"{said}, whose layout {list(layout)} cuts dimension {d} (size {size}) into {k} pieces: "
+                       "each entry must divide its dimension (XLA's tiles are equal).")
+  return partition_spec(layout, names, sizes)

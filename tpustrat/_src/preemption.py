@@ -89,7 +89,8 @@ class TerminationConfig:
       the period is nearly over (see the module docstring).
     save_fn: ``save_fn(step, state, iterator)`` saves in place of the default
       ``checkpoint_manager.save(step, state, iterator=iterator, force=True)`` (TF's `save_fn` takes the
-      arguments of the save; here those are the step, the state and the iterator, or None).
+      arguments of the save; here those are the step, the state and the iterator, or None). It must be
+      done reading `state`'s arrays when it returns: the next call of `run` may donate them.
   """
 
   def __init__(self, termination_watcher_fn: Callable[[], bool] | None = None,
@@ -179,6 +180,19 @@ class PreemptionCheckpointHandler:
   the state that `run`'s function returned. `total_run_calls` counts the calls of `run` (and of
   `save_checkpoint_if_preempted`); checkpoints are numbered by it, so a periodic save by the loop writes
   ``manager.save(handler.total_run_calls, state, iterator=it)``.
+
+  Donation. The function given to `run` may donate the state it gets
+  (``strategy.run(step, args=(state, batch), options=tpustrat.RunOptions(donate_argnums=0))``): the
+  handler keeps no reference to the state passed in and never reads it. It saves only the state the
+  function *returned*, after the function has returned and before `run` returns, and waits until that
+  save is written; so the arrays it saves are the newest ones, alive, and the next call may donate them.
+  A termination notice (SIGTERM, the watcher function) only sets a flag: nothing is saved from the signal
+  handler, so no donated (deleted) buffer is ever read. The rules for the loop: pass `run` the state the
+  previous call returned; do not return the donated input from the function (it is deleted: saving it
+  raises a `RuntimeError` naming the array); call `save_checkpoint_if_preempted` with a step's result
+  before the next step donates it; a periodic ``manager.save(...)`` may be followed by a donating step at
+  once (the save has copied the arrays to the host when it returns); a `TerminationConfig.save_fn` must be
+  done reading the state's arrays when it returns. `restore` returns a donatable state.
 
   >>> import tempfile
   >>> strategy = tpustrat.TPUStrategy()
@@ -323,7 +337,9 @@ class PreemptionCheckpointHandler:
     processes agreed on after a termination notice, saves what it returned and calls `exit_fn`.
 
     `distributed_train_fn` returns a tuple ``(new_state, *outputs)`` (``(new_state,)`` when there is
-    nothing else); `run` returns it unchanged, so ``new_state, *outputs = handler.run(...)``.
+    nothing else); `run` returns it unchanged, so ``new_state, *outputs = handler.run(...)``. It may
+    donate `state` (``RunOptions(donate_argnums=0)`` in its `strategy.run`): a save writes ``new_state``,
+    which is alive then, and is written before `run` returns (see the class docstring).
     """
     if not callable(distributed_train_fn):
       raise TypeError(f"PreemptionCheckpointHandler.run: distributed_train_fn must be callable, got "
@@ -340,7 +356,7 @@ class PreemptionCheckpointHandler:
   def save_checkpoint_if_preempted(self, state: Any) -> None:
     """Counts one call, like `run`, and saves `state` (then calls `exit_fn`) if this is the call the
     processes agreed on after a termination notice. For loops that call their step function themselves:
-    call it after each step with the state that step returned."""
+    call it after each step with the state that step returned, before the next step donates it."""
     self._check(state)
 
   @contextlib.contextmanager

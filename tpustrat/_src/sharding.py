@@ -8,6 +8,12 @@ parameter and, since optax's state is made from the parameters inside `run`, of 
 `experimental_shard(tree, partitioner)` asks the partitioner for each leaf: an axis to split along, or
 None to keep the leaf `Mirrored` (small leaves are not worth a collective). The default is
 `MinSizePartitioner()`: leaves of at least 256 KiB, along axis 0.
+
+`experimental_shard(tree, layout_map=...)` (a `logical.LayoutMap`) splits the leaves it matches over the
+logical cores of each replica instead (tensor parallelism): they stay `Mirrored` (the same on every
+replica), each a global array whose sharding is replicated over ``'replica'`` and split over the core
+axes. `run` passes such arrays as they are (`engine._same_over_replicas`), and with
+`RunOptions(experimental_layout_map=...)` constrains the results the map matches to the same layout.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tpustrat._src import logical
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.validation import check_int, normalize_axis, tree_path
 from tpustrat._src.values import LocalShard, Mirrored, PerReplica, ShardedVariable, block_size, is_distributed
@@ -63,13 +70,17 @@ class MinSizePartitioner:
 Partitioner = Callable[[tuple[Any, ...], tuple[int, ...], Any], Any]
 
 
-def shard(strategy: Any, tree: Any, partitioner: Partitioner | None = None) -> Any:
-  """`Strategy.experimental_shard`: `tree` with the leaves `partitioner` splits as `ShardedVariable`s and
-  the others `Mirrored` (as `experimental_mirror` gives them)."""
+def shard(strategy: Any, tree: Any, partitioner: Partitioner | None = None,
+          layout_map: logical.LayoutMap | None = None) -> Any:
+  """`Strategy.experimental_shard`: `tree` with the leaves `partitioner` splits as `ShardedVariable`s, the
+  leaves `layout_map` matches `Mirrored` and split over each replica's logical cores, and the others
+  `Mirrored` (as `experimental_mirror` gives them)."""
   mesh = strategy.mesh
   if mesh is None:
     raise ValueError("experimental_shard needs a strategy with a mesh (TPUStrategy, MirroredStrategy): the "
                      "default strategy has one replica and nothing to split over.")
+  layouts = _layouts(strategy, tree, layout_map) if layout_map is not None else {}
+  explicit = partitioner is not None  # the default partitioner is not asked about leaves the map lays out
   partitioner = MinSizePartitioner() if partitioner is None else partitioner
   if not callable(partitioner):
     raise TypeError(f"experimental_shard: partitioner must be callable (path, shape, dtype) -> axis or None, "
@@ -95,7 +106,17 @@ def shard(strategy: Any, tree: Any, partitioner: Partitioner | None = None) -> A
     if isinstance(x, Mirrored):
       x = x.tree
     value = np.asarray(jax.device_get(x))
-    axis = partitioner(tuple(path), tuple(value.shape), value.dtype)
+    if where in layouts and not explicit:
+      axis = None
+    else:
+      axis = partitioner(tuple(path), tuple(value.shape), value.dtype)
+    if where in layouts:
+      if axis is not None:
+        raise ValueError(
+            f"experimental_shard: the leaf at {where} is split over the replicas by the partitioner (axis "
+            f"{axis!r}) and laid out on the logical cores by the LayoutMap pattern {layouts[where][0]!r}: a "
+            "leaf may have one of the two. Have the partitioner return None for it, or drop it from the map.")
+      return Mirrored.from_global(jax.device_put(value, NamedSharding(mesh, layouts[where][1])))
     if axis is None:
       return Mirrored.from_global(jax.device_put(value, replicated))
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
@@ -112,6 +133,40 @@ def shard(strategy: Any, tree: Any, partitioner: Partitioner | None = None) -> A
 
   return jax.tree_util.tree_map_with_path(
       lambda path, x: one(path, x), tree, is_leaf=lambda x: is_distributed(x))
+
+
+def _layouts(strategy: Any, tree: Any, layout_map: Any) -> dict[str, tuple[str, P]]:
+  """For each leaf of `tree` that `layout_map` matches, by path: (its pattern, its sharding's spec, split
+  over the core axes and replicated over ``'replica'``). Everything is checked before anything is placed:
+  a pattern that matches no leaf, a leaf two patterns match, a layout that does not fit its leaf, a
+  `ShardedVariable` or `PerReplica` matched."""
+  where_ = "experimental_shard"
+  logical.check_layout_map(strategy, layout_map, where_)
+  found: dict[str, tuple[str, P]] = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)[0]:
+    where = tree_path(path) or "<root>"
+    hit = layout_map.match(where, where_)
+    if hit is None:
+      continue
+    if isinstance(x, (ShardedVariable, PerReplica)):
+      raise ValueError(
+          f"experimental_shard: the leaf at {where} is a {type(x).__name__} and matches the LayoutMap pattern "
+          f"{hit[0]!r}; only values that are the same on every replica (arrays, Mirrored) can be laid out on "
+          "the logical cores" + (" (a ShardedVariable is already split over the replicas)."
+                                 if isinstance(x, ShardedVariable) else "."))
+    shape = np.shape(x.tree if isinstance(x, Mirrored) else x)
+    found[where] = (hit[0], logical.layout_spec(strategy, where, hit[0], hit[1], shape, where_))
+  used = {pattern for pattern, _ in found.values()}
+  unused = [p for p in layout_map if p not in used]
+  if unused:
+    paths = [tree_path(p) or "<root>" for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)[0]]
+    shown = ", ".join(paths[:8]) + (f", ... ({len(paths)} leaves)" if len(paths) > 8 else "")
+    raise ValueError(
+        f"experimental_shard: the LayoutMap pattern{'s' if len(unused) > 1 else ''} "
+        f"{', '.join(repr(p) for p in unused)} match{'' if len(unused) > 1 else 'es'} no leaf of the tree "
+        f"(leaves: {shown}); a pattern that matches nothing would leave its leaves replicated. Patterns are "
+        "searched (re.search) in paths written like ['dense1']['kernel'].")
+  return found
 
 
 def place_blocks(value: np.ndarray, axis: int, n: int, split: NamedSharding) -> jax.Array:

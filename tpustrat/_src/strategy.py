@@ -296,7 +296,7 @@ class Strategy:
     """
     return multistep.as_carry(self, value)
 
-  def experimental_shard(self, value: Any, partitioner: Any = None) -> Any:
+  def experimental_shard(self, value: Any, partitioner: Any = None, layout_map: Any = None) -> Any:
     """Returns `value` with its large leaves split over the replicas (`tpustrat.ShardedVariable`) and the
     others `Mirrored`: parameters and, through them, optimizer state at 1/N per device (ZeRO / FSDP).
 
@@ -304,6 +304,13 @@ class Strategy:
       value: a pytree of arrays (host or device), `Mirrored` values or `ShardedVariable`s.
       partitioner: ``(path, shape, dtype) -> axis or None`` for each leaf (None: keep it `Mirrored`), or a
         `tpustrat.MinSizePartitioner` (the default: leaves of at least 256 KiB, along axis 0).
+      layout_map: a `tpustrat.LayoutMap` (needs logical cores: a `DeviceAssignment` with
+        ``num_cores_per_replica > 1``): the leaves it matches stay `Mirrored` and are split over each
+        replica's logical cores (tensor parallelism); inside `run` the step sees them whole, and XLA splits
+        their computation over the cores. Pass it to `RunOptions(experimental_layout_map=...)` too, so the
+        step's results keep that layout. The default partitioner is not asked about matched leaves; a
+        partitioner given here that splits one is an error, as are a pattern that matches no leaf, a leaf
+        two patterns match and a layout that does not fit its leaf.
 
     Inside `run` a step sees each `ShardedVariable` as its block (`tpustrat.LocalShard`): read it whole with
     ``v.read_value()`` or ``tpustrat.read_values(tree)``; gradients w.r.t. the blocks are blocks of the
@@ -316,7 +323,7 @@ class Strategy:
     >>> state["w"], state["b"]
     (ShardedVariable(shape=[10, 4], dtype=float32, axis=0, num_replicas=8), Mirrored(float32[4]))
     """
-    return sharding_lib.shard(self, value, partitioner)
+    return sharding_lib.shard(self, value, partitioner, layout_map)
 
   # -- cross-replica reductions ---------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.validation import check_fits_32_bits, tree_path
@@ -656,9 +657,32 @@ class LocalShard:
     return self.block.dtype
 
   def read_value(self) -> jax.Array:
-    """The whole value (logical shape), all-gathered from every replica's block."""
-    full = jax.lax.all_gather(self.block, REPLICA_AXIS, axis=self.axis, tiled=True)
-    return jax.lax.slice_in_dim(full, 0, self.shape[self.axis], axis=self.axis)
+    """The whole value (logical shape), all-gathered from every replica's block.
+
+    A block indexed along leading axes, as `lax.scan` and `jax.vmap` over a stacked layer axis hand it to
+    their body, reads the matching slice only: for a value of shape ``[L, d, f]`` split along axis 1, a
+    scan over its layers reads one ``[d, f]`` layer per iteration (per-layer gathering, FSDP). The
+    leading axes must not include the split axis. The result is named `GATHERED` for `jax.checkpoint`
+    policies (`gather_again_policy`): a rematerialised layer gathers again in the backward pass instead
+    of keeping every gathered layer alive.
+    """
+    block = self.block
+    lead = len(self.shape) - jnp.ndim(block)
+    if lead < 0 or (lead and self.axis < lead):
+      raise ValueError(
+          f"{self!r}: a block of rank {jnp.ndim(block)} is not a block of a value of shape {list(self.shape)} "
+          f"split along axis {self.axis}; only leading axes before the split axis may be indexed away (a scan "
+          "over stacked layers), not the split axis itself.")
+    axis, shape = self.axis - lead, self.shape[lead:]
+    n = jax.lax.axis_size(REPLICA_AXIS)
+    want = list(shape)
+    want[axis] = block_size(shape[axis], n)
+    if list(jnp.shape(block)) != want:
+      raise ValueError(f"{self!r}: the block has shape {list(jnp.shape(block))}, but a value of shape {list(shape)} "
+                       f"split along axis {axis} over {n} replicas has blocks of shape {want}.")
+    full = jax.lax.all_gather(block, REPLICA_AXIS, axis=axis, tiled=True)
+    full = jax.lax.slice_in_dim(full, 0, shape[axis], axis=axis)
+    return checkpoint_name(full, GATHERED)
 
   def _refuse(self, *args: Any) -> Any:
     raise TypeError(
@@ -673,6 +697,27 @@ class LocalShard:
 
   def __repr__(self) -> str:
     return f"LocalShard(shape={list(self.shape)}, axis={self.axis}, block={getattr(self.block, 'shape', '?')})"
+
+
+GATHERED = "tpustrat_gathered"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of every value `LocalShard.read_value` gathers."""
+
+
+def gather_again_policy() -> Any:
+  """A `jax.checkpoint` policy for FSDP layers: the backward pass all-gathers each layer's weights again
+  instead of keeping every gathered layer alive from the forward pass. It saves the outputs of matrix
+  products without batch dimensions (activations times weights: activation-sized) and recomputes the rest,
+  the gathers and the weights' casts included. Use it on the body of a scan over stacked layers::
+
+      body = jax.checkpoint(layer, policy=tpustrat.gather_again_policy())
+      x, _ = jax.lax.scan(body, x, stacked_params)   # reads (gathers) one layer per iteration
+
+  It is `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`, the usual transformer policy.
+  `jax.checkpoint_policies.nothing_saveable` recomputes everything (less memory, more compute). A policy
+  that saves everything but names does not do: it saves the all-gather's output itself. Custom policies
+  that save by name can leave the gathered values out by their name, `GATHERED`.
+  """
+  return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
 def read_values(tree: Any) -> Any:

@@ -8,7 +8,13 @@ and saves, under one step number, three items:
   orbax's `StandardSave`. `Mirrored` and `PerReplica` values are saved as the global `jax.Array` they
   hold (a replicated array is written once, not once per replica), so a checkpoint does not depend on
   the layout it was written from: restoring puts every array on the shardings of the strategy it is
-  restored under (any number of replicas, logical cores or processes), bit for bit.
+  restored under (any number of replicas, logical cores or processes), bit for bit. A `ShardedVariable`
+  is saved as its blocks (``{"blocks": [N, ...block]}``) and restored split over the new replicas, or
+  whole where the target holds the value `Mirrored` (and a `Mirrored` value split where the target holds
+  a `ShardedVariable`). Each array is read onto the target's sharding, so a device receives only its
+  block of a sharded value; a value whose layout changes is read into host memory (every process reads
+  all of it, once, during the restore), checked there against its checksum, and placed from the host.
+  Restored arrays can be donated by the next step.
 * ``iterator``: the position of a `DistributedIterator` (`DistributedIterator.get_state`), one small
   JSON file per process: the batches the training loop has taken, not those read ahead by the
   prefetch thread, so the restored iterator continues with the next batch, none skipped or repeated.

@@ -18,7 +18,7 @@ from jax import lax
 
 from tpustrat._src.checkpoint.handlers import api
 
-__all__ = ["ALGORITHM", "compute", "flat_arrays", "mismatches"]
+__all__ = ["ALGORITHM", "compute", "flat_arrays", "host_fingerprint", "mismatches"]
 
 ALGORITHM = "tpustrat-wsum32x2-v1"
 _MULTIPLIERS = (0x9E3779B1, 0x85EBCA77)
@@ -66,10 +66,50 @@ def _fingerprints(leaves: list[jax.Array]) -> list[jax.Array]:
   return [_fingerprint(x) for x in leaves]
 
 
+def _host_words(x: np.ndarray) -> np.ndarray | None:
+  """`_words` of a host array, computed on the host; None for dtypes left to the devices (64-bit types,
+  which JAX narrows without ``jax_enable_x64``; sub-byte and extended types)."""
+  dtype = x.dtype
+  if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+    return None
+  if dtype == np.bool_:
+    return x.astype(np.uint32)
+  if dtype == np.complex64:
+    return _host_words(np.stack([x.real, x.imag], axis=-1))
+  if not _plain_number(dtype) or dtype.itemsize not in (1, 2, 4):
+    return None
+  if jnp.issubdtype(dtype, jnp.integer) and jnp.iinfo(dtype).bits < 8:  # int4 and the like
+    return None
+  unsigned = np.ascontiguousarray(x).view({4: np.uint32, 2: np.uint16, 1: np.uint8}[dtype.itemsize])
+  return unsigned.astype(np.uint32)
+
+
+def host_fingerprint(x: np.ndarray) -> np.ndarray | None:
+  """`_fingerprint` of a host array computed with numpy (the same two sums, without putting the array on
+  a device: a restore that re-lays a sharded value out reads it into host memory only), or None for the
+  dtypes `_host_words` leaves to the devices."""
+  w = _host_words(np.asarray(x))
+  if w is None:
+    return None
+  w = w.reshape(-1)
+  index = np.arange(w.size, dtype=np.uint64).astype(np.uint32)  # row-major position, modulo 2**32
+  rotated = (w << np.uint32(16)) | (w >> np.uint32(16))
+  sums = []
+  for words, (multiplier, offset) in ((w, _pair(0)), (rotated, _pair(1))):
+    weights = ((index + np.uint32(offset)) * np.uint32(multiplier)) | np.uint32(1)
+    sums.append(np.sum(words * weights, dtype=np.uint32))
+  return np.array(sums, np.uint32)
+
+
+def _plain_number(dtype: np.dtype) -> bool:
+  """Whether `dtype` is a boolean, integer or floating type (ml_dtypes' bfloat16 and float8 included)."""
+  return dtype.kind in "biuf" or (dtype.kind == "V" and jnp.issubdtype(dtype, jnp.floating))
+
+
 def _checksummable(x: Any) -> bool:
   if isinstance(x, jax.Array):
     return True
-  return isinstance(x, np.ndarray) and x.dtype.kind in "biufc"
+  return isinstance(x, np.ndarray) and (x.dtype.kind == "c" or _plain_number(x.dtype))
 
 
 def flat_arrays(tree: Any) -> dict[str, Any]:
@@ -88,16 +128,22 @@ def flat_arrays(tree: Any) -> dict[str, Any]:
 def compute(arrays: dict[str, Any]) -> dict[str, dict[str, Any]]:
   """``{name: {"dtype", "shape", "sums": [s1, s2]}}``. The jax arrays are fingerprinted in one program per
   set of devices they live on (a collective for arrays of a multi-process job: every process calls it
-  with the same arrays); host numpy arrays on this process's first device."""
+  with the same arrays); host numpy arrays on the host (`host_fingerprint`), or, for the dtypes it leaves
+  to the devices, on this process's first device."""
   groups: dict[Any, list[str]] = {}
+  values: dict[str, Any] = {}
   for name in sorted(arrays):
     x = arrays[name]
+    if isinstance(x, np.ndarray):
+      host = host_fingerprint(x)
+      if host is not None:
+        values[name] = host
+        continue
     if isinstance(x, jax.Array) and getattr(x, "committed", True):
       key = tuple(sorted(d.id for d in x.sharding.device_set))
     else:  # numpy, or a jax array JAX may place anywhere: this process's first device
       key = None
     groups.setdefault(key, []).append(name)
-  values: dict[str, Any] = {}
   for key, group in groups.items():
     leaves = [arrays[n] for n in group]
     if key is None:
@@ -107,7 +153,7 @@ def compute(arrays: dict[str, Any]) -> dict[str, dict[str, Any]]:
   out = {}
   for n in sorted(arrays):
     fp, x = values[n], arrays[n]
-    host = np.asarray(fp.addressable_data(0))
+    host = fp if isinstance(fp, np.ndarray) else np.asarray(fp.addressable_data(0))
     dtype = str(x.dtype) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else str(np.dtype(x.dtype))
     out[n] = {"dtype": dtype, "shape": list(np.shape(x)), "sums": [int(v) for v in host]}
   return out

@@ -44,7 +44,6 @@ from tpustrat._src.checkpoint.handlers import (
   SaveTracker,
   api,
 )
-from tpustrat._src.embedding import ShardedTable, split_rows
 from tpustrat._src.input.encoding import bytes_to_text, text_to_bytes
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.sharding import place_blocks
@@ -69,21 +68,14 @@ def _check_saveable(v: Any, where: str) -> None:
 
 
 def _is_node(v: Any) -> bool:
-  return is_distributed(v) or isinstance(v, ShardedTable)
-
-
-def _is_split(v: Any) -> bool:
-  """Values saved as row blocks that another replica count re-splits: tables and sharded variables."""
-  return isinstance(v, (ShardedTable, ShardedVariable))
+  return is_distributed(v)  # PerReplica, Mirrored and ShardedVariable (embedding tables included)
 
 
 def _unwrap(tree: Any) -> Any:
   """`tree` with every `Mirrored` / `PerReplica` replaced by the pytree of global arrays it holds, and every
-  `ShardedTable` by ``{"blocks": [N, Vp / N, D] array}``."""
+  `ShardedVariable` (an embedding table among them) by ``{"blocks": [N, ...block] array}``."""
 
   def unwrap(v: Any) -> Any:
-    if isinstance(v, ShardedTable):
-      return {"blocks": unwrap(v.blocks)}
     if isinstance(v, ShardedVariable):
       return {"blocks": v.tree}  # [N, ...block]: re-split on restore when N differs
     if is_distributed(v):
@@ -92,6 +84,17 @@ def _unwrap(tree: Any) -> Any:
     return v
 
   return jax.tree.map(unwrap, tree, is_leaf=_is_node)
+
+
+def _check_alive(tree: Any) -> None:
+  """Raises unless every array of the (unwrapped) state still has its buffers: one donated to a step is
+  deleted, and the state to save is the one that step returned."""
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+      raise RuntimeError(
+          f"CheckpointManager.save: the array at {jax.tree_util.keystr(path) or '<root>'} of the state has been "
+          "deleted: it was donated to a step (RunOptions(donate_argnums=...)) or deleted. Save the state that "
+          "step returned.")
 
 
 def _saved_at(saved: Any, path: tuple[Any, ...]) -> Any:
@@ -106,59 +109,147 @@ def _saved_at(saved: Any, path: tuple[Any, ...]) -> Any:
   return node
 
 
-def _table_targets(target: Any, saved: Any, strategy: Any) -> Any:
-  """`target` with each `ShardedTable` replaced by the restore item of its saved blocks: their saved shape
-  (which may be for another replica count), split over the replicas when that count divides, else
-  replicated. `_reshard_tables` re-pads and re-splits them afterwards."""
-  mesh, replicated, split = _shardings(strategy)
-
-  def node(path: Any, v: Any) -> Any:
-    if not _is_split(v):
-      return v
-    meta = _saved_at(saved, tuple(path) + (jax.tree_util.DictKey("blocks"),))
-    if meta is None or not hasattr(meta, "shape"):
-      kind = "table" if isinstance(v, ShardedTable) else "sharded variable"
-      raise ValueError(f"CheckpointManager.restore: the checkpoint has no {kind} blocks at "
-                       f"{jax.tree_util.keystr(tuple(path))} (it was saved from another structure).")
-    shape = tuple(meta.shape)
-    n = strategy.num_replicas_in_sync
-    if isinstance(v, ShardedVariable):  # the saved blocks must be blocks of a value of the target's shape
-      want = list(v.shape)
-      want[v.axis] = block_size(v.shape[v.axis], shape[0]) if shape else 0
-      if len(shape) != len(v.shape) + 1 or list(shape[1:]) != want:
-        raise ValueError(
-            f"CheckpointManager.restore: the sharded variable at {jax.tree_util.keystr(tuple(path))} was saved as "
-            f"{shape[0] if shape else 0} blocks of shape {list(shape[1:])}, which are not blocks of the target's "
-            f"{list(v.shape)} split along axis {v.axis} ({want} each): another shape or axis.")
-    sharding = split if mesh is not None and shape[0] % n == 0 else replicated
-    return {"blocks": jax.ShapeDtypeStruct(shape, meta.dtype, sharding=sharding)}
-
-  return jax.tree_util.tree_map_with_path(node, target, is_leaf=_is_split)
+def _blocks_meta(node: Any) -> Any:
+  """The metadata of the saved blocks when the saved node is a sharded value (``{"blocks": array}``)."""
+  if isinstance(node, dict) and set(node) == {"blocks"} and hasattr(node["blocks"], "shape"):
+    return node["blocks"]
+  return None
 
 
-def _reshard_tables(restored: Any, strategy: Any) -> Any:
-  """Every `ShardedTable` of `restored` split into this strategy's replica count (re-padded)."""
-  n, mesh = strategy.num_replicas_in_sync, strategy.mesh
+def _split_axis(blocks_shape: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
+  """The axis along which ``[N, ...block]`` blocks (`blocks_shape`) are blocks of a value of `shape`, or
+  None when they are not. Where several axes fit (size 1 along each), they all give the same value."""
+  if len(blocks_shape) != len(shape) + 1 or not blocks_shape:
+    return None
+  n, block = blocks_shape[0], blocks_shape[1:]
+  for axis in range(len(shape)):
+    want = list(shape)
+    want[axis] = block_size(shape[axis], n) if n else 0
+    if list(block) == want:
+      return axis
+  return None
 
-  def node(v: Any) -> Any:
+
+def _host_item(meta: Any) -> np.ndarray:
+  """The restore item of a saved array read into host memory (orbax reads a numpy leaf as numpy): a
+  zero-byte broadcast view of the saved shape and dtype."""
+  return np.broadcast_to(np.zeros((), meta.dtype), tuple(meta.shape))
+
+
+def _whole_from_blocks(blocks: np.ndarray, axis: int, size: int) -> np.ndarray:
+  """The value of `size` rows along `axis` whose ``[N, ...block]`` blocks are `blocks` (padding stripped)."""
+  full = np.concatenate(list(blocks), axis=axis) if blocks.shape[0] else blocks.reshape(blocks.shape[1:])
+  return np.take(full, np.arange(size), axis=axis)
+
+
+def _place_whole(value: np.ndarray, sharding: Any) -> jax.Array:
+  """A host value as a global array of `sharding`: each device gets its own shard of it (the whole value
+  only where the sharding replicates it), and each process builds only its own devices' shards."""
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+class _Plan:
+  """How the target's values are restored: the restore item handed to orbax (`abstract`: the saved
+  tree's structure, each array as a `jax.ShapeDtypeStruct` on the sharding it gets, or as a host numpy
+  leaf where it is re-laid out) and how each restored piece becomes the target's value (`finish`).
+
+  Every array orbax places on the devices carries the target's own sharding, so each device reads only
+  its shard: a `ShardedVariable` (an embedding table too) restored onto as many replicas as saved, its block;
+  a `Mirrored` or plain array, the whole value it holds anyway. A value that changes layout (sharded
+  saved onto another replica count, sharded onto `Mirrored` or back) is read into host memory by every
+  process, once, and placed from there: each device then receives only its block (`place_blocks`), or
+  the whole value where the target replicates it. No device holds a whole copy of a sharded value.
+  """
+
+  def __init__(self, target: Any, saved: Any, strategy: Any) -> None:
+    self._n = strategy.num_replicas_in_sync
+    mesh, self._replicated, self._split = _shardings(strategy)
+    self._mesh = mesh
+    flat, self._outer = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_node)
+    self._slots: list[tuple[Any, Any]] = []  # per outer node: (its restore item, its finisher)
+    for path, v in flat:
+      self._slots.append(self._node(tuple(path), v, saved))
+    self.abstract = self._outer.unflatten([item for item, _ in self._slots])
+
+  def finish(self, restored: Any) -> Any:
+    """The target's structure over the restored pieces (read back in the order of `abstract`'s leaves)."""
+    leaves = iter(jax.tree.leaves(restored))
+
+    def take(item: Any) -> Any:
+      treedef = jax.tree.structure(item)
+      return treedef.unflatten([next(leaves) for _ in range(treedef.num_leaves)])
+
+    return self._outer.unflatten([finisher(take) for _, finisher in self._slots])
+
+  # -- one node of the target -----------------------------------------------------------------------
+
+  def _node(self, path: tuple[Any, ...], v: Any, saved: Any) -> tuple[Any, Any]:
     if isinstance(v, ShardedVariable):
-      blocks = v.tree
-      if blocks.shape[0] == n and blocks.sharding == NamedSharding(mesh, P(REPLICA_AXIS)):
-        return v
-      # Saved on another replica count: the whole value from the saved blocks, split into this one's.
-      stacked = np.asarray(jax.device_get(blocks))
-      full = np.take(np.concatenate(list(stacked), axis=v.axis), np.arange(v.shape[v.axis]), axis=v.axis)
-      return ShardedVariable._wrap(  # pylint: disable=protected-access
-          place_blocks(full, v.axis, n, NamedSharding(mesh, P(REPLICA_AXIS))), v.shape, v.axis)
-    if not isinstance(v, ShardedTable):
-      return v
-    blocks = v.blocks.tree if is_distributed(v.blocks) else v.blocks
-    if blocks.shape[0] == n and is_distributed(v.blocks):
-      return v
-    full = blocks.reshape(-1, blocks.shape[-1])[:v.vocabulary_size]
-    return ShardedTable(split_rows(full, n, mesh), v.vocabulary_size)
+      return self._sharded(path, v, _saved_at(saved, path))
+    if isinstance(v, PerReplica):
+      _check_saveable(v, "restore")
+      item = jax.tree.map(lambda x: _leaf(x, self._split, self._mesh, self._replicated), v.tree)
+      return item, lambda take: PerReplica.from_stacked(take(item))
+    if isinstance(v, Mirrored):
+      inner, treedef = jax.tree_util.tree_flatten_with_path(v.tree)
+      slots = [self._whole(path + tuple(p), x, _saved_at(saved, path + tuple(p)), self._replicated)
+               for p, x in inner]
+      item = treedef.unflatten([s[0] for s in slots])
+      return item, lambda take: Mirrored.from_global(treedef.unflatten([f(take) for _, f in slots]))
+    return self._whole(path, v, _saved_at(saved, path), self._replicated)
 
-  return jax.tree.map(node, restored, is_leaf=_is_split)
+  def _whole(self, path: tuple[Any, ...], x: Any, node: Any, sharding: Any) -> tuple[Any, Any]:
+    """A leaf of a `Mirrored` value or a plain leaf: restored onto `sharding` (or its own, see `_leaf`);
+    saved as a sharded value, its blocks are read on the host and joined."""
+    item = _leaf(x, sharding, self._mesh, self._replicated)
+    meta = _blocks_meta(node)
+    if meta is None or not isinstance(item, jax.ShapeDtypeStruct):
+      return item, lambda take: take(item)
+    axis = _split_axis(tuple(meta.shape), item.shape)
+    if axis is None:
+      raise ValueError(
+          f"CheckpointManager.restore: the value at {jax.tree_util.keystr(path)} was saved as a sharded value "
+          f"of {meta.shape[0] if meta.shape else 0} blocks of shape {list(meta.shape[1:])}, which are not "
+          f"blocks of the target's {list(item.shape)} along any axis: another shape.")
+    host = {"blocks": _host_item(meta)}
+
+    def finish(take: Any) -> Any:
+      whole = _whole_from_blocks(np.asarray(take(host)["blocks"]), axis, item.shape[axis])
+      return _place_whole(whole.astype(item.dtype, copy=False), item.sharding)
+
+    return host, finish
+
+  def _sharded(self, path: tuple[Any, ...], v: ShardedVariable, node: Any) -> tuple[Any, Any]:
+    where = jax.tree_util.keystr(path)
+    meta = _blocks_meta(node)
+    if meta is None:
+      if node is not None and hasattr(node, "shape") and hasattr(node, "dtype"):  # saved whole (Mirrored)
+        if tuple(node.shape) != tuple(v.shape):
+          raise ValueError(
+              f"CheckpointManager.restore: the value at {where} was saved whole with shape {list(node.shape)}, "
+              f"but the target is a sharded variable of shape {list(v.shape)}.")
+        item = _host_item(node)
+        return item, lambda take: self._place_sharded(np.asarray(take(item)), v)
+      raise ValueError(f"CheckpointManager.restore: the checkpoint has no sharded variable blocks at {where} "
+                       "(it was saved from another structure).")
+    shape = tuple(meta.shape)
+    want = list(v.shape)
+    want[v.axis] = block_size(v.shape[v.axis], shape[0]) if shape and shape[0] else 0
+    if len(shape) != len(v.shape) + 1 or list(shape[1:]) != want:
+      raise ValueError(
+          f"CheckpointManager.restore: the sharded variable at {where} was saved as "
+          f"{shape[0] if shape else 0} blocks of shape {list(shape[1:])}, which are not blocks of the target's "
+          f"{list(v.shape)} split along axis {v.axis} ({want} each): another shape or axis.")
+    if shape[0] == self._n:  # as many replicas: each device reads its own block
+      item = {"blocks": jax.ShapeDtypeStruct(shape, v.dtype, sharding=self._split)}
+      return item, lambda take: ShardedVariable._wrap(take(item)["blocks"], v.shape, v.axis)  # pylint: disable=protected-access
+    item = {"blocks": _host_item(meta)}  # another replica count: the whole value on the host, re-split
+    return item, lambda take: self._place_sharded(
+        _whole_from_blocks(np.asarray(take(item)["blocks"]), v.axis, v.shape[v.axis]), v)
+
+  def _place_sharded(self, whole: np.ndarray, v: ShardedVariable) -> ShardedVariable:
+    blocks = place_blocks(whole.astype(v.dtype, copy=False), v.axis, self._n, self._split)
+    return ShardedVariable._wrap(blocks, v.shape, v.axis)  # pylint: disable=protected-access
 
 
 def _shardings(strategy: Any) -> tuple[Any, Any, Any]:
@@ -170,33 +261,21 @@ def _shardings(strategy: Any) -> tuple[Any, Any, Any]:
   return mesh, NamedSharding(mesh, P()), NamedSharding(mesh, P(REPLICA_AXIS))
 
 
-def _abstract(target: Any, strategy: Any) -> Any:
-  """The target as orbax's restore item: `jax.ShapeDtypeStruct`s on the strategy's shardings."""
-  mesh, replicated, split = _shardings(strategy)
-
-  def leaf(x: Any, sharding: Any) -> Any:
-    if isinstance(x, (bool, int, float, complex)):
-      return x  # saved as a Python scalar by orbax; restored as one
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return x if x.sharding is not None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-      raise TypeError(
-          f"CheckpointManager.restore: `target` must be a pytree of arrays, jax.ShapeDtypeStructs or "
-          f"Python numbers (like the saved state), got a {type(x).__name__}: {x!r:.100}.")
-    if (sharding is replicated and isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
-        and x.sharding.mesh == mesh):
-      sharding = x.sharding  # a plain array already laid out on this strategy's mesh keeps its layout
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-
-  def node(v: Any) -> Any:
-    if isinstance(v, PerReplica):
-      _check_saveable(v, "restore")
-      return jax.tree.map(lambda x: leaf(x, split), v.tree)
-    if isinstance(v, Mirrored):
-      return jax.tree.map(lambda x: leaf(x, replicated), v.tree)
-    return leaf(v, replicated)
-
-  return jax.tree.map(node, target, is_leaf=is_distributed)
+def _leaf(x: Any, sharding: Any, mesh: Any, replicated: Any) -> Any:
+  """The restore item of one target leaf: a `jax.ShapeDtypeStruct` on `sharding` (a plain array already
+  laid out on the strategy's mesh keeps its own sharding), or a Python number as it is."""
+  if isinstance(x, (bool, int, float, complex)):
+    return x  # saved as a Python scalar by orbax; restored as one
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x if x.sharding is not None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(
+        f"CheckpointManager.restore: `target` must be a pytree of arrays, jax.ShapeDtypeStructs or "
+        f"Python numbers (like the saved state), got a {type(x).__name__}: {x!r:.100}.")
+  if (sharding is replicated and isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+      and x.sharding.mesh == mesh):
+    sharding = x.sharding  # a plain array already laid out on this strategy's mesh keeps its layout
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
 def _check_shapes(abstract: Any, saved: Any, directory: str, step: int) -> None:
@@ -391,6 +470,7 @@ class CheckpointManager:
     self._wait_pending()  # orbax waits for the previous save too; here within the deadline
     with self._operation(f"save of step {step}") as op:
       unwrapped = _unwrap(state)
+      _check_alive(unwrapped)
       items = {STATE: orbax.StateSave(unwrapped)}
       if iterator is not None:
         self._progress(op, f"taking the iterator's position for step {step}")
@@ -429,13 +509,22 @@ class CheckpointManager:
         `PerReplica` values come back `PerReplica`, one component per replica (the replica count must
         be the saved one); plain arrays come back as arrays replicated over the mesh, or with their own
         sharding when it is on the strategy's mesh; `jax.ShapeDtypeStruct`s with a sharding get that
-        sharding. Shapes must be the saved ones; dtypes are the target's (an array restored with
-        another dtype than it was saved with is not compared with its checksum). With no target, the
-        saved tree comes back as nested dicts and lists of replicated arrays.
+        sharding. `ShardedVariable`s (embedding tables included) come back split over this
+        strategy's replicas, whatever the saved replica count. The layout may change between sharded and
+        whole: a `ShardedVariable` saved where the target has a `Mirrored` value (or a plain array) comes
+        back whole (padding stripped), and a value saved `Mirrored` where the target has a
+        `ShardedVariable` comes back split. Every array is read onto the target's sharding, so a device
+        gets only its block of a sharded value; a value that changes layout (another replica count, or
+        sharded <-> whole) is read into host memory on every process and placed from there (see
+        `_Plan`). Shapes must be the saved ones (logical shapes for sharded values); dtypes are the
+        target's (an array restored with another dtype than it was saved with is not compared with its
+        checksum). With no target, the saved tree comes back as nested dicts and lists of replicated
+        arrays (a sharded value as ``{"blocks": [N, ...block]}``).
       iterator: a `DistributedIterator` (or grain iterator) to move to the saved position.
 
     Returns:
-      The restored state, with the structure of `target`.
+      The restored state, with the structure of `target`. Its arrays are the program's own, on the
+      shardings `strategy.run` expects: a step may donate them (``RunOptions(donate_argnums=0)``).
 
     Raises:
       FileNotFoundError: if there is no checkpoint (or no checkpoint `step`).
@@ -469,10 +558,7 @@ class CheckpointManager:
             _set_iterator_state(iterator, restored[ITERATOR])
           self._last_restored_step = candidate
           self._progress(op, f"restored step {candidate}")
-          if target is None:
-            return restored[STATE]
-          return _reshard_tables(
-              jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(restored[STATE])), strategy)
+          return restored[STATE]
         problems.append((candidate, problem))
         where = f"checkpoint {candidate} at {self.step_path(candidate)}"
         if step is not None:
@@ -529,6 +615,7 @@ class CheckpointManager:
     problem: str | None = None
     restored: Any = None
     metadata: Any = None
+    plan: _Plan | None = None
     try:
       metadata = self._manager.item_metadata(step)
       saved = metadata[STATE] if STATE in metadata else None
@@ -543,7 +630,8 @@ class CheckpointManager:
         abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated), saved,
                                 is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
       else:
-        abstract = _abstract(_table_targets(target, saved, strategy), strategy)
+        plan = _Plan(target, saved, strategy)
+        abstract = plan.abstract
         _check_shapes(abstract, saved, self._directory, step)
       if iterator is not None and ITERATOR not in metadata:
         raise ValueError(
@@ -577,6 +665,8 @@ class CheckpointManager:
       if bad:
         return None, ("the content of " + ", ".join(bad) + " differs from what was saved (a data file was "
                       "changed after the save)")
+    if plan is not None:  # verified as read: now the target's values, re-laid out where they must be
+      restored[STATE] = plan.finish(restored[STATE])
     return restored, None
 
   def _agree(self, op: Operation, problem: str | None) -> dict[int, str]:

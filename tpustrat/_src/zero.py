@@ -1,0 +1,373 @@
+"""ZeRO stage 1/2 for `Mirrored` parameters: `tpustrat.sharded_optimizer(tx)`.
+
+`strategy.experimental_shard` (FSDP, ZeRO-3) splits the parameters themselves over the replicas. Many
+models fit on one device whole and only their optimizer state (two float32 moments per parameter for
+Adam: 8 of the 16 bytes per parameter) does not fit many times over. `sharded_optimizer(tx)` wraps an
+optax `GradientTransformation` so that the parameters stay `Mirrored` (whole on every device, no gather
+in the forward pass) and only the optimizer state, and the optimizer's arithmetic, are split (DeepSpeed's
+ZeRO stage 1; with the gradient reduce-scattered rather than all-reduced, stage 2):
+
+* ``init`` (inside `strategy.run`): every leaf the partitioner splits is flattened and padded to ``N *
+  ceil(size / N)`` elements; replica ``r`` takes elements ``[r*b, (r+1)*b)`` and `tx.init` sees it as a
+  `LocalShard` of a 1-D value of ``size`` elements. The state comes back from `run` as `ShardedVariable`s
+  (``1/N`` per device) and, for the leaves left whole, `Mirrored` values.
+* ``update`` (inside the step): per-replica gradients (w.r.t. `tpustrat.local_copy(params)`, TF's) are
+  summed and scattered in one `lax.psum_scatter` per dtype for every split leaf together (a reduce-scatter;
+  SUM, like TF's optimizers' all-reduce), the others summed by one `psum`; gradients already summed over
+  the replicas (w.r.t. the `Mirrored` parameters themselves, JAX's) need no communication here: each
+  replica takes its block. (JAX's backward pass has all-reduced those whole already: that is ZeRO-1, the
+  state split but not the gradient; differentiate w.r.t. `local_copy(params)` for stage 2's
+  reduce-scatter.) `tx.update` runs on the blocks, and the updates are all-gathered whole in one
+  all-gather per dtype, the same on every replica, for `optax.apply_updates` on the `Mirrored` parameters.
+
+Which of the two kinds a gradient is, is read from JAX's varying-axes type (`jax_compat.varying_axes`),
+never from shapes or values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from tpustrat._src.jax_compat import all_gather_invariant, to_varying, varying_axes
+from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.sharding import MinSizePartitioner
+from tpustrat._src.validation import normalize_axis, tree_path
+from tpustrat._src.values import DistributedValues, LocalShard, ShardedVariable, block_size
+
+__all__ = ["sharded_optimizer"]
+
+_NAME = "sharded_optimizer"
+
+
+class _Leaf(NamedTuple):
+  """One parameter leaf: where it is, its shape and whether it is split (flattened to ``size`` elements,
+  ``block`` per replica)."""
+
+  where: str
+  shape: tuple[int, ...]
+  size: int
+  split: bool
+
+
+def _is_node(x: Any) -> bool:
+  return isinstance(x, (LocalShard, DistributedValues))
+
+
+def _flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+  """(path, leaf) pairs and the structure of `tree`, with sharded and distributed values as leaves."""
+  return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_node)
+
+
+def _where(path: Any) -> str:
+  return tree_path(path) or "<root>"
+
+
+def _check_not_sharded(where: str, x: Any, what: str) -> None:
+  if isinstance(x, (LocalShard, ShardedVariable)):
+    raise ValueError(
+        f"{_NAME}: the {what} at {where} is already split over the replicas ({x!r}); {_NAME} is ZeRO-1/2 for "
+        "Mirrored parameters, which stay whole on every device. For parameters split with "
+        "strategy.experimental_shard (FSDP) use the optimizer itself on the blocks: grads = "
+        "jax.grad(lambda p: loss(tpustrat.read_values(p)))(params); tx.update(grads, opt_state, params).")
+  if isinstance(x, DistributedValues):
+    raise ValueError(
+        f"{_NAME}: the {what} at {where} is a {type(x).__name__} value: call the optimizer inside the step "
+        f"(opt_state = strategy.run(zopt.init, args=(params,)); zopt.update(grads, opt_state, params) in the "
+        "step), where Mirrored parameters are plain arrays.")
+
+
+def _plan(tree: Any, partitioner: Callable[..., Any], what: str) -> tuple[list[_Leaf], Any]:
+  """Which leaves of `tree` (the parameters, or the gradients when no parameters are given) are split."""
+  pairs, treedef = _flatten(tree)
+  plan = []
+  for path, x in pairs:
+    where = _where(path)
+    _check_not_sharded(where, x, what)
+    dtype = jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype
+    if dtype == jax.dtypes.float0 or not jnp.issubdtype(dtype, jnp.inexact):
+      raise TypeError(
+          f"{_NAME}: the {what} at {where} has dtype {dtype}; only floating-point (or complex) leaves are "
+          "differentiable and can be optimized. Keep integer state (step counters, masks, ...) out of the "
+          "tree given to the optimizer.")
+    shape = tuple(int(d) for d in jnp.shape(x))
+    axis = partitioner(tuple(path), shape, np.dtype(dtype))
+    if axis is None:
+      plan.append(_Leaf(where, shape, int(np.prod(shape, dtype=np.int64)), False))
+      continue
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+      raise TypeError(f"{_NAME}: the partitioner returned {axis!r:.60} for the leaf at {where}; expected an "
+                      "axis (int) or None.")
+    if not shape:
+      raise ValueError(f"{_NAME}: the partitioner split the scalar at {where}; a scalar has no axis to split "
+                       "along (return None to keep it whole).")
+    normalize_axis(int(axis), len(shape), f"{_NAME} (the leaf at {where})")
+    size = int(np.prod(shape, dtype=np.int64))
+    if size == 0:
+      raise ValueError(f"{_NAME}: the leaf at {where} has no elements {list(shape)}: there is nothing to split "
+                       "(return None to keep it whole).")
+    plan.append(_Leaf(where, shape, size, True))
+  return plan, treedef
+
+
+def _replica_axis() -> tuple[int, Any] | None:
+  """(number of replicas, this replica's index) inside `strategy.run`; None where no replica axis is bound
+  (the default strategy, whose `run` calls the step itself, or a call outside any step)."""
+  try:
+    n = jax.lax.axis_size(REPLICA_AXIS)
+  except NameError:
+    return None
+  return int(n), jax.lax.axis_index(REPLICA_AXIS)
+
+
+def _rows(x: Any, leaf: _Leaf, n: int) -> jax.Array:
+  """`x` flattened and zero-padded to ``[n, b]``: row ``r`` is replica ``r``'s block."""
+  b = block_size(leaf.size, n)
+  flat = jnp.ravel(x)
+  return jnp.pad(flat, (0, n * b - leaf.size)).reshape(n, b)
+
+
+def _local_block(x: Any, leaf: _Leaf, n: int, r: Any) -> LocalShard:
+  """This replica's block of a value the same on every replica (no communication)."""
+  b = block_size(leaf.size, n)
+  flat = jnp.pad(jnp.ravel(x), (0, n * b - leaf.size))
+  return LocalShard(jax.lax.dynamic_slice_in_dim(flat, r * b, b), (leaf.size,), 0)
+
+
+def _by_dtype(indices: list[int], values: list[Any]) -> dict[Any, list[int]]:
+  groups: dict[Any, list[int]] = {}
+  for i in indices:
+    groups.setdefault(jnp.result_type(values[i]), []).append(i)
+  return groups
+
+
+def _scatter_sum(grads: list[Any], plan: list[_Leaf], indices: list[int], n: int) -> dict[int, LocalShard]:
+  """This replica's block of the sum over replicas of each per-replica gradient in `indices`: one
+  reduce-scatter per dtype, over the leaves' padded rows laid side by side (``[n, sum b_i]``)."""
+  out = {}
+  for group in _by_dtype(indices, grads).values():
+    widths = [block_size(plan[i].size, n) for i in group]
+    rows = jnp.concatenate([_rows(grads[i], plan[i], n) for i in group], axis=1)  # [n, B], replica-major
+    blocks = jax.lax.psum_scatter(rows.reshape(-1), REPLICA_AXIS, scatter_dimension=0, tiled=True)  # [B]
+    for i, start, width in zip(group, np.cumsum([0] + widths[:-1]), widths):
+      out[i] = LocalShard(jax.lax.slice_in_dim(blocks, int(start), int(start) + width), (plan[i].size,), 0)
+  return out
+
+
+def _gather(blocks: list[Any], plan: list[_Leaf], indices: list[int], n: int) -> dict[int, jax.Array]:
+  """Each split leaf's whole value from every replica's block: one all-gather per dtype (typed invariant:
+  the same on every replica), padding stripped and the leaf's shape restored."""
+  out = {}
+  for group in _by_dtype(indices, blocks).values():
+    widths = [block_size(plan[i].size, n) for i in group]
+    local = jnp.concatenate([jnp.ravel(blocks[i]) for i in group])  # [B]
+    whole = all_gather_invariant(to_varying(local, REPLICA_AXIS), REPLICA_AXIS, axis=0, tiled=True)
+    whole = whole.reshape(n, -1)  # [n, B]
+    for i, start, width in zip(group, np.cumsum([0] + widths[:-1]), widths):
+      flat = whole[:, int(start):int(start) + width].reshape(-1)[:plan[i].size]
+      out[i] = flat.reshape(plan[i].shape)
+  return out
+
+
+def _check_structure(tree: Any, treedef: Any, what: str, reference: str) -> list[tuple[Any, Any]]:
+  pairs, got = _flatten(tree)
+  if got != treedef:
+    want_paths = [_where(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(treedef, [0] * treedef.num_leaves))[0]]
+    got_paths = [_where(p) for p, _ in pairs]
+    missing = [p for p in want_paths if p not in got_paths]
+    extra = [p for p in got_paths if p not in want_paths]
+    detail = "; ".join(([f"missing {', '.join(missing[:5])}"] if missing else []) +
+                       ([f"not in the {reference}: {', '.join(extra[:5])}"] if extra else []))
+    raise ValueError(
+        f"{_NAME}: the {what} do not have the structure of the {reference}"
+        f"{' (' + detail + ')' if detail else ''}: {got} vs {treedef}.")
+  return pairs
+
+
+def sharded_optimizer(tx: optax.GradientTransformation,
+                      partitioner: Callable[[tuple[Any, ...], tuple[int, ...], Any], Any] | None = None,
+                      ) -> optax.GradientTransformation:
+  """`tx` with its state and arithmetic split over the replicas, for `Mirrored` parameters (ZeRO-1/2).
+
+  The parameters stay whole on every device (unlike `strategy.experimental_shard`, FSDP / ZeRO-3, where
+  each device keeps a block of them and gathers them in every step); the optimizer state of every leaf the
+  partitioner splits is held ``1/N`` per device, and each replica runs `tx` on its ``1/N`` of the flattened
+  leaf::
+
+    zopt = tpustrat.sharded_optimizer(optax.adamw(1e-3))
+    params = strategy.experimental_mirror(params)
+    opt_state = strategy.run(zopt.init, args=(params,))   # ShardedVariables (1/N each) and Mirrored
+
+    def step(params, opt_state, batch):
+      grads = jax.grad(loss)(tpustrat.local_copy(params), batch)    # per replica, as TF's
+      updates, opt_state = zopt.update(grads, opt_state, params)    # summed: one reduce-scatter
+      return optax.apply_updates(params, updates), opt_state          # params Mirrored again
+
+  Args:
+    tx: the optax transformation to run on the blocks.
+    partitioner: which parameter leaves to split, a callable ``(path, shape, dtype) -> axis or None`` as
+      for `experimental_shard`; by default `MinSizePartitioner()` (leaves of at least 256 KiB). A leaf
+      split here is flattened and cut into ``N`` contiguous blocks of ``ceil(size / N)`` elements, the
+      last zero-padded, whatever axis the partitioner names: the axis only means "split" (it is still
+      checked to be an axis of the leaf). Leaves it returns None for are optimized whole on every replica.
+
+  Returns:
+    An `optax.GradientTransformation` whose ``init(params)`` and ``update(grads, state, params=None)`` are
+    called inside `strategy.run` (or `experimental_run_steps`):
+
+    * ``init``: `tx.init` on a tree whose split leaves are `LocalShard` s of 1-D values of the leaves'
+      sizes (this replica's block) and whose other leaves are whole; `run` returns the state's blocks as
+      `ShardedVariable` s of shape ``[size]``, the rest `Mirrored`. Checkpoints save it as any sharded
+      state (and re-split it onto another replica count).
+    * ``update``: `grads` may be per replica (w.r.t. `tpustrat.local_copy(params)`: TF's gradients;
+      summed over the replicas here, SUM as TF's optimizers do) or already summed (w.r.t. the `Mirrored`
+      parameters: JAX's gradients, which JAX's backward pass has all-reduced whole; then each replica takes
+      its block, no more communication: ZeRO-1 rather than 2), leaf by leaf, as
+      JAX types them; never both summing (a per-replica gradient must not be all-reduced first, or it is
+      summed twice: differentiate w.r.t. ``local_copy(params)`` *or* all-reduce, not both). Per-replica
+      gradients of the split leaves are summed and scattered by one reduce-scatter per dtype, the other
+      leaves' by one `psum`. `tx.update` runs on the blocks (and the block of `params`), and the updates
+      of the split leaves are all-gathered in one all-gather per dtype: the updates come back whole and
+      the same on every replica (typed so: `run` returns what `optax.apply_updates(params, updates)` makes
+      of `Mirrored` parameters as `Mirrored`).
+
+    Outside a replica axis (the default strategy, whose `run` calls the step itself) there is one replica
+    and nothing to split: `init` and `update` are `tx`'s own.
+
+  Which transforms are right on flat blocks: elementwise ones, whose result for an element depends on that
+  element (and on scalars) only: `optax.sgd`, momentum and Nesterov, `adam`, `adamw` (weight decay),
+  `adagrad`, `rmsprop`, `lion`, `adabelief`, learning-rate schedules, `optax.masked` / `multi_transform`
+  with masks or labels chosen by path (a mask computed from a leaf's shape sees a 1-D block: use the
+  path, or the `LocalShard`'s logical ``shape``). Whole-tree statistics must be summed over the replicas:
+  use `tpustrat.clip_by_global_norm` (and `tpustrat.global_norm`), not `optax.clip_by_global_norm`, which
+  would clip each replica's blocks by their own norm. Not right: transforms that read a leaf's shape or a
+  per-leaf statistic, e.g. `adafactor`'s factored second moments, `lamb` / `lars` / `optax.contrib` trust
+  ratios (per-leaf norms), `clip` by per-leaf norm, `scale_by_trust_ratio`, Shampoo-like preconditioners.
+
+  Raises:
+    ValueError: a parameter (or gradient) is already split (`ShardedVariable` / `LocalShard`: use the
+      FSDP path of `experimental_shard` instead) or is a distributed value outside `run`; the gradients'
+      structure is not the parameters'; the partitioner splits a scalar, an empty leaf, or names an axis
+      the leaf does not have; the state is not the one ``init`` made.
+    TypeError: an integer (non-differentiable) leaf; a partitioner answer that is neither an int nor None.
+
+  >>> import optax
+  >>> strategy = tpustrat.TPUStrategy()
+  >>> zopt = sharded_optimizer(optax.adam(0.1), lambda path, shape, dtype: 0 if len(shape) == 2 else None)
+  >>> params = strategy.experimental_mirror({"w": np.ones((5, 3), np.float32), "b": np.zeros(3, np.float32)})
+  >>> opt_state = strategy.run(zopt.init, args=(params,))
+  >>> opt_state[0].mu["w"], opt_state[0].mu["b"]
+  (ShardedVariable(shape=[15], dtype=float32, axis=0, num_replicas=8), Mirrored(...))
+  >>> def step(params, opt_state):
+  ...   grads = jax.grad(lambda p: jnp.sum(p["w"]) + jnp.sum(p["b"]))(tpustrat.local_copy(params))
+  ...   updates, opt_state = zopt.update(grads, opt_state, params)
+  ...   return optax.apply_updates(params, updates), opt_state
+  >>> params, opt_state = strategy.run(step, args=(params, opt_state))
+  >>> print(np.asarray(params["w"].values[0])[0].round(4))   # Adam's first step: -0.1 * sign(grad)
+  [0.9 0.9 0.9]
+  """
+  if not isinstance(tx, optax.GradientTransformation) and not (hasattr(tx, "init") and hasattr(tx, "update")):
+    raise TypeError(f"{_NAME}: tx must be an optax.GradientTransformation, got {type(tx).__name__}.")
+  partitioner = MinSizePartitioner() if partitioner is None else partitioner
+  if not callable(partitioner):
+    raise TypeError(f"{_NAME}: partitioner must be callable (path, shape, dtype) -> axis or None, got "
+                    f"{partitioner!r:.100}.")
+
+  def blocks_of(params: Any, plan: list[_Leaf], treedef: Any, n: int, r: Any) -> Any:
+    leaves = [x for _, x in _flatten(params)[0]]
+    return jax.tree.unflatten(treedef, [_local_block(x, leaf, n, r) if leaf.split else x
+                                        for x, leaf in zip(leaves, plan)])
+
+  def init(params: Any) -> Any:
+    plan, treedef = _plan(params, partitioner, "parameter")
+    axis = _replica_axis()
+    if axis is None:
+      return tx.init(params)
+    n, r = axis
+    for (_, x), leaf in zip(_flatten(params)[0], plan):
+      if REPLICA_AXIS in varying_axes(x):
+        raise ValueError(
+            f"{_NAME}.init: the parameter at {leaf.where} differs between replicas (a PerReplica value, or "
+            "tpustrat.local_copy of one): give init the Mirrored parameters, the same on every replica.")
+    return tx.init(blocks_of(params, plan, treedef, n, r))
+
+  def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+    plan, treedef = _plan(grads if params is None else params, partitioner,
+                          "gradient" if params is None else "parameter")
+    if params is not None:
+      grad_pairs = _check_structure(grads, treedef, "gradients", "parameters")
+      for (_, g), leaf in zip(grad_pairs, plan):
+        _check_not_sharded(leaf.where, g, "gradient")
+        dtype = jnp.result_type(g)
+        if dtype == jax.dtypes.float0 or not jnp.issubdtype(dtype, jnp.inexact):
+          raise TypeError(f"{_NAME}.update: the gradient at {leaf.where} has dtype {dtype}; gradients must be "
+                          "floating-point (an integer parameter has no gradient: keep it out of the tree).")
+        if tuple(jnp.shape(g)) != leaf.shape:
+          raise ValueError(f"{_NAME}.update: the gradient at {leaf.where} has shape {list(jnp.shape(g))}, the "
+                           f"parameter {list(leaf.shape)}.")
+    axis = _replica_axis()
+    if axis is None:
+      return tx.update(grads, state, params)
+    n, r = axis
+    g_leaves = [x for _, x in _flatten(grads)[0]]
+    if params is not None:
+      for (_, x), leaf in zip(_flatten(params)[0], plan):
+        if REPLICA_AXIS in varying_axes(x):
+          raise ValueError(
+              f"{_NAME}.update: the parameter at {leaf.where} differs between replicas (a PerReplica value, "
+              "or tpustrat.local_copy of one): give update the Mirrored parameters themselves.")
+    split = [i for i, leaf in enumerate(plan) if leaf.split]
+    per_replica = [i for i in range(len(plan)) if REPLICA_AXIS in varying_axes(g_leaves[i])]
+    # Gradients: per-replica ones summed (split leaves reduce-scattered, the others all-reduced in one psum),
+    # already-summed ones as they are (split leaves: this replica's block, no communication).
+    g_blocks: list[Any] = list(g_leaves)
+    scattered = _scatter_sum(g_leaves, plan, [i for i in split if i in per_replica], n)
+    for i in split:
+      g_blocks[i] = scattered[i] if i in scattered else _local_block(g_leaves[i], plan[i], n, r)
+    small = [i for i in per_replica if not plan[i].split]
+    if small:
+      for i, s in zip(small, jax.lax.psum([g_leaves[i] for i in small], REPLICA_AXIS)):
+        g_blocks[i] = s
+    g_tree = jax.tree.unflatten(treedef, g_blocks)
+    p_tree = None if params is None else blocks_of(params, plan, treedef, n, r)
+    # The state must be init's for these blocks (a LocalShard's node holds its logical shape): a state made
+    # outside run, or for other parameters, would otherwise fail inside tx with a shape error.
+    want = jax.tree.structure(jax.eval_shape(tx.init, g_tree if p_tree is None else p_tree))
+    got = jax.tree.structure(state)
+    if want != got:
+      raise ValueError(
+          f"{_NAME}.update: the optimizer state is not one this optimizer's init made for these parameters "
+          f"(make it with opt_state = strategy.run(zopt.init, args=(params,)) on the same parameters and "
+          f"replica count): its structure is {got}, expected {want}.")
+    updates, state = tx.update(g_tree, state, p_tree)
+    u_pairs = _check_structure(updates, treedef, "updates tx returned", "parameters")
+    u_leaves = [x for _, x in u_pairs]
+    blocks = []
+    for i in split:
+      u = u_leaves[i]
+      b = block_size(plan[i].size, n)
+      if not isinstance(u, LocalShard) or tuple(jnp.shape(u.block)) != (b,):
+        raise ValueError(
+            f"{_NAME}.update: tx returned {u!r:.80} as the update of the split leaf at {plan[i].where}, not a "
+            f"block of {b} elements: tx must update the blocks elementwise (see {_NAME}'s docstring).")
+      blocks.append(u.block)
+    for i, leaf in enumerate(plan):
+      if not leaf.split and REPLICA_AXIS in varying_axes(u_leaves[i]):
+        raise ValueError(
+            f"{_NAME}.update: tx's update of the leaf at {leaf.where} (kept whole) differs between replicas, "
+            "although its gradient, state and parameter are the same on every replica: a transform in tx "
+            "computed it from a statistic of this replica's blocks only. Use tpustrat.clip_by_global_norm "
+            "(tpustrat.global_norm) instead of optax.clip_by_global_norm (optax.tree.norm), and only "
+            f"elementwise transforms on split leaves (see {_NAME}'s docstring).")
+    whole = dict(zip(split, blocks))
+    gathered = _gather([whole.get(i) for i in range(len(plan))], plan, split, n)
+    out = [gathered[i] if i in gathered else u_leaves[i] for i in range(len(plan))]
+    return jax.tree.unflatten(treedef, out), state
+
+  return optax.GradientTransformation(init, update)
