@@ -47,9 +47,12 @@ machine with accelerators `TPUStrategy` uses those instead)::
     .venv/bin/python benchmarks/bench_run.py --only tiny --steps 500 --trials 41
     .venv/bin/python benchmarks/bench_run.py --only mlp --steps 3 --trials 101
     .venv/bin/python benchmarks/bench_run.py --only tiny --watchdog   # the step watchdog's cost
+    .venv/bin/python benchmarks/bench_run.py --only mlp --check-numerics   # NaN / Inf checks' cost
 
 ``--watchdog`` adds a third variant: the same `run` loop with the step watchdog on (what
-``--step-timeout`` / ``TPUSTRAT_STEP_TIMEOUT`` turn on), compared with `run` without it (target 1.02).
+``--step-timeout`` / ``TPUSTRAT_STEP_TIMEOUT`` turn on), compared with `run` without it (target 1.02). ``--check-numerics`` adds the same `run` loop with
+``RunOptions(check_numerics=True)`` (every floating output checked for NaN / Inf in the program, the flags
+read on the host when the in-flight bound waits), compared with `run` without it (target 1.05 on the MLP).
 
 Defaults: tiny 200 steps x 101 trials, mlp 3 steps x 101 trials: short trials, many rounds, so that
 the two runs of a round see the same machine load. About 1 minute in all on a 2-core machine with 8
@@ -88,6 +91,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                       help="also time a second copy of the hand-written step (A/A comparison)")
   parser.add_argument("--watchdog", action="store_true",
                       help="also time `run` with the step watchdog on (--step-timeout), against `run` without it")
+  parser.add_argument("--check-numerics", action="store_true",
+                      help="also time `run` with RunOptions(check_numerics=True), against `run` without it")
 
 
 ARGS = h.parse_args(__doc__, _add_flags) if __name__ == "__main__" else None
@@ -102,6 +107,8 @@ IN_FLIGHT = 2
 DEFAULTS = {"tiny": (200, 101), "mlp": (3, 101)}  # (steps, trials)
 TARGETS = {"tiny": 1.05, "mlp": 1.02}
 WATCHDOG_TARGET = 1.02  # `run` with the step watchdog on, against `run` without it
+NUMERICS_TARGET = 1.05  # `run` with RunOptions(check_numerics=True), against `run` without it
+NUMERICS = "tpustrat + check_numerics"
 LABELS = {"tiny": "tiny step (dispatch-bound)", "mlp": "MLP 784-1024-1024-10, batch 512"}
 
 
@@ -178,11 +185,19 @@ class Variant:
 
 
 def tpustrat_variant(strategy: tpustrat.Strategy, fn: Callable[..., Any], init: Callable[[], Any],
-                     data: tuple[Any, ...]) -> Variant:
+                     data: tuple[Any, ...], options: tpustrat.RunOptions | None = None,
+                     name: str = "tpustrat") -> Variant:
   def step(state):
-    return strategy.run(fn, args=(state[0],) + data)  # state[0]: the Mirrored output fed back
+    return strategy.run(fn, args=(state[0],) + data, options=options)  # state[0]: the Mirrored output fed back
 
-  return Variant("tpustrat", lambda: (init(), None), step, strategy.experimental_run_wait)
+  return Variant(name, lambda: (init(), None), step, strategy.experimental_run_wait)
+
+
+def numerics_variant(strategy: tpustrat.Strategy, fn: Callable[..., Any], init: Callable[[], Any],
+                     data: tuple[Any, ...]) -> Variant:
+  """The tpustrat variant with `RunOptions(check_numerics=True)`: its own program (the flags as one more
+  output), checked on the host when the in-flight bound (or the final wait) waits for each step."""
+  return tpustrat_variant(strategy, fn, init, data, tpustrat.RunOptions(check_numerics=True), NUMERICS)
 
 
 def watchdog_variant(variant: Variant) -> Variant:
@@ -208,7 +223,7 @@ def handwritten_variant(name: str, program: Callable[..., Any], init: Callable[[
   return Variant(name, lambda: (init(), None), lambda state: call(state[0], *data), forget)
 
 
-def make_tiny(strategy: tpustrat.Strategy, copies: int) -> list[Variant]:
+def make_tiny(strategy: tpustrat.Strategy, copies: int, numerics: bool = False) -> list[Variant]:
   n = strategy.num_replicas_in_sync
   mesh = strategy.mesh
   replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
@@ -216,18 +231,20 @@ def make_tiny(strategy: tpustrat.Strategy, copies: int) -> list[Variant]:
   xs = (1.0 + np.arange(n, dtype=np.float32)) / n
 
   x_pr = strategy.experimental_distribute_values_from_function(lambda ctx: xs[ctx.replica_id_in_sync_group])
-  variants = [tpustrat_variant(strategy, tiny_step, lambda: tpustrat.Mirrored(jax.device_put(w0, replicated)),
-                               (x_pr,))]
+  init = lambda: tpustrat.Mirrored(jax.device_put(w0, replicated))  # noqa: E731
+  variants = [tpustrat_variant(strategy, tiny_step, init, (x_pr,))]
   x_stacked = jax.device_put(xs, split)
   for c in range(copies):
     program = jax.jit(jax.shard_map(tiny_body, mesh=mesh, in_specs=(P(), P(AXIS)),
                                     out_specs=(P(), P(AXIS)), check_vma=True))
     variants.append(handwritten_variant("hand-written" + " (copy 2)" * c, program,
                                         lambda: jax.device_put(w0, replicated), (x_stacked,)))
+  if numerics:
+    variants.append(numerics_variant(strategy, tiny_step, init, (x_pr,)))
   return variants
 
 
-def make_mlp(strategy: tpustrat.Strategy, copies: int) -> list[Variant]:
+def make_mlp(strategy: tpustrat.Strategy, copies: int, numerics: bool = False) -> list[Variant]:
   n = strategy.num_replicas_in_sync
   if GLOBAL_BATCH % n:
     raise SystemExit(f"the global batch of {GLOBAL_BATCH} does not split over {n} replicas")
@@ -240,14 +257,16 @@ def make_mlp(strategy: tpustrat.Strategy, copies: int) -> list[Variant]:
 
   x_pr, y_pr = (strategy.experimental_distribute_values_from_function(lambda ctx, a=a: a[ctx.replica_id_in_sync_group])
                 for a in (xs, ys))
-  variants = [tpustrat_variant(strategy, mlp_step, lambda: tpustrat.Mirrored(jax.device_put(p0, replicated)),
-                               (x_pr, y_pr))]
+  init = lambda: tpustrat.Mirrored(jax.device_put(p0, replicated))  # noqa: E731
+  variants = [tpustrat_variant(strategy, mlp_step, init, (x_pr, y_pr))]
   x_stacked, y_stacked = jax.device_put(xs, split), jax.device_put(ys, split)
   for c in range(copies):
     program = jax.jit(jax.shard_map(mlp_body, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
                                     out_specs=(P(), P()), check_vma=True))
     variants.append(handwritten_variant("hand-written" + " (copy 2)" * c, program,
                                         lambda: jax.device_put(p0, replicated), (x_stacked, y_stacked)))
+  if numerics:
+    variants.append(numerics_variant(strategy, mlp_step, init, (x_pr, y_pr)))
   return variants
 
 
@@ -304,7 +323,8 @@ def main(args: argparse.Namespace) -> int:
   rows = []
   t_start = time.perf_counter()
   for name, steps, trials in h.selected_benchmarks(args, DEFAULTS):
-    variants = (make_tiny if name == "tiny" else make_mlp)(strategy, 2 if args.noise_floor else 1)
+    variants = (make_tiny if name == "tiny" else make_mlp)(strategy, 2 if args.noise_floor else 1,
+                                                          args.check_numerics)
     if args.watchdog:
       variants.append(watchdog_variant(variants[0]))
     tol = dict(rtol=1e-6, atol=1e-7) if name == "tiny" else dict(rtol=1e-5, atol=1e-6)
@@ -316,6 +336,8 @@ def main(args: argparse.Namespace) -> int:
       rows.append(summarise(name, times, "hand-written (copy 2)") | {"steps": steps})
     if args.watchdog:
       rows.append(summarise(name, times, "tpustrat + step watchdog", base="tpustrat") | {"steps": steps})
+    if args.check_numerics:
+      rows.append(summarise(name, times, NUMERICS, base="tpustrat") | {"steps": steps})
   print(f"# total {time.perf_counter() - t_start:.0f} s")
   print()
   print(h.markdown_header(
@@ -323,7 +345,8 @@ def main(args: argparse.Namespace) -> int:
        "paired ratio, median [p25, p75]", "ratio of minima", "overhead us/step", "target"],
       right={"us/step", "hand-written us/step", "ratio", "ratio of minima", "overhead us/step"}))
   for r in rows:
-    target = WATCHDOG_TARGET if r["variant"] == "tpustrat + step watchdog" else TARGETS[r["name"]]
+    target = (WATCHDOG_TARGET if r["variant"] == "tpustrat + step watchdog"
+              else NUMERICS_TARGET if r["variant"] == NUMERICS else TARGETS[r["name"]])
     if r["variant"].startswith("tpustrat"):
       verdict = h.verdict(f"<= {target:.2f}", r["paired"][0] <= target)
     else:
@@ -334,7 +357,7 @@ def main(args: argparse.Namespace) -> int:
   print()
   print("us/step: median over trials of (time for `steps` chained steps, until the last is ready) / steps. "
         "ratio: median / hand-written median. paired ratio: per-trial ratios to the hand-written run of the "
-        "same round (for the step-watchdog row, the baseline is `run` without the watchdog). ratio of minima: fastest trial / fastest hand-written trial. overhead: median per-round "
+        "same round (for the step-watchdog and check_numerics rows, the baseline is `run` without them). ratio of minima: fastest trial / fastest hand-written trial. overhead: median per-round "
         "difference to hand-written. target: checked on the median paired ratio (the most robust to load).")
   return 0
 

@@ -176,7 +176,7 @@ def large(args: argparse.Namespace) -> None:
   t0 = time.perf_counter()
   graphdef, params = ct.make_model(config, seed=0)
   params = jax.device_get(params)  # on the host: no device keeps a whole copy
-  tx = ct.make_optimizer(1e-3, 10, 100)
+  tx = optax.chain(tpustrat.clip_by_global_norm(1.0), optax.adamw(1e-3))  # no warmup: every step moves
   n_params = sum(np.asarray(x).size for x in jax.tree.leaves(params))
   host_state = {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
   state_bytes = 16 * n_params  # float32 parameters, AdamW's two moments, and the new parameters' update
@@ -187,7 +187,7 @@ def large(args: argparse.Namespace) -> None:
   shardings = hand_written(ct, strategy, graphdef, tx, host_state, args.batch)[0]
   batch_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding), host_batch)
   dp = memory(dp_step.lower(abstract(host_state, shardings), batch_abstract).compile())
-  print(f"# model: {args.layers} layers, d_model {args.d_model}, {n_params / 1e6:.0f}M parameters; global batch "
+  print(f"# model: {args.layers} layers, d_model {args.d_model}, {n_params / 1e6:.1f}M parameters; global batch "
         f"{args.batch} x {args.seq_len}; made in {time.perf_counter() - t0:.0f} s")
   print(f"# data parallel (compiled, not run): {dp['arguments'] / 2**30:.2f} GiB of arguments and a peak of "
         f"{dp['peak'] / 2**30:.2f} GiB per device, {n * dp['peak'] / 2**30:.1f} GiB for the {n} devices")

@@ -15,10 +15,14 @@ every Python (found through `sysconfig`), trained with `tpustrat.TPUStrategy`:
 * **the loss over the global batch.** Each replica's loss is the sum of its tokens' cross-entropies
   divided by the *global* number of tokens (``global_batch * seq_len``), so the replicas' losses add up
   to the global mean; the validation loss is `strategy.reduce("sum", ...)` of the per-replica losses.
-* **mixed precision.** ``--dtype bfloat16`` keeps the parameters and the optimizer in float32 and
-  computes the forward and backward passes in bfloat16 (each layer casts its float32 parameters on
-  use, as Flax's ``dtype=`` / ``param_dtype=`` do); the gradients come back float32 and are all-reduced
-  in float32 (below).
+* **mixed precision.** ``--policy mixed_bfloat16`` (or ``--dtype bfloat16``) is
+  `tpustrat.mixed_precision.Policy("mixed_bfloat16")`: the parameters and the optimizer stay float32, the
+  forward and backward passes compute in bfloat16 (each layer casts its float32 parameters on use:
+  Flax's ``dtype=policy.compute_dtype``, ``param_dtype=policy.variable_dtype``); the gradients come back
+  float32 and `tpustrat.mixed_precision.all_reduce_gradients` adds them in the policy's reduce dtype,
+  float32 (below). ``--policy mixed_float16`` computes in float16 and wraps the optimizer in
+  `tpustrat.mixed_precision.LossScaleOptimizer` (dynamic loss scaling: an overflow skips the step on
+  every replica and halves the scale).
 * **checkpoints that resume.** With ``--ckpt-dir``, `tpustrat.checkpoint.CheckpointManager` saves the
   training state *and the input position* at every evaluation; run the same command again and it
   continues at the saved step with the next batch: the numbers are those of an uninterrupted run.
@@ -38,18 +42,22 @@ In tpustrat, `jax.grad` with respect to the replicated parameters *already* retu
 replicas (README, "Gradients: JAX's or TF's"). JAX places that sum where the replicated parameter first
 meets per-replica data, which in bfloat16 is *after* the layer cast the parameter to bfloat16: the
 all-reduce would then add bfloat16 gradients. So `make_train_step` asks for TF's semantics instead,
-differentiating with respect to this replica's own copy of the parameters, still float32::
+differentiating with respect to this replica's own copy of the parameters, still float32, then adding
+them in the policy's reduce dtype::
 
     loss, grads = jax.value_and_grad(loss_fn)(tpustrat.local_copy(params), batch)   # this replica's
-    grads = ctx.all_reduce("sum", grads)                                             # float32 all-reduce
+    grads = tpustrat.mixed_precision.all_reduce_gradients(grads, policy)             # float32 all-reduce
 
 and applies the summed gradients directly (no second sum). In float32 both ways give the same numbers.
+With loss scaling (``mixed_float16``) the first line is ``tx.value_and_grad(loss_fn, opt_state)(...)``
+(the loss times the scale; the optimizer's ``update`` divides the gradients by it).
 
 Run it::
 
     python examples/char_transformer.py                      # 8 emulated CPU devices unless accelerators exist
     python examples/char_transformer.py --ckpt-dir /tmp/chars    # stop it, run it again: it resumes
-    python examples/char_transformer.py --dtype bfloat16         # pays off on TPUs and GPUs (CPUs emulate it)
+    python examples/char_transformer.py --policy mixed_bfloat16  # pays off on TPUs and GPUs (CPUs emulate it)
+    python examples/char_transformer.py --policy mixed_float16   # float16 with dynamic loss scaling (GPUs)
     python examples/char_transformer.py --steps 1000 --layers 4 --temperature 0   # longer; a greedy sample
     python -m tpustrat.launch -n 2 -d 4 examples/char_transformer.py --steps 40
 """
@@ -173,27 +181,45 @@ def validation_dataset(data: np.ndarray, seq_len: int, global_batch_size: int,
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """The transformer's shape and compute dtype (parameters are always float32)."""
+  """The transformer's shape and its mixed-precision policy (`tpustrat.mixed_precision.Policy` name)."""
 
   seq_len: int = 128
   layers: int = 3
   d_model: int = 128
   heads: int = 4
-  dtype: str = "float32"  # or "bfloat16": the compute dtype
+  policy: str = "float32"  # or "mixed_bfloat16", "mixed_float16": compute dtype / parameter dtype
   remat: bool = False  # recompute each block in the backward pass (sharded weights are gathered again)
 
   @property
-  def compute_dtype(self) -> Any:
-    return jnp.dtype(self.dtype)
+  def dtype_policy(self) -> tpustrat.mixed_precision.Policy:
+    return tpustrat.mixed_precision.Policy(self.policy)
+
+  def layer_dtypes(self) -> dict[str, Any]:
+    """Flax's ``dtype`` (compute) and ``param_dtype`` (variables) from the policy."""
+    return {"dtype": self.dtype_policy.compute_dtype, "param_dtype": self.dtype_policy.variable_dtype}
+
+
+def float16_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, mask: jax.Array | None = None,
+                      **unused: Any) -> jax.Array:
+  """Scaled dot-product attention for float16 compute, the softmax in float32 (no dropout: the model has
+  none). Flax's default calls `jax.nn.dot_product_attention`, whose float16 matmuls ask for the
+  ``F16_F16_F32`` algorithm, which XLA:CPU cannot compile (JAX 0.10.2)."""
+  del unused
+  logits = jnp.einsum("...qhd,...khd->...hqk", query / np.sqrt(query.shape[-1]).astype(query.dtype), key)
+  if mask is not None:
+    logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+  weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(value.dtype)
+  return jnp.einsum("...hqk,...khd->...qhd", weights, value)
 
 
 class Block(nnx.Module):
   """A pre-LayerNorm transformer block: causal self-attention, then a 4x MLP, each with a residual."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs) -> None:
-    d, kw = config.d_model, {"dtype": config.compute_dtype, "param_dtype": jnp.float32, "rngs": rngs}
+    d, kw = config.d_model, {**config.layer_dtypes(), "rngs": rngs}
     self.ln1 = nnx.LayerNorm(d, **kw)
-    self.attention = nnx.MultiHeadAttention(num_heads=config.heads, in_features=d, decode=False, **kw)
+    extra = {"attention_fn": float16_attention} if config.dtype_policy.compute_dtype == jnp.float16 else {}
+    self.attention = nnx.MultiHeadAttention(num_heads=config.heads, in_features=d, decode=False, **extra, **kw)
     self.ln2 = nnx.LayerNorm(d, **kw)
     self.mlp_in = nnx.Linear(d, 4 * d, **kw)
     self.mlp_out = nnx.Linear(4 * d, d, **kw)
@@ -214,7 +240,7 @@ class Transformer(nnx.Module):
   """
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs) -> None:
-    kw = {"dtype": config.compute_dtype, "param_dtype": jnp.float32, "rngs": rngs}
+    kw = {**config.layer_dtypes(), "rngs": rngs}
     init = nnx.initializers.normal(0.02)
     self.tokens = nnx.Embed(VOCAB_SIZE, config.d_model, embedding_init=init, **kw)
     self.positions = nnx.Embed(config.seq_len, config.d_model, embedding_init=init, **kw)
@@ -253,13 +279,18 @@ def make_model(config: Config, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
   return nnx.split(_init_model(config, nnx.Rngs(seed)))
 
 
-def make_optimizer(learning_rate: float, warmup_steps: int, decay_steps: int) -> optax.GradientTransformation:
-  """AdamW with a linear warmup and a cosine decay to 10%, after clipping the gradient's global norm to 1."""
+def make_optimizer(learning_rate: float, warmup_steps: int, decay_steps: int,
+                   policy: str = "float32") -> optax.GradientTransformation:
+  """AdamW with a linear warmup and a cosine decay to 10%, after clipping the gradient's global norm to 1;
+  with a float16 policy, inside a `LossScaleOptimizer` (dynamic loss scaling, Keras's defaults)."""
   schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1),
                                                 max(decay_steps, warmup_steps + 1), learning_rate * 0.1)
   # tpustrat's clip: the norm of the whole gradient also when parameters are sharded (--shard), where
   # optax's would see each replica's blocks only; the same as optax's otherwise.
-  return optax.chain(tpustrat.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=0.01))
+  tx = optax.chain(tpustrat.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=0.01))
+  if tpustrat.mixed_precision.Policy(policy).compute_dtype == jnp.float16:
+    tx = tpustrat.mixed_precision.LossScaleOptimizer(tx)  # clipping inside: it sees unscaled gradients
+  return tx
 
 
 def init_state(params: nnx.State, tx: optax.GradientTransformation) -> dict[str, Any]:
@@ -317,6 +348,15 @@ def make_loss_fn(graphdef: nnx.GraphDef, global_batch_size: int) -> Callable[...
   return loss_fn
 
 
+def loss_and_grads(tx: optax.GradientTransformation, loss_fn: Callable[..., jax.Array], state: dict[str, Any],
+                   params: Any, batch: Any) -> tuple[jax.Array, Any]:
+  """``(loss, grads)`` of `loss_fn` at `params`; with a `LossScaleOptimizer`, the gradients of the loss times
+  the loss scale (its ``update`` divides them by it), and the loss itself unscaled."""
+  if isinstance(tx, tpustrat.mixed_precision.LossScaleOptimizer):
+    return tx.value_and_grad(loss_fn, state["opt_state"])(params, batch)
+  return jax.value_and_grad(loss_fn)(params, batch)
+
+
 def apply_gradients(tx: optax.GradientTransformation, state: dict[str, Any], grads: nnx.State) -> dict[str, Any]:
   """One optimizer step with gradients of the global mean loss."""
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -324,24 +364,26 @@ def apply_gradients(tx: optax.GradientTransformation, state: dict[str, Any], gra
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    global_batch_size: int, sharded: bool = False) -> Callable[..., Any]:
+                    global_batch_size: int, sharded: bool = False, policy: str = "float32") -> Callable[..., Any]:
   """The per-replica step ``train_step(state, batch) -> (state, loss)`` for `run` / `experimental_run_steps`.
 
   ``loss`` is the global mean loss of the step (all-reduced, `Mirrored`). Create the step once: the
   compiled program is cached on the function.
   """
   loss_fn = make_loss_fn(graphdef, global_batch_size)
+  dtype_policy = tpustrat.mixed_precision.Policy(policy)
 
   def train_step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
     ctx = tpustrat.get_replica_context()
-    if sharded:  # FSDP: gradients come back summed over replicas (blocks: reduce-scattered)
-      loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
-      return apply_gradients(tx, state, grads), ctx.all_reduce("sum", loss)
-    # This replica's own gradients (TF's tape.gradient), float32 like the parameters they belong to,
-    # then one float32 all-reduce. (W.r.t. `state["params"]` itself JAX would sum them already, but in
-    # bfloat16, after each layer's cast: see the module docstring.)
-    loss, grads = jax.value_and_grad(loss_fn)(tpustrat.local_copy(state["params"]), batch)
-    grads = ctx.all_reduce("sum", grads)
+    # Data parallel: this replica's own gradients (TF's tape.gradient), float32 like the parameters they
+    # belong to. (W.r.t. `state["params"]` itself JAX would sum them already, but in bfloat16, after each
+    # layer's cast: see the module docstring.) FSDP (`sharded`): gradients come back summed over replicas
+    # (the blocks reduce-scattered, the small Mirrored leaves all-reduced).
+    params = state["params"] if sharded else tpustrat.local_copy(state["params"])
+    loss, grads = loss_and_grads(tx, loss_fn, state, params, batch)
+    # One all-reduce of the per-replica gradients in the policy's reduce dtype (float32); already-summed
+    # ones pass as they are.
+    grads = tpustrat.mixed_precision.all_reduce_gradients(grads, dtype_policy)
     return apply_gradients(tx, state, grads), ctx.all_reduce("sum", loss)
 
   return train_step
@@ -416,8 +458,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--layers", type=int, default=3, help="transformer blocks")
   parser.add_argument("--d-model", type=int, default=128, help="model width")
   parser.add_argument("--heads", type=int, default=4, help="attention heads; must divide --d-model")
-  parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                      help="compute dtype; parameters, optimizer and gradient all-reduce stay float32")
+  parser.add_argument("--policy", choices=("float32", "mixed_bfloat16", "mixed_float16"), default=None,
+                      help="mixed-precision policy (tpustrat.mixed_precision.Policy): compute dtype; parameters, "
+                           "optimizer and gradient all-reduce stay float32; mixed_float16 adds loss scaling "
+                           "(default: float32)")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                      help="the compute dtype, a shorthand for --policy float32 / mixed_bfloat16 / mixed_float16")
   parser.add_argument("--learning-rate", type=float, default=3e-3, help="peak AdamW learning rate")
   parser.add_argument("--warmup-steps", type=int, default=30, help="linear learning-rate warmup")
   parser.add_argument("--decay-steps", type=int, default=None,
@@ -458,6 +504,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.error(f"--temperature must be >= 0, got {args.temperature}")
   if args.decay_steps is None:
     args.decay_steps = args.steps
+  from_dtype = {None: None, "float32": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}[args.dtype]
+  if args.policy is not None and from_dtype is not None and args.policy != from_dtype:
+    parser.error(f"--dtype {args.dtype} (policy {from_dtype}) contradicts --policy {args.policy}")
+  args.policy = args.policy or from_dtype or "float32"
   return args
 
 
@@ -478,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     raise SystemExit(f"--global-batch-size {args.global_batch_size} is not a multiple of the {n} replicas; "
                      f"pick a multiple of {n}.")
   config = Config(seq_len=args.seq_len, layers=args.layers, d_model=args.d_model, heads=args.heads,
-                  dtype=args.dtype, remat=args.remat)
+                  policy=args.policy, remat=args.remat)
 
   train_files, val_files = split_files(stdlib_files(args.max_files))
   train_text, val_text = read_bytes(train_files), read_bytes(val_files)
@@ -491,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       f"({args.global_batch_size // n} sequences per replica)")
 
   graphdef, params = make_model(config, args.seed)
-  tx = make_optimizer(args.learning_rate, args.warmup_steps, args.decay_steps)
+  tx = make_optimizer(args.learning_rate, args.warmup_steps, args.decay_steps, args.policy)
   # Mirrored from the start, as `experimental_run_steps` returns the state (and a restore target); with
   # --shard, the large parameters and their optimizer state split over the replicas.
   if args.shard:
@@ -500,9 +550,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     state = strategy.experimental_mirror(init_state(params, tx))
   num_params = sum(x.size for x in jax.tree.leaves(params))
   say(f"model: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, {num_params:,} float32 "
-      f"parameters, computing in {args.dtype}")
+      f"parameters, policy {args.policy} (computing in {config.dtype_policy.compute_dtype})")
 
-  train_step = make_train_step(graphdef, tx, args.global_batch_size, sharded=args.shard)
+  train_step = make_train_step(graphdef, tx, args.global_batch_size, sharded=args.shard, policy=args.policy)
   eval_step = make_eval_step(graphdef, args.global_batch_size)
   iterator = iter(strategy.experimental_distribute_dataset(train_ds))
 
@@ -558,10 +608,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   seconds = time.perf_counter() - wall_start
   say(f"validation loss {history[0][1]:.4f} (step {history[0][0]}) -> {history[-1][1]:.4f} (step "
       f"{history[-1][0]}); {tokens_per_second:,.0f} tokens/s over {n} replicas; {seconds:.0f} s in all")
+  loss_scale, skipped = None, 0
+  if isinstance(tx, tpustrat.mixed_precision.LossScaleOptimizer):  # the scale and the steps it skipped
+    opt = state["opt_state"]
+    loss_scale = float(strategy.experimental_local_results(opt.loss_scale)[0])
+    skipped = int(strategy.experimental_local_results(opt.skipped_steps)[0])
+    say(f"loss scale {loss_scale:g}; {skipped} step(s) skipped on an overflow")
   if sample:
     say(f"sample (temperature {args.temperature}):\n{sample}")
   return {
       "num_replicas": n,
+      "policy": args.policy,
+      "loss_scale": loss_scale,  # None without loss scaling
+      "skipped_steps": skipped,
       "start_step": start,
       "steps": step,
       "train_losses": train_losses,  # one per step run by this call: steps start+1 .. steps

@@ -3,7 +3,7 @@
 Each script is run as `make bench` / the README run it: a fresh process from the repository root on 8
 emulated CPU devices (``--cpu-devices 8``, `benchmarks/_harness.py`), here with the flags that add every
 variant the README's commands time (``--noise-floor``, ``--mechanisms``, ``--algorithms``,
-``--extra-rows``, ``--buffer``, ``--hidden``, ``--only``, ``--watchdog``) and the fewest steps, trials and bytes the
+``--extra-rows``, ``--buffer``, ``--hidden``, ``--only``, ``--watchdog``, ``--check-numerics``) and the fewest steps, trials and bytes the
 flags allow. Before timing, every script asserts that its variants compute the same results (allclose)
 and prints a line saying so; a failed check exits non-zero. The test checks the exit status, that line,
 and the names of the rows of the printed markdown table, never the timings or ratios in it (timed tests
@@ -76,6 +76,12 @@ CASES = {
         ("# tiny: results allclose;",),
         ("step", "variant", "steps x trials"),
         ((TINY, "tpustrat", "3 x 1"), (TINY, "tpustrat + step watchdog", "3 x 1"))),
+    # README: `bench_run.py --only mlp --check-numerics` (run with RunOptions(check_numerics=True), against run).
+    "run-check-numerics": Case(
+        "bench_run.py", ("--only", "mlp", "--check-numerics", "--steps", "2", "--trials", "1"),
+        ("# mlp: results allclose;",),
+        ("step", "variant", "steps x trials"),
+        ((MLP, "tpustrat", "2 x 1"), (MLP, "tpustrat + check_numerics", "2 x 1"))),
     # README: `bench_collectives.py --mechanisms --noise-floor` with both default group shapes, at 1/4 MiB.
     "collectives": Case(
         "bench_collectives.py",
@@ -147,6 +153,20 @@ CASES = {
          ("FSDP, per-layer gathering, donated", "data parallel, state donated"),
          ("FSDP, state donated", "hand-written FSDP"), ("hand-written FSDP", "")),
         table=1),
+    # README: `bench_accumulation.py` (k = 1, 2, 4, 8 micro-batches in one program), on a tiny MLP: memory
+    # table, then the step-time table.
+    "accumulation": Case(
+        "bench_accumulation.py", ("--width", "32", "--rows", "64", "--layers", "2", "--ks", "1,2,4",
+                                  "--trials", "1", "--steps", "1"),
+        ("# loss and gradients allclose to k=1's (k = 2, 4)",),
+        ("model", "k"),
+        tuple(("MLP 2 x 32", k) for k in ("1", "2", "4"))),
+    "accumulation step time": Case(
+        "bench_accumulation.py", ("--width", "32", "--rows", "64", "--layers", "2", "--ks", "1,4",
+                                  "--trials", "1", "--steps", "1"),
+        ("# loss and gradients allclose to k=1's (k = 4)",),
+        ("model", "k"),
+        tuple(("MLP 2 x 32", k) for k in ("1", "4")), table=1),
     # `bench_peers.py` (its docstring's command): tpustrat, hand-written JAX and, where it is installed
     # (the `bench` extra), Keras 3; then compile times at k = 1, 8, 64. Without Keras its rows are left out.
     "peers": Case(

@@ -23,11 +23,13 @@ LAYERS: list[tuple[str, ...]] = [
     # Collectives and reductions.
     ("tpustrat._src.collectives", "tpustrat._src.all_reduce", "tpustrat._src.reduce"),
     # The engine (a mesh and a replica count), and the logical-core annotations it honours.
-    ("tpustrat._src.logical", "tpustrat._src.logical_interpreter", "tpustrat._src.batch_rows", "tpustrat._src.engine"),
+    ("tpustrat._src.logical", "tpustrat._src.logical_interpreter", "tpustrat._src.batch_rows", "tpustrat._src.numerics",
+     "tpustrat._src.engine"),
     # Input, and the stacked-steps layout it shares with multistep.
     ("tpustrat._src.steps", "tpustrat._src.input"),
     # Multistep; cross-device ops; the cluster and its topology.
-    ("tpustrat._src.multistep", "tpustrat._src.sharding", "tpustrat._src.zero", "tpustrat._src.cross_device", "tpustrat._src.distributed",
+    ("tpustrat._src.multistep", "tpustrat._src.sharding", "tpustrat._src.zero", "tpustrat._src.accumulation",
+     "tpustrat._src.mixed_precision", "tpustrat._src.cross_device", "tpustrat._src.distributed",
      "tpustrat._src.cluster_resolver", "tpustrat._src.slurm_cluster_resolver",
      "tpustrat._src.tfconfig_cluster_resolver", "tpustrat._src.topology"),
     # Strategies.
@@ -36,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpustrat._src.checkpoint", "tpustrat._src.preemption", "tpustrat._src.embedding"),
     # The public surface.
     ("tpustrat._src", "tpustrat.ops", "tpustrat.checkpoint", "tpustrat.cluster_resolver", "tpustrat.embedding",
-     "tpustrat.launch",
+     "tpustrat.mixed_precision", "tpustrat.launch",
      "tpustrat"),
 ]
 

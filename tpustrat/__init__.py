@@ -1,7 +1,8 @@
 """tpustrat: TensorFlow's `tf.distribute` programming model (`TPUStrategy`, `run`, `reduce`, ...) on JAX.
 
 Every public name is re-exported here once; the code lives in `tpustrat._src`. The public submodules
-(`tpustrat.ops`, `tpustrat.cluster_resolver`, `tpustrat.checkpoint`, `tpustrat.embedding`) are imported too, so that
+(`tpustrat.ops`, `tpustrat.cluster_resolver`, `tpustrat.checkpoint`, `tpustrat.embedding`,
+`tpustrat.mixed_precision`) are imported too, so that
 ``import tpustrat`` is enough to use them, as with ``tf.raw_ops`` or ``jax.lax``. `tpustrat.launch` is a
 command-line entry point (``python -m tpustrat.launch``) and is imported on its own.
 """
@@ -9,7 +10,9 @@ command-line entry point (``python -m tpustrat.launch``) and is imported on its 
 from tpustrat import checkpoint as checkpoint  # orbax itself is imported on first use
 from tpustrat import cluster_resolver as cluster_resolver
 from tpustrat import embedding as embedding
+from tpustrat import mixed_precision as mixed_precision
 from tpustrat import ops as ops
+from tpustrat._src.accumulation import accumulate_gradients as accumulate_gradients
 from tpustrat._src.batch_rows import BatchRowsWarning as BatchRowsWarning
 from tpustrat._src.cluster_resolver import experimental_connect_to_cluster as experimental_connect_to_cluster
 from tpustrat._src.cluster_resolver import initialize_tpu_system as initialize_tpu_system
@@ -38,6 +41,7 @@ from tpustrat._src.input import per_example as per_example
 from tpustrat._src.input import valid_mask as valid_mask
 from tpustrat._src.logical import LayoutMap as LayoutMap
 from tpustrat._src.mirrored_strategy import MirroredStrategy as MirroredStrategy
+from tpustrat._src.numerics import NumericsError as NumericsError
 from tpustrat._src.preemption import PreemptionCheckpointHandler as PreemptionCheckpointHandler
 from tpustrat._src.preemption import TerminationConfig as TerminationConfig
 from tpustrat._src.reduce_op import ReduceOp as ReduceOp
@@ -64,6 +68,7 @@ from tpustrat._src.zero import sharded_optimizer as sharded_optimizer
 __version__ = "0.1.0"
 
 __all__ = [
+    "accumulate_gradients",
     "AllReduceCrossDeviceOps",
     "AlreadyReplicatedWarning",
     "BatchRowsWarning",
@@ -74,6 +79,7 @@ __all__ = [
     "NcclAllReduce",
     "ReductionToOneDevice",
     "MirroredStrategy",
+    "NumericsError",
     "DeviceAssignment",
     "DistributedDataset",
     "DistributedIterator",
@@ -112,6 +118,7 @@ __all__ = [
     "in_cross_replica_context",
     "initialize_tpu_system",
     "local_copy",
+    "mixed_precision",
     "num_valid_examples",
     "ops",
     "per_example",

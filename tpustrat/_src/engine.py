@@ -71,6 +71,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
 from tpustrat._src import host_memory, watchdog
+from tpustrat._src import numerics as numerics_lib
 from tpustrat._src.batch_rows import BatchRowsWarning, Rows, leading_rows
 from tpustrat._src.jax_compat import eval_closed_jaxpr, open_jaxpr, to_varying, varying_axes
 from tpustrat._src.logical import LayoutMap, check_layout_map, layout_spec
@@ -121,6 +122,14 @@ class RunOptions:
       that matches none of the step's `Mirrored` arrays (of rank >= 1) is an error too (a pattern anchored to the tree given to
       `experimental_shard`, ``^\\['w1'\\]``, does not find ``[0]['w1']``). Ignored by
       `experimental_run_steps`.
+    check_numerics: check every floating output of the step for NaN and Inf inside the compiled program
+      (`tpustrat.NumericsError`, a `FloatingPointError`, naming the step, the output's path, NaN / Inf and
+      the replicas and processes that produced it). The error is raised once the step has finished, by the
+      next call that waits for it: the `run` (or `experimental_run_steps`) call that the steps-in-flight
+      bound makes wait for it, or `strategy.experimental_run_wait()`; every process raises the same error
+      at the same call. For `experimental_run_steps`, each inner step is checked and named. A `run` traced
+      inside a user's own `jax.jit` / `lax.scan` cannot be checked per call (an error). Off (the default),
+      the program is the one compiled without the option.
 
   >>> RunOptions(donate_argnums=0).donate_argnums
   (0,)
@@ -132,8 +141,10 @@ class RunOptions:
   max_steps_in_flight: int | None = None
   donate_argnums: int | tuple[int, ...] = ()
   experimental_layout_map: LayoutMap | None = None
+  check_numerics: bool = False
 
   def __post_init__(self) -> None:
+    object.__setattr__(self, "check_numerics", numerics_lib.check_option(self.check_numerics))
     if self.experimental_layout_map is not None and not isinstance(self.experimental_layout_map, LayoutMap):
       raise TypeError(f"RunOptions: experimental_layout_map must be a tpustrat.LayoutMap or None, got "
                       f"{self.experimental_layout_map!r:.100}.")
@@ -264,6 +275,8 @@ class InFlight:
 
   def __init__(self) -> None:
     self._pending: collections.deque[jax.Array] = collections.deque()
+    # id(token) -> the check to run once it is ready (`RunOptions.check_numerics`; empty without it)
+    self._checks: dict[int, Callable[..., None]] = {}
 
   def before_dispatch(self, limit: int) -> None:
     pending = self._pending
@@ -273,8 +286,25 @@ class InFlight:
       except IndexError:  # another thread took it
         break
       _wait(oldest)
+      if self._checks:
+        self._check(oldest)
 
-  def after_dispatch(self, token: Any) -> None:
+  def _check(self, token: Any) -> None:
+    """Runs the check of `token`'s program (it has finished). When it raises, the checks of the programs
+    dispatched after it are dropped: they ran on its results, and the error names the first bad step."""
+    check = self._checks.pop(id(token), None)
+    if check is None:
+      return
+    try:
+      check()
+    except Exception:
+      dropped = len(self._checks)
+      self._checks.clear()
+      if dropped:
+        check(dropped)  # the same error, saying how many later steps are not checked
+      raise
+
+  def after_dispatch(self, token: Any, check: Callable[..., None] | None = None) -> None:
     # The token is a small output of the step's program (at most 64 KiB, often a scalar loss), ready when
     # the program has finished. Holding large outputs alive would stop XLA from reusing their buffers
     # (measured: +340 us per 1 MiB step on XLA:CPU); an extra output costs every step (measured: +6.5 us
@@ -282,6 +312,8 @@ class InFlight:
     # is computed.
     if token is not None and not isinstance(token, jax.core.Tracer):
       self._pending.append(token)
+      if check is not None:
+        self._checks[id(token)] = check
 
   def drain(self) -> None:
     while self._pending:
@@ -290,6 +322,8 @@ class InFlight:
       except IndexError:
         break
       _wait(oldest)
+      if self._checks:
+        self._check(oldest)
 
 
   def forget(self, arrays: list[Any]) -> None:
@@ -313,15 +347,18 @@ _PROCESS_IN_FLIGHT = InFlight()  # for programs dispatched without an engine (cr
 
 
 def dispatch(program: Callable[..., tuple[Any, Any]], *args: Any, in_flight: InFlight | None = None,
-             limit: int | None = None, steps: int = 0) -> Any:
+             limit: int | None = None, steps: int = 0,
+             numerics: Callable[[Any], Callable[..., None] | None] | None = None) -> Any:
   """Calls ``program(*args)``, which returns ``(result, token)``, with at most `limit` (default
   `DEFAULT_STEPS_IN_FLIGHT`) programs in flight in `in_flight` (default: one process-wide bound);
   returns `result`. `token` is the output to wait on (see `wait_leaf`), or None for nothing. The program
-  counts as `steps` training steps for the step watchdog (`watchdog.note`; 0 for a reduction)."""
+  counts as `steps` training steps for the step watchdog (`watchdog.note`; 0 for a reduction).
+  `numerics` (`RunOptions.check_numerics`): the token is the program's numerics flags, and
+  ``numerics(token)`` the check to run once the program has finished (`numerics.make_check`)."""
   bound = _PROCESS_IN_FLIGHT if in_flight is None else in_flight
   bound.before_dispatch(DEFAULT_STEPS_IN_FLIGHT if limit is None else limit)
   result, token = program(*args)
-  bound.after_dispatch(token)
+  bound.after_dispatch(token, None if numerics is None else numerics(token))
   watchdog.note(token, steps)
   return result
 
@@ -369,16 +406,20 @@ class Engine:
       check_layout_map(self, layout_map, "strategy.run")
       fn_key = (fn_key, layout_map.signature())
       key = (fn_key, in_tree)
+    checked = options is not None and options.check_numerics
+    if checked:  # a program of its own; without the option, the keys (and programs) are the plain ones
+      fn_key = (fn_key, "check_numerics")
+      key = (fn_key, in_tree)
     entries = self._entries
     try:
       program, targets = entries[key]
       entries.move_to_end(key)  # least recently used first out
     except KeyError:
-      program, targets = entries[key] = self._entry(fn, fn_key, in_tree, layout_map)
+      program, targets = entries[key] = self._entry(fn, fn_key, in_tree, layout_map, checked)
       if len(entries) > _CACHE_SIZE:
         entries.popitem(last=False)
     except TypeError:  # an unhashable callable (or tree): compile without caching
-      program, targets = self._entry(fn, fn_key, in_tree, layout_map)
+      program, targets = self._entry(fn, fn_key, in_tree, layout_map, checked)
     array_types = self._array_types
     for i, x in enumerate(leaves):  # arrays already where the program wants them pass untouched
       if type(x) not in array_types or x.sharding != targets[i]:
@@ -406,19 +447,21 @@ class Engine:
       self._in_flight.forget([leaves[i] for i in donate])
     if _DONATION_USED[0]:  # a donated array passed again: XLA:CPU crashes on it (JAX 0.10.2), so say so first
       check_not_deleted(leaves, lambda i: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}")
+    if checked:
+      return self.dispatch(program, leaves, limit=limit, steps=1, numerics=program.numerics_check)
     return self.dispatch(program, leaves, limit=limit, steps=1)
 
   def dispatch(self, program: Callable[..., tuple[Any, Any]], *args: Any, limit: int | None = None,
-               steps: int = 0) -> Any:
+               steps: int = 0, numerics: Callable[[Any], Callable[..., None] | None] | None = None) -> Any:
     """Calls ``program(*args)``, which returns ``(result, token)``, under this engine's bound on programs
     in flight (`limit`, default `max_steps_in_flight`); returns `result`. `token` is the output to wait
     on before a later dispatch (see `wait_leaf`), or None. `steps`: the training steps it runs (for the
-    step watchdog)."""
+    step watchdog). `numerics`: see the module-level `dispatch`."""
     return dispatch(program, *args, in_flight=self._in_flight, limit=limit or self.max_steps_in_flight,
-                    steps=steps)
+                    steps=steps, numerics=numerics)
 
-  def _entry(self, fn: Callable[..., Any], fn_key: Any, in_tree: Any,
-             layout_map: LayoutMap | None = None) -> tuple[_FlatProgram, list[NamedSharding]]:
+  def _entry(self, fn: Callable[..., Any], fn_key: Any, in_tree: Any, layout_map: LayoutMap | None = None,
+             checked: bool = False) -> tuple[_FlatProgram, list[NamedSharding]]:
     """The program for `fn` called with arguments of structure `in_tree` (`PerReplica` and `Mirrored`
     nodes included), and the sharding each flattened argument leaf must have.
 
@@ -452,12 +495,20 @@ class Engine:
       program = programs[key]
       programs.move_to_end(key)
     except KeyError:
-      program = programs[key] = _FlatProgram(self._make_program(fn, tuple(groups), layout_map), seen_tree)
+      program = programs[key] = self._flat_program(fn, tuple(groups), layout_map, seen_tree, checked)
       if len(programs) > _CACHE_SIZE:
         programs.popitem(last=False)
     except TypeError:
-      program = _FlatProgram(self._make_program(fn, tuple(groups), layout_map), seen_tree)
+      program = self._flat_program(fn, tuple(groups), layout_map, seen_tree, checked)
     return program, targets
+
+  def _flat_program(self, fn: Callable[..., Any], groups: tuple[int, ...], layout_map: LayoutMap | None,
+                    seen_tree: Any, checked: bool) -> _FlatProgram:
+    if not checked:
+      return _FlatProgram(self._make_program(fn, groups, layout_map), seen_tree)
+    outputs = numerics_lib.Outputs([], [], numerics_lib.replica_processes(self._mesh, self._axis),
+                                   f"strategy.run({getattr(fn, '__name__', 'fn')})")
+    return _FlatProgram(self._make_program(fn, groups, layout_map, outputs), seen_tree, checked=outputs)
 
   def _place(self, x: Any, target: NamedSharding) -> Any:
     """Puts an argument leaf on the sharding the program expects, so that each step sees the same input
@@ -539,10 +590,14 @@ class Engine:
     return self._in_flight
 
   def _make_program(self, fn: Callable[..., Any], groups: tuple[int, ...],
-                    layout_map: LayoutMap | None = None) -> Callable[..., Any]:
+                    layout_map: LayoutMap | None = None,
+                    numerics: numerics_lib.Outputs | None = None) -> Callable[..., Any]:
     """The structured program of `fn`; `groups` (see `batch_group`) says which padded batch arguments
     are one batch (share their real-row counts); `layout_map` pins the results it matches to their
-    layouts over the logical cores (`RunOptions.experimental_layout_map`)."""
+    layouts over the logical cores (`RunOptions.experimental_layout_map`). With `numerics`
+    (`RunOptions.check_numerics`) it returns ``(result, flags)``, `flags` being every replica's NaN / Inf
+    flags of the floating outputs (`numerics.replica_flags`), and records in `numerics` which outputs
+    they describe."""
     name = getattr(fn, "__name__", "fn")
     fn = weak_callable(fn)  # the cache must not keep the user's function (and its closure) alive
     make_context, mesh, axis = self._make_context, self._mesh, self._axis
@@ -650,10 +705,20 @@ class Engine:
                                            marked, sizes, names, rows)  # blocks are never a batch's rows
         invariant = tuple(x for x, v in zip(out_leaves, is_varying) if not v)
         varying = tuple(x[None] for x, v in zip(out_leaves, is_varying) if v)
-        return invariant, varying
+        if numerics is None:
+          return invariant, varying
+        row_counts = [counts[p[0]] if p is not None and v and sh is None else None
+                      for p, v, sh in zip(record["padded"], is_varying, shards)]
+        flags, checked = numerics_lib.replica_flags(out_leaves, is_varying, row_counts, axis, n)
+        numerics.paths = [paths[i] for i in checked]
+        numerics.kinds = ["ShardedVariable" if shards[i] is not None else "PerReplica" if is_varying[i]
+                          else "Mirrored" for i in checked]
+        return (*invariant, numerics_lib.gather_flags(flags, axis)), varying
 
       invariant, varying = jax.shard_map(
           body, mesh=mesh, in_specs=tuple(specs), out_specs=(P(), P(axis)), check_vma=True, **manual)(*flat)
+      if numerics is not None:
+        *invariant, flags = invariant
       inv, var = iter(invariant), iter(varying)
       picked = [next(var) if v else next(inv) for v in record["varying"]]  # blocks are varying
       if layout_map is not None:
@@ -663,6 +728,8 @@ class Engine:
               else PerReplica.from_stacked(x, flat[padded[batches[p[0]]]], per_example=p[1]) if v
               else Mirrored.from_global(x)
               for x, v, p, sh in zip(picked, record["varying"], record["padded"], record["shards"])]
+      if numerics is not None:
+        return jax.tree.unflatten(record["tree"], outs), flags
       return jax.tree.unflatten(record["tree"], outs)
 
     program.__name__ = f"run_{name}"
@@ -730,14 +797,23 @@ class _FlatProgram:
   `jax.jit` tracks per signature.
   """
 
-  def __init__(self, structured: Callable[..., Any], seen_tree: Any, donate: tuple[int, ...] = ()) -> None:
+  def __init__(self, structured: Callable[..., Any], seen_tree: Any, donate: tuple[int, ...] = (),
+               checked: numerics_lib.Outputs | None = None) -> None:
+    """`checked` (`RunOptions.check_numerics`): `structured` returns ``(result, flags)``; the flags are the
+    output to wait on, and `numerics_check` makes the check of a call's flags."""
     # What the latest trace recorded, and the (result treedef, index of the leaf to wait on) kept.
     self._record: dict[str, tuple[Any, int] | None] = {"traced": None, "out": None}
     self._fallback: Callable[..., Any] | None = None
-    self._structured, self._seen_tree = structured, seen_tree
+    self._structured, self._seen_tree, self._checked = structured, seen_tree, checked
+    self.numerics_check = None if checked is None else numerics_lib.make_check(checked)
 
     def flat(*leaves: Any) -> tuple[list[Any], Any, int]:
       args, kwargs = jax.tree.unflatten(seen_tree, leaves)
+      if checked is not None:  # the flags: the last output, and the one to wait on
+        result, flags = structured(args, kwargs)
+        out, out_tree = jax.tree.flatten(result)
+        out.append(flags)
+        return out, out_tree, len(out) - 1
       out, out_tree = jax.tree.flatten(structured(args, kwargs))
       # A donating program always waits on a token of its own: its small outputs are typically part of
       # the state the next step donates, and a donated array cannot be waited on.
@@ -768,7 +844,7 @@ class _FlatProgram:
       return self
     variant = self._donating.get(leaves)
     if variant is None:
-      variant = self._donating[leaves] = _FlatProgram(self._structured, self._seen_tree, leaves)
+      variant = self._donating[leaves] = _FlatProgram(self._structured, self._seen_tree, leaves, self._checked)
     return variant
 
   def __call__(self, leaves: list[Any]) -> tuple[Any, Any]:

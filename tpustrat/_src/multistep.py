@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
 from tpustrat._src import engine as engine_lib
+from tpustrat._src import numerics as numerics_lib
 from tpustrat._src.engine import RunOptions
 from tpustrat._src.jax_compat import varying_axes
 from tpustrat._src.names import REPLICA_AXIS
@@ -188,37 +189,69 @@ _PROGRAMS: weakref.WeakKeyDictionary[Any, collections.OrderedDict[Any, Callable[
     weakref.WeakKeyDictionary())
 
 
-def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int, ...] = ()) -> Callable[..., Any]:
+_CHECKED = RunOptions(check_numerics=True)
+
+
+class _Checked:
+  """A run-steps program with `RunOptions(check_numerics=True)`: `program` returns ``(carry, outputs,
+  flags)``, `flags` the inner steps' numerics flags stacked (``[steps, N, L]``); `outputs` says what they
+  describe (recorded when it is traced) and counts the steps run."""
+
+  def __init__(self, program: Callable[..., Any], outputs: numerics_lib.Outputs) -> None:
+    self.program, self.outputs = program, outputs
+
+
+def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int, ...] = (),
+                  checked: bool = False) -> Any:
   step = _ReplicaStep(fn)
   strategy_ref = weakref.ref(strategy)  # the cache entry must not keep its strategy alive
+  outputs = None
+  if checked:
+    outputs = numerics_lib.Outputs([], [], numerics_lib.replica_processes(strategy.mesh, REPLICA_AXIS),
+                                   f"experimental_run_steps({step.__name__})")
 
   def run_steps_program(carry: Any, batches: Any) -> Any:
     run = strategy_ref().run
 
     def body(c: Any, batch: Any) -> Any:
-      c, out = run(step, args=(c, batch))
-      return _drop_counts(c), out
+      if outputs is None:
+        c, out = run(step, args=(c, batch))
+        return _drop_counts(c), out
+      with numerics_lib.collecting() as got:  # the inner run's flags, a tracer of this body
+        c, out = run(step, args=(c, batch), options=_CHECKED)
+      flags, inner = got[-1]
+      # fn's result is (carry, output): paths read as `carry['w']`, `output[1]`
+      outputs.paths = [("carry" + p[3:] if p.startswith("[0]") else "output" + p[3:]) for p in inner.paths]
+      outputs.kinds = inner.kinds
+      return _drop_counts(c), (out, flags)
 
     result = lax.scan(body, carry, batches)
+    if outputs is not None:  # the stacked flags: the output to wait on (a donating program's too)
+      carry, (outs, flags) = result
+      return carry, outs, flags
     # A donating program returns a token of its own to wait on (`_with_token`): the carry, which the next
     # call donates, cannot be waited on.
     return (*result, jnp.zeros((), jnp.int8)) if donate else result
 
   run_steps_program.__name__ = f"run_steps_{step.__name__}"
-  return jax.jit(run_steps_program, donate_argnums=donate)
+  program = jax.jit(run_steps_program, donate_argnums=donate)
+  return program if outputs is None else _Checked(program, outputs)
 
 
-def _program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int, ...] = ()) -> Callable[..., Any]:
+def _program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int, ...] = (),
+             checked: bool = False) -> Any:
   cache = _PROGRAMS.setdefault(strategy, collections.OrderedDict())
   key = (fn, donate) if donate else fn
+  if checked:
+    key = (key, "check_numerics")
   try:
     program = cache[key]
   except KeyError:
-    program = cache[key] = _make_program(strategy, fn, donate)
+    program = cache[key] = _make_program(strategy, fn, donate, checked)
     if len(cache) > _CACHE_SIZE:
       cache.popitem(last=False)
   except TypeError:  # an unhashable callable: compile without caching
-    program = _make_program(strategy, fn, donate)
+    program = _make_program(strategy, fn, donate, checked)
   return program
 
 
@@ -300,9 +333,10 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
       raise ValueError(f"{what}: `steps` is {steps} but the stacked batches hold {k} steps.")
   check_tree_fits_32_bits(batches, lambda path: f"{what}: the stacked batches" + (f" at {path}" if path else ""))
   carry = as_carry(strategy, init)
-  program = _program(strategy, fn, donate)
-
   engine = strategy.extended.engine
+  checked = engine is not None and options is not None and options.check_numerics
+  program = _program(strategy, fn, donate, checked)
+
   if engine is None:  # the default strategy: one device, no collectives to bound
     result = program(carry, batches)
     return result[:2]  # without a token (a donating program returns one)
@@ -313,7 +347,15 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
                                lambda i: f"{what}: leaf {i} of init and the batches")
   if donate:  # the donated arrays are no longer outputs to wait on (`InFlight.forget`)
     engine.in_flight.forget(jax.tree.leaves([(carry, batches)[i] for i in donate]))
-  carry, outputs = engine.dispatch(_with_token(program), carry, batches, limit=limit, steps=k)
+  if checked:
+    def dispatched(c: Any, b: Any) -> tuple[Any, Any]:
+      c, outs, flags = program.program(c, b)
+      return (c, outs), flags
+
+    carry, outputs = engine.dispatch(dispatched, carry, batches, limit=limit, steps=k,
+                                     numerics=numerics_lib.make_check(program.outputs, k, stacked=True))
+  else:
+    carry, outputs = engine.dispatch(_with_token(program), carry, batches, limit=limit, steps=k)
   # One replica: XLA's layouts do not say which outputs are stacked steps (see stacked_steps).
   return name_replica_axis(carry, steps=False), name_replica_axis(outputs, steps=True)
 

@@ -1,0 +1,299 @@
+"""`RunOptions(check_numerics=True)`: NaN / Inf in a step's floating outputs, found in the compiled program
+and raised on the host as `tpustrat.NumericsError`, naming the step, the output's path and the replicas (and
+processes) that produced it.
+
+The error of step ``t`` is raised by the call that waits for it: with the default bound of 2 steps in
+flight, the `run` call ``t + 2`` (before it dispatches), or `experimental_run_wait`. The launched test runs
+`tests/_mp_scripts/numerics_nan.py` as 2 processes x 4 CPU devices on loopback, the NaN made on a replica of
+process 1: both processes raise the same error at the same call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tpustrat
+from tpustrat import PerReplica, ShardedVariable
+
+N = 8
+CHECK = tpustrat.RunOptions(check_numerics=True)
+SCRIPT = pathlib.Path(__file__).resolve().parent / "_mp_scripts" / "numerics_nan.py"
+
+
+def per_replica(strategy, values):
+  return strategy.experimental_distribute_values_from_function(
+      lambda ctx: np.asarray(values[ctx.replica_id_in_sync_group], np.float32))
+
+
+def log_step(w, x):
+  """`log(x)` per replica, and `w` plus its sum over replicas (Mirrored)."""
+  y = jnp.log(x)
+  return {"w": w + tpustrat.get_replica_context().all_reduce("sum", jnp.sum(y)), "y": y}
+
+
+def test_nan_on_replica_3_of_8_names_the_replica_the_path_and_the_step(strategy):
+  good = per_replica(strategy, [np.full(4, 2.0)] * N)
+  bad = per_replica(strategy, [np.full(4, -1.0) if r == 3 else np.full(4, 2.0) for r in range(N)])
+  w = jnp.zeros(())
+  out = strategy.run(log_step, args=(w, good), options=CHECK)  # step 1: fine
+  out = strategy.run(log_step, args=(w, bad), options=CHECK)  # step 2: NaN on replica 3
+  assert isinstance(out["y"], PerReplica)  # its results are returned; the check comes later
+  strategy.run(log_step, args=(w, good), options=CHECK)  # step 3: waits for step 1 (fine)
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.run(log_step, args=(w, good), options=CHECK)  # waits for step 2: raises, dispatches nothing
+  e = info.value
+  assert isinstance(e, FloatingPointError)
+  assert e.step == 2 and e.inner_step is None
+  assert e.replicas == (3,) and e.processes == (0,)
+  assert ("['y']", "PerReplica", (3,), True, False) in e.outputs
+  assert ("['w']", "Mirrored", tuple(range(N)), True, False) in e.outputs
+  message = str(e)
+  assert "step 2 (call 2 of strategy.run(log_step)" in message
+  assert "['y']: NaN in a PerReplica value, on replica 3 (process 0)" in message
+  assert "['w']: NaN in a Mirrored value (the same on every replica)" in message
+  assert "1 step(s) dispatched after it" in message  # step 3: its check is dropped
+  strategy.experimental_run_wait()  # nothing left to report
+  strategy.run(log_step, args=(w, good), options=CHECK)
+  strategy.experimental_run_wait()
+
+
+def test_inf_is_named_and_experimental_run_wait_raises_it(strategy):
+  def step(x):
+    return 1.0 / x, x * 2.0  # Inf where x is 0
+
+  x = per_replica(strategy, [0.0 if r == 5 else 1.0 for r in range(N)])
+  strategy.run(step, args=(x,), options=CHECK)
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.experimental_run_wait()
+  e = info.value
+  assert e.step == 1 and e.replicas == (5,)
+  assert e.outputs == [("[0]", "PerReplica", (5,), False, True)]
+  assert "[0]: Inf in a PerReplica value, on replica 5 (process 0)" in str(e)
+
+
+def test_nan_and_inf_in_one_output(strategy):
+  x = per_replica(strategy, [np.array([0.0, -1.0]) if r == 1 else np.ones(2) for r in range(N)])
+  strategy.run(lambda v: jnp.log(v), args=(x,), options=CHECK)  # log(0) = -inf, log(-1) = nan
+  with pytest.raises(tpustrat.NumericsError, match=r"<root>: NaN and Inf in a PerReplica value, on replica 1 "):
+    strategy.experimental_run_wait()
+
+
+def test_a_mirrored_output_names_every_replica(strategy):
+  big = np.ones(5000, np.float32)  # large enough that each replica checks a 1/8 slice
+  big[4999] = np.inf  # in the last replica's slice only
+
+  def step(p, s):
+    return {"p": p * 1.0, "s": s + 0.0}
+
+  strategy.run(step, args=(big, np.float32(np.nan)), options=CHECK)
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.experimental_run_wait()
+  e = info.value
+  assert e.replicas == () and e.processes == (0,)
+  assert sorted(e.outputs) == [("['p']", "Mirrored", tuple(range(N)), False, True),
+                               ("['s']", "Mirrored", tuple(range(N)), True, False)]
+  big[4999] = 1.0
+  big[0] = np.nan  # in the first replica's slice
+  strategy.run(step, args=(big, np.float32(1)), options=CHECK)
+  with pytest.raises(tpustrat.NumericsError, match=r"\['p'\]: NaN in a Mirrored value"):
+    strategy.experimental_run_wait()
+
+
+def test_a_sharded_variable_output_names_the_replica_of_the_bad_block(strategy):
+  state = strategy.experimental_shard({"w": np.ones((16, 4), np.float32)},
+                                      tpustrat.MinSizePartitioner(min_shard_bytes=64))
+  assert isinstance(state["w"], ShardedVariable)
+
+  def step(s):
+    w = s["w"]
+    rid = tpustrat.get_replica_context().replica_id_in_sync_group
+    block = jnp.where(rid == 6, jnp.sqrt(-w.block), w.block)  # NaN in replica 6's block (rows 12..13)
+    return {"w": tpustrat.LocalShard(block, w.shape, w.axis)}
+
+  out = strategy.run(step, args=(state,), options=CHECK)
+  assert isinstance(out["w"], ShardedVariable)
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.experimental_run_wait()
+  assert info.value.outputs == [("['w']", "ShardedVariable", (6,), True, False)]
+  assert "['w']: NaN in a ShardedVariable value, on replica 6 (process 0)" in str(info.value)
+
+
+def test_experimental_run_steps_names_the_inner_step(strategy):
+  def step(total, x):
+    y = jnp.log(x)
+    return total + tpustrat.get_replica_context().all_reduce("sum", jnp.sum(y)), y
+
+  xs = np.ones((8, N, 2), np.float32)
+  batches = tpustrat.stack_steps([per_replica(strategy, xs[i]) for i in range(8)])
+  total, outs = strategy.experimental_run_steps(step, batches, init=0.0, options=CHECK)  # call 1: fine
+  xs[4, 3] = -1.0  # inner step 5 of 8, replica 3
+  bad = tpustrat.stack_steps([per_replica(strategy, xs[i]) for i in range(8)])
+  strategy.experimental_run_steps(step, bad, init=total, options=CHECK)  # call 2
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.experimental_run_wait()
+  e = info.value
+  assert e.step == 13 and e.inner_step == 5 and e.replicas == (3,)
+  assert ("output", "PerReplica", (3,), True, False) in e.outputs
+  assert ("carry", "Mirrored", tuple(range(N)), True, False) in e.outputs
+  assert "step 13 (inner step 5 of 8 of experimental_run_steps(step)'s call 2" in str(e)
+  # Unchecked, the same program without the option runs on.
+  strategy.experimental_run_steps(step, bad, init=total)
+  strategy.experimental_run_wait()
+
+
+def test_run_inside_a_users_jit_or_scan_is_an_error(strategy):
+  x = per_replica(strategy, [1.0] * N)
+
+  @jax.jit
+  def outer(w):
+    return strategy.run(log_step, args=(w, x), options=CHECK)
+
+  with pytest.raises(ValueError, match=r"traced inside another jax.jit / lax.scan"):
+    outer(jnp.zeros(()))
+
+  def body(w, _):
+    out = strategy.run(log_step, args=(w, x), options=CHECK)
+    return out["w"], None
+
+  with pytest.raises(ValueError, match=r"experimental_run_steps for many steps per program"):
+    jax.lax.scan(body, strategy.experimental_mirror(jnp.zeros(())), None, length=2)
+
+
+def test_mirrored_strategy(strategy):
+  del strategy
+  mirrored = tpustrat.MirroredStrategy(jax.devices()[:4])
+  x = mirrored.experimental_distribute_values_from_function(
+      lambda ctx: np.float32(-1.0 if ctx.replica_id_in_sync_group == 2 else 1.0))
+  mirrored.run(lambda v: jnp.sqrt(v), args=(x,), options=CHECK)
+  with pytest.raises(tpustrat.NumericsError, match=r"<root>: NaN in a PerReplica value, on replica 2 \(process 0\)"):
+    mirrored.experimental_run_wait()
+
+
+def test_padding_rows_of_a_partial_batch_are_not_checked(strategy):
+  data = np.ones((20, 3), np.float32)  # 20 rows over 8 replicas: a padded batch of 3 rows per replica
+  dist = strategy.experimental_distribute_dataset([data])
+  batch = next(iter(dist))
+
+  def step(x):
+    return tpustrat.per_example(jnp.log(jnp.sum(x, axis=1)))  # padding rows are 0: log 0 = -inf
+
+  out = strategy.run(step, args=(batch,), options=CHECK)
+  strategy.experimental_run_wait()
+  assert np.all(np.isfinite(np.concatenate([np.asarray(c) for c in strategy.experimental_local_results(
+      strategy.gather(out, axis=0))])))
+
+
+def test_off_is_the_same_program_and_cache_entry(strategy):
+  engine = strategy.extended.engine
+  x = per_replica(strategy, [1.0] * N)
+  w = jnp.zeros(())
+
+  def step(w, x):
+    return log_step(w, x)
+
+  def new_entries(options):
+    before = set(engine._entries)  # pylint: disable=protected-access
+    strategy.run(step, args=(w, x), options=options)
+    strategy.experimental_run_wait()
+    return set(engine._entries) - before  # pylint: disable=protected-access
+
+  new_none = new_entries(None)
+  assert len(new_none) == 1
+  (key,) = new_none
+  program = engine._entries[key][0]  # pylint: disable=protected-access
+  assert not new_entries(tpustrat.RunOptions(check_numerics=False))  # the same cache entry
+  assert not new_entries(tpustrat.RunOptions())
+  new_on = new_entries(CHECK)
+  assert len(new_on) == 1  # a program of its own
+  checked = engine._entries[next(iter(new_on))][0]  # pylint: disable=protected-access
+  leaves = jax.tree.leaves(((w, x), {}))
+  placed = [engine._place(v, t) for v, t in zip(leaves, engine._entries[key][1])]  # pylint: disable=protected-access
+  off_text = program._flat.lower(*placed).as_text()  # pylint: disable=protected-access
+  on_text = checked._flat.lower(*placed).as_text()  # pylint: disable=protected-access
+  assert "is_finite" not in off_text and "all_gather" not in off_text
+  assert "all_gather" in on_text
+  assert off_text.count("all_reduce") == on_text.count("all_reduce")
+
+
+def test_check_numerics_must_be_a_bool():
+  for bad in (1, "yes", None, np.float32(1)):
+    with pytest.raises(TypeError, match=r"RunOptions: check_numerics must be a bool \(True or False\), got"):
+      tpustrat.RunOptions(check_numerics=bad)
+  assert tpustrat.RunOptions(check_numerics=np.bool_(True)).check_numerics is True
+  assert tpustrat.RunOptions().check_numerics is False
+
+
+def test_steps_are_counted_per_program_and_results_still_come_back(strategy):
+  x = per_replica(strategy, [1.0] * N)
+
+  def fine(v):
+    return v * 2.0
+
+  for _ in range(3):
+    out = strategy.run(fine, args=(x,), options=CHECK)
+  strategy.experimental_run_wait()
+  np.testing.assert_array_equal(np.asarray(out.values), np.full(N, 2.0))
+  bad = per_replica(strategy, [np.nan] * N)
+  strategy.run(fine, args=(bad,), options=CHECK)
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.experimental_run_wait()
+  assert info.value.step == 4 and info.value.replicas == tuple(range(N))
+
+
+# -- 2 processes x 4 devices -------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+  return {k: v for k, v in os.environ.items()
+          if not k.startswith("TPUSTRAT_") and k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+
+
+def test_two_processes_both_raise_the_same_error_at_the_same_call():
+  """The NaN is made on replica 6 (process 1's devices) at step 3 of 8; with 2 steps in flight, both
+  processes raise at call 5, name step 3, replica 6 and process 1, and exit with status 3: no hang."""
+  command = [sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "4", "--heartbeat-timeout", "10",
+             "--timeout", "120", str(SCRIPT), "8", "3", "6"]
+  start = time.monotonic()
+  done = subprocess.run(command, env=_env(), cwd=SCRIPT.parents[2], capture_output=True, text=True, timeout=180)
+  elapsed = time.monotonic() - start
+  assert done.returncode == 3, done.stderr[-4000:]
+  results = {}
+  for line in done.stdout.splitlines():
+    prefix, _, payload = line.partition(" RESULT ")
+    if payload:
+      results[int(prefix.removeprefix("[proc ").rstrip("]"))] = json.loads(payload)
+  assert sorted(results) == [0, 1], (done.stdout[-4000:], done.stderr[-4000:])
+  for index, result in results.items():
+    assert result["process"] == index
+    assert result["error"] == {"call": 5, "step": 3, "replicas": [6], "processes": [1],
+                               "paths": ["[0]['total']", "[1]"]}, result
+    assert "[1]: NaN in a PerReplica value, on replica 6 (process 1)" in result["message"]
+  assert results[0]["message"] == results[1]["message"]
+  assert elapsed < 90, f"{elapsed:.1f} s"
+
+
+def test_with_donated_state(strategy):
+  options = tpustrat.RunOptions(check_numerics=True, donate_argnums=0)
+  x = per_replica(strategy, [1.0 if r != 7 else -1.0 for r in range(N)])
+
+  def step(state, v):
+    return {"w": state["w"] + 1.0}, jnp.sqrt(v)
+
+  state = strategy.experimental_mirror({"w": np.zeros(4, np.float32)})
+  state, _ = strategy.run(step, args=(state, x), options=options)
+  state, _ = strategy.run(step, args=(state, x), options=options)
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.run(step, args=(state, x), options=options)
+  assert info.value.step == 1 and info.value.outputs == [("[1]", "PerReplica", (7,), True, False)]
+  strategy.experimental_run_wait()
+  np.testing.assert_array_equal(np.asarray(strategy.experimental_local_results(state["w"])[0]), np.full(4, 2.0))

@@ -1,0 +1,249 @@
+"""`RunOptions(check_numerics=True)`: NaN / Inf checks of a step's floating outputs that name the replica.
+
+In the program (at trace time, inside the `shard_map` body of `run`): `replica_flags` computes, per replica,
+one `uint8` per floating output leaf (bit 1: a NaN, bit 2: an Inf), and `gather_flags` all-gathers them into
+one invariant ``[num_replicas, L]`` array: every device, so every process, holds every replica's flags. A
+`Mirrored` (invariant) output is the same on every replica, so each replica checks only its ``1/N`` slice of
+it (the host ORs the slices); a per-replica output, a `ShardedVariable`'s block, is checked whole by its
+replica, without the padding rows of a padded batch it holds (they are not data).
+
+On the host: the flags array is the step's wait token (`engine.InFlight`): when the steps-in-flight bound
+waits on step ``t`` (before dispatching step ``t + k``), or `experimental_run_wait` drains it, `Check` reads
+the flags (a few bytes) and raises `NumericsError` naming the step, the output's path, NaN / Inf and the
+replicas and processes; every process reads the same flags, so every process raises the same error at the
+same call, and none is left waiting in a collective.
+
+Inside another trace the host cannot check per call: `experimental_run_steps` collects the flags of its
+inner `run` (`collecting`) and returns them stacked per inner step; a `run` traced inside a user's own
+`jax.jit` / `lax.scan` with check_numerics is an error (`collect`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from tpustrat._src.jax_compat import all_gather_invariant, to_varying, varying_axes
+
+__all__ = ["NumericsError", "Outputs", "Check", "replica_flags", "gather_flags", "collecting", "collect",
+           "replica_processes"]
+
+NAN, INF = 1, 2
+_SLICE_MIN = 4096  # a Mirrored output of at least this many elements is checked a 1/N slice per replica
+
+
+class NumericsError(FloatingPointError):
+  """A step run with `RunOptions(check_numerics=True)` produced NaN or Inf.
+
+  Attributes:
+    step: the step, counting from 1: the call of `strategy.run` with this function and argument
+      structure, or, for `experimental_run_steps`, the step counted over every call of that program.
+    inner_step: for `experimental_run_steps`, the step within its call (from 1), else None.
+    outputs: one ``(path, kind, replicas, nan, inf)`` per bad output: its path in the step's result
+      (``[0]['w']``), ``"PerReplica"`` / ``"Mirrored"`` / ``"ShardedVariable"``, the replica ids that
+      produced it (every replica for a `Mirrored` one), whether it holds NaN, whether it holds Inf.
+    replicas: the replica ids of the bad per-replica outputs (sorted; empty when only `Mirrored` ones).
+    processes: the process indices of those replicas' devices; every process when only `Mirrored`
+      outputs are bad.
+  """
+
+  def __init__(self, message: str, *, step: int, inner_step: int | None,
+               outputs: list[tuple[str, str, tuple[int, ...], bool, bool]], replicas: tuple[int, ...],
+               processes: tuple[int, ...]) -> None:
+    super().__init__(message)
+    self.step, self.inner_step, self.outputs = step, inner_step, outputs
+    self.replicas, self.processes = replicas, processes
+
+
+@dataclasses.dataclass
+class Outputs:
+  """What one program's flags describe (recorded when it is traced): the checked output leaves' paths and
+  kinds, in flag order, the process of each replica, and what to call the program in a message."""
+
+  paths: list[str]
+  kinds: list[str]
+  processes: tuple[int, ...]
+  what: str
+  calls: int = 0  # concrete dispatches so far
+  steps: int = 0  # steps run by them (more than `calls` for experimental_run_steps)
+
+
+def replica_processes(mesh: jax.sharding.Mesh, axis: str) -> tuple[int, ...]:
+  """The process index of each replica (the first device of its slice of `mesh` along `axis`)."""
+  devices = np.moveaxis(np.asarray(mesh.devices), mesh.axis_names.index(axis), 0)
+  return tuple(int(d.process_index) for d in devices.reshape(devices.shape[0], -1)[:, 0])
+
+
+def _leaf_code(x: jax.Array) -> jax.Array:
+  return (jnp.any(jnp.isnan(x)).astype(jnp.uint8) * NAN) | (jnp.any(jnp.isinf(x)).astype(jnp.uint8) * INF)
+
+
+def replica_flags(leaves: Sequence[Any], is_varying: Sequence[bool], row_counts: Sequence[Any | None],
+                  axis: str, n: int) -> tuple[jax.Array | None, list[int]]:
+  """This replica's flags (`uint8[L]`) for the floating leaves among `leaves` (one replica's outputs, in
+  the `shard_map` body), and their positions. `row_counts[i]`: this replica's real rows of a padded batch
+  whose rows leaf `i`'s axis 0 holds (rows past it are padding and not checked), else None."""
+  codes, checked = [], []
+  for i, (x, v, rows) in enumerate(zip(leaves, is_varying, row_counts)):
+    if not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
+      continue
+    if not v:
+      flat = x.reshape(-1)
+      if flat.size >= _SLICE_MIN:  # the same on every replica: each checks its own slice
+        chunk = -(-flat.size // n)
+        flat = lax.dynamic_slice_in_dim(flat, lax.axis_index(axis) * chunk, chunk)  # clamped at the end
+      code = _leaf_code(flat)
+    elif rows is not None and x.ndim:
+      real = lax.broadcasted_iota(jnp.int32, (x.shape[0],) + (1,) * (x.ndim - 1), 0) < rows
+      code = _leaf_code(jnp.where(real, x, jnp.zeros((), x.dtype)))
+    else:
+      code = _leaf_code(x)
+    codes.append(code)
+    checked.append(i)
+  if not codes:
+    return None, checked
+  return jnp.stack(codes), checked
+
+
+def gather_flags(flags: jax.Array | None, axis: str) -> jax.Array:
+  """Every replica's flags, ``uint8[N, max(L, 1)]``, the same on every replica (an invariant all-gather)."""
+  if flags is None:  # nothing floating: one zero column, still an output the program computes (a token)
+    flags = jnp.zeros((1,), jnp.uint8)
+  if axis not in varying_axes(flags):
+    flags = to_varying(flags, axis)
+  return all_gather_invariant(flags[None], axis, axis=0, tiled=True)
+
+
+# -- inside another trace ---------------------------------------------------------------------------------
+
+_LOCAL = threading.local()
+
+
+@contextmanager
+def collecting() -> Iterator[list[tuple[Any, Outputs]]]:
+  """While tracing a program around `run` (`experimental_run_steps`' scan body): the flags of every checked
+  `run` traced inside are appended to the yielded list as ``(flags tracer, Outputs)``."""
+  stack = _LOCAL.__dict__.setdefault("stack", [])
+  box: list[tuple[Any, Outputs]] = []
+  stack.append(box)
+  try:
+    yield box
+  finally:
+    stack.pop()
+
+
+def collect(flags: Any, outputs: Outputs) -> None:
+  """Hands a checked `run`'s flags, traced inside another program, to the innermost `collecting`; an error
+  when there is none (a user's own `jax.jit` / `lax.scan`: nothing on the host sees each call)."""
+  stack = getattr(_LOCAL, "stack", None)
+  if not stack:
+    raise ValueError(
+        f"{outputs.what}: RunOptions(check_numerics=True) checks steps dispatched from Python (each `run` "
+        "call, and each inner step of strategy.experimental_run_steps, which is a jax.jit of a lax.scan of run); "
+        "this `run` is traced inside another jax.jit / lax.scan, whose calls the host does not see. Use "
+        "strategy.experimental_run_steps for many steps per program, or check_numerics=False here (and "
+        "check the outer program's results yourself).")
+  stack[-1].append((flags, outputs))
+
+
+# -- on the host -------------------------------------------------------------------------------------------
+
+
+class Check:
+  """The check of one dispatched program's flags (``uint8[N, L]``, or ``[k, N, L]`` for `k` inner steps):
+  called once the program has finished (`engine.InFlight`), it raises `NumericsError` if any is set."""
+
+  __slots__ = ("_flags", "_outputs", "_step", "_call")
+
+  def __init__(self, flags: jax.Array, outputs: Outputs, step: int, call: int | None = None) -> None:
+    """`step`: the (first) step of this program, from 1; `call`: for stacked flags (``[k, N, L]``), the
+    dispatch of the program it was (from 1)."""
+    self._flags, self._outputs, self._step, self._call = flags, outputs, step, call
+
+  def __call__(self, dropped: int = 0) -> None:
+    flags = self._flags
+    if flags.is_deleted():
+      return
+    local = np.asarray(flags.addressable_data(0))  # replicated: this process's copy, a few bytes
+    if not local.any():
+      return
+    raise self._error(local, dropped)
+
+  def _error(self, flags: np.ndarray, dropped: int) -> NumericsError:
+    out = self._outputs
+    inner = None
+    if self._call is not None:  # [k, N, L]: the first inner step with a flag
+      inner = int(np.flatnonzero(flags.reshape(flags.shape[0], -1).any(axis=1))[0])
+      flags = flags[inner]
+    step = self._step + (inner if inner is not None else 0)
+    n = flags.shape[0]
+    bad, replicas, processes = [], set(), set()
+    lines = []
+    for j, (path, kind) in enumerate(zip(out.paths, out.kinds)):
+      column = flags[:, j]
+      if not column.any():
+        continue
+      nan, inf = bool((column & NAN).any()), bool((column & INF).any())
+      what = " and ".join(w for w, b in (("NaN", nan), ("Inf", inf)) if b)
+      if kind == "Mirrored":
+        who = tuple(range(n))
+        lines.append(f"  {path}: {what} in a Mirrored value (the same on every replica)")
+      else:
+        who = tuple(int(r) for r in np.flatnonzero(column))
+        replicas.update(who)
+        processes.update(out.processes[r] for r in who)
+        lines.append(f"  {path}: {what} in a {kind} value, on {_replica_list(who, out.processes)}")
+      bad.append((path, kind, who, nan, inf))
+    if not replicas:  # only Mirrored outputs: every process holds them
+      processes.update(out.processes)
+    if inner is None:
+      where = f"step {step} (call {step} of {out.what}, counting from 1)"
+    else:
+      where = (f"step {step} (inner step {inner + 1} of {self._flags.shape[0]} of {out.what}'s call "
+               f"{self._call}; steps counted from 1 over every call of this program)")
+    after = (f" {dropped} step(s) dispatched after it ran on its results and are not checked."
+             if dropped else "")
+    return NumericsError(
+        f"{out.what} with RunOptions(check_numerics=True): {where} produced non-finite values:\n"
+        + "\n".join(lines) + f"\nThe error is raised once that step has finished, by the next call that waits "
+        f"for it (run / experimental_run_steps past the steps-in-flight bound, or experimental_run_wait).{after}",
+        step=step, inner_step=None if inner is None else inner + 1, outputs=bad, replicas=tuple(sorted(replicas)),
+        processes=tuple(sorted(processes)))
+
+
+def _replica_list(replicas: Sequence[int], processes: Sequence[int]) -> str:
+  """``replica 3 (process 0)``, ``replicas 4, 5 (process 1), 7 (process 1)``."""
+  parts = [f"{r} (process {processes[r]})" for r in replicas]
+  return ("replica " if len(parts) == 1 else "replicas ") + ", ".join(parts)
+
+
+def check_option(value: Any) -> bool:
+  """`RunOptions.check_numerics`: a bool."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"RunOptions: check_numerics must be a bool (True or False), got {value!r:.100}.")
+  return bool(value)
+
+
+def make_check(outputs: Outputs, steps: int = 1, stacked: bool = False) -> Callable[[Any], Check | None]:
+  """For `engine.dispatch`: given the dispatched program's flags (its token), the `Check` to run once it
+  has finished (the program runs `steps` steps; `stacked`: its flags are ``[steps, N, L]``), or, for a
+  tracer (traced inside another program), None after handing the flags to `collect`."""
+
+  def checker(flags: Any) -> Check | None:
+    if isinstance(flags, jax.core.Tracer):
+      collect(flags, outputs)
+      return None
+    first = outputs.steps + 1
+    outputs.calls += 1
+    outputs.steps += steps
+    return Check(flags, outputs, first, outputs.calls if stacked else None)
+
+  return checker
