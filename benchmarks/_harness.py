@@ -20,11 +20,15 @@ What a script does with it, in order:
    as the measurement, optionally inside `no_compilation()`.
 4. Compare each variant with a baseline timed in the same rounds: `paired_ratios`, `spread`,
    `format_spread`, and print a markdown table (`markdown_header`, `markdown_row`, `verdict`).
+5. Record each headline figure with `figure` (its value, its target and whether it is met): when the script
+   ends they are printed as ``# FIGURE | name | value | target | verdict`` lines, which
+   `benchmarks/run_all.py` (``make bench``) collects into one table.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import contextlib
 import itertools
@@ -239,3 +243,26 @@ def markdown_row(cells: Sequence[Any]) -> str:
 def verdict(target: str, met: bool) -> str:
   """The target column: e.g. ``<= 1.05: met`` or ``>= 0.9: MISSED``."""
   return f"{target}: {'met' if met else 'MISSED'}"
+
+
+# -- figures for run_all.py -----------------------------------------------------------------------------
+
+FIGURE_PREFIX = "# FIGURE | "
+_FIGURES: list[str] = []
+
+
+def _print_figures() -> None:
+  if _FIGURES:
+    print()
+    print("\n".join(_FIGURES), flush=True)
+
+
+def figure(name: str, value: str, target: str = "", met: bool | None = None) -> None:
+  """Records a headline figure: `name` (what it is), `value` (formatted, with its unit), `target` (e.g.
+  ``<= 1.05``; empty for none) and whether the target is `met` (None: no target). They are printed when the
+  script ends, after its own report, one ``# FIGURE | name | value | target | met/MISSED/-`` line each, for
+  `benchmarks/run_all.py`."""
+  if not _FIGURES:
+    atexit.register(_print_figures)
+  cells = [name, value, target, "-" if met is None else ("met" if met else "MISSED")]
+  _FIGURES.append(FIGURE_PREFIX + " | ".join(str(c).replace("|", "/") for c in cells))

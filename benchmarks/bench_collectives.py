@@ -15,7 +15,7 @@ grouped sum of the same global data, timed side by side in one process:
   ``check_vma=True``, output inference and the bound on steps in flight included).
 * ``op without run``: the same grouped sum in a hand-written ``jax.jit(jax.shard_map(...,
   check_vma=True))`` on the same global array: the op's cost without `run`'s host-side work.
-* with ``--mechanisms``, the alternatives the module docstring of `tpustrat._src.collectives`
+* with ``--mechanisms``, the alternatives `docs/benchmarks_collectives.md`
   discusses, each also inside `strategy.run`: ``scatter_gather`` (grouped reduce-scatter + all-gather),
   ``doubling`` (recursive doubling with `ppermute`), ``stacked`` (one full `psum` of a
   ``[num_groups, ...]`` stack).
@@ -81,7 +81,7 @@ if ARGS is not None:
 
 import tpustrat  # noqa: E402
 import tpustrat.ops  # noqa: E402
-from tpustrat._src import collectives  # noqa: E402
+from tpustrat._src import grouped_sums  # noqa: E402
 
 TARGET = 1.2
 
@@ -94,7 +94,7 @@ def _axis() -> str:
 
 
 def scatter_gather(x: jax.Array, groups: tuple[tuple[int, ...], ...]) -> jax.Array:
-  return collectives._grouped_psum_scatter_gather(x, _axis(), groups)  # pylint: disable=protected-access
+  return grouped_sums._grouped_psum_scatter_gather(x, _axis(), groups)  # pylint: disable=protected-access
 
 
 def doubling(x: jax.Array, groups: tuple[tuple[int, ...], ...]) -> jax.Array:
@@ -162,7 +162,7 @@ def make_variants(strategy: tpustrat.Strategy, x: np.ndarray, groups: tuple[tupl
 
   # The same mechanism without the engine: separates the op's cost from `run`'s host-side dispatch.
   axis = strategy.mesh.axis_names[0]
-  alone = jax.jit(jax.shard_map(lambda v: collectives._grouped_sum(v, axis, groups),  # pylint: disable=protected-access
+  alone = jax.jit(jax.shard_map(lambda v: grouped_sums.grouped_sum(v, axis, groups),
                                 mesh=strategy.mesh, in_specs=P(axis), out_specs=P(axis)))
   variants.append(Variant("op without run", alone, x_global))
   programs["op without run"] = (alone, x_global)
@@ -246,6 +246,7 @@ def main(args: argparse.Namespace) -> int:
   for label, name, trials, calls, ms, base_ms, ratio, paired in rows:
     if name == "tpustrat":
       verdict = h.verdict(f"<= {TARGET}", ratio <= TARGET)
+      h.figure(f"cross_replica_sum in run vs pmap psum, {label}", f"{ratio:.2f}x", f"<= {TARGET}x", ratio <= TARGET)
     elif name.startswith("pmap native"):
       verdict = "(noise floor)"
     elif name == "op without run":

@@ -2,7 +2,7 @@
 
 What is measured
 ----------------
-One training step of a tiny model, written twice and timed side by side in one process, at several
+One training step of a tiny model, written three ways and timed side by side in one process, at several
 table sizes (``--rows``, width ``--dim``, float32):
 
 * Model: one table of ``V`` rows; every example looks up ``4`` ids (uniform over ``[0, V)``) combined
@@ -11,48 +11,47 @@ table sizes (``--rows``, width ``--dim``, float32):
   replica with 8). The table is trained with ``--optimizer`` (SGD, learning rate 0.1, or Adagrad,
   0.1 with accumulators starting at 0.1: one slot), the dense layer with SGD (0.1). Every step uses
   the same batch; the step returns the new state and the global loss.
-* ``sharded``: `TPUEmbedding` (one `FeatureConfig` on one `TableConfig`): inside `strategy.run`,
-  ``emb.lookup`` (two `all_to_all`: ids out, rows back), the gradient of the loss with respect to the
-  activations (`jax.grad`), and ``emb.apply_gradients`` (two more: ids and per-id gradients to the
-  rows' owners, which update their rows). The table and its slots are `ShardedVariable`s of shape
-  ``[V, D]`` split along axis 0: blocks ``[N, Vp/N, D]``, each replica holding ``Vp/N`` rows (``Vp``:
-  ``V`` padded to a multiple of ``N``).
+* ``sharded``: `TPUEmbedding` (one `FeatureConfig` on one `TableConfig`), the state donated
+  (``RunOptions(donate_argnums=0)``): inside `strategy.run`, ``emb.lookup`` (ids out, rows back: two
+  `all_to_all`s for all tables, each distinct id once per owner), the gradient of the loss with respect
+  to the activations (`jax.grad`), and ``emb.apply_gradients`` (the gradients out: one more; the ids'
+  exchange is the lookup's, merged by XLA), the owners updating only the touched rows, in place. The
+  table and its slots are `ShardedVariable`s of shape ``[V, D]`` split along axis 0: blocks
+  ``[N, Vp/N, D]``, each replica holding ``Vp/N`` rows (``Vp``: ``V`` padded to a multiple of ``N``).
+* ``sharded, before``: the code path before issue 25, kept in `benchmarks/_embedding_per_table.py`
+  (`PerTableEmbedding`, the library's state and `_prepare` with the old `lookup`/`apply_gradients`):
+  each table exchanges on its own, buckets ``[N, M]`` sized for the worst case, no deduplication, a dense
+  ``[Vp/N, D]`` gradient and touched mask, the whole block rewritten, the state not donated (as the
+  benchmark ran it before).
 * ``replicated``: what one writes without it (TF's `MirroredStrategy` with the table as a variable):
   the table (and slot) is a `Mirrored` ``[V, D]`` array, a whole copy on every device; inside
   `strategy.run` the activations are ``jnp.take`` and the same combiner, the gradient with respect to
   the table is `jax.grad`'s dense ``[V, D]`` gradient (summed over replicas by JAX, the table being
-  replicated: an all-reduce of ``V * D`` values), and the same optimizer updates the whole table.
+  replicated: an all-reduce of ``V * D`` values), and the same optimizer updates the whole table; the
+  state donated too (so both sides update in place where they can).
 
-Both variants run under `strategy.run` with the same bound on steps in flight, so the difference is
-the program: ``2 x N x M`` ids and ``2 x N x M x D`` values through `all_to_all` per replica (``M`` =
-ids per replica, whatever ``V``) and work on ``Vp / N`` rows per device, against an all-reduce of a
-``[V, D]`` gradient and an update of all ``V`` rows on every device. The sharded step's work still
-grows with ``V / N``: `apply_gradients` builds a dense ``[Vp/N, D]`` gradient and touched mask, the
-optimizer writes a whole new block, and `run` does not donate its arguments (the old block is copied).
+Donated variants start each trial from a copy of the initial state made before the clock starts.
 
-Reported per table size:
+Reported per table size (first table): us/step of each variant (median over trials), the paired ratios
+sharded / replicated [p25, p75], before / replicated and sharded / before; table + slot bytes per device
+(target ``<= ceil(V/N) / V`` of replicated); the compiled step's temporaries (XLA `memory_analysis`,
+next to the size of one block: the sharded step holds none of that size); all-to-all operand bytes
+per replica and step in the compiled HLO, with the op count, for both sharded paths; the replicated
+step's all-reduce bytes.
 
-* us/step of each variant (median over trials), and the ratio sharded / replicated as the median of
-  the per-round paired ratios [p25, p75].
-* Table + slot bytes per device: the bytes of the shards of the state's table and slot arrays that
-  live on device 0 (from the arrays' shardings), for both; their ratio, with the target
-  ``<= ceil(V/N) / V`` (``1/N`` plus the padding rows).
-* Program bytes per device: XLA's `memory_analysis` of the compiled step (arguments + outputs +
-  temporaries - aliased, per device): the peak the step itself needs, dense gradient included. And
-  ``jax.devices()[0].memory_stats()["peak_bytes_in_use"]`` after the table size's runs, where the
-  backend reports it (a process-wide running maximum; XLA:CPU reports nothing: ``n/a``).
-* `all_to_all` bytes per replica and step: analytic, from the shapes of the library's four exchanges
-  (lookup: ids int32 ``[N, M]`` out, rows f32 ``[N, M, D]`` back; apply_gradients: ids ``[N, M]``
-  and gradients ``[N, M, D]``); and as compiled: the bytes of the operands of the all-to-all
-  instructions in the compiled step's HLO (``jax.jit(lambda *a: strategy.run(step, args=a))`` lowered
-  and compiled on the same arguments; the same program `run` compiles, inlined in an outer jit),
-  with their count. XLA merges the two identical ids exchanges (lookup and apply_gradients route the
-  same ids), so the compiled step has 3 all-to-alls and moves ``N * M * 4`` bytes fewer than the four
-  exchanges. The bytes include each replica's block for itself. The replicated step's all-reduce
-  bytes are reported the same way (from its HLO).
-* Targets: table + slot bytes per device at most ``1/N`` of replicated plus padding; at 1M rows and
-  more, sharded step time no worse than replicated (paired ratio <= 1.00). Below 1M rows there is no
-  step-time target: the rows show where the crossover lies, printed after the table.
+The issue's four figures (second table), each with the before-path measured in the same run:
+
+* sharded step time at 1M rows: target <= 140 ms (it was 430 ms on this machine's CPU before);
+* crossover vs replicated: where the paired ratio sharded / replicated crosses 1 (log-linear
+  interpolation); target <= 2 000 rows (met when every measured size >= 2 000 rows has ratio <= 1);
+* all-to-alls per step in the compiled step of ``--tables`` tables (100 000 rows each, widths
+  alternating 64 and 32, one feature each) and of 1 table: target, the same count;
+* bytes exchanged per replica and step on a batch whose ids are 50% duplicates (each replica's 512
+  ids: 256 distinct, each twice): compiled all-to-all operand bytes of the before-path, and of the
+  library with ``max_unique_ids_per_partition`` set to the batch's largest count of distinct ids per
+  (replica, owner) (what `check_ids` accepts; also shown: the buckets ``max_ids_per_partition`` would need
+  counting every occurrence, and the unbounded default); and the payload (ids and rows that fill bucket
+  slots). Target <= 0.6x of before, for both. The bounded step is checked allclose to the before-path.
 
 Methodology (that of `bench_run.py`)
 ------------------------------------
@@ -67,7 +66,7 @@ Methodology (that of `bench_run.py`)
 Reproduce from the repository root (8 emulated CPU devices unless ``--cpu-devices 0``)::
 
     .venv/bin/python benchmarks/bench_embedding.py                         # 1e3 .. 1e6 rows, SGD
-    .venv/bin/python benchmarks/bench_embedding.py --rows 3000,10000,30000 --trials 21   # the crossover
+    .venv/bin/python benchmarks/bench_embedding.py --rows 1000,2000,3000,5000 --trials 21   # the crossover
     .venv/bin/python benchmarks/bench_embedding.py --optimizer adagrad --rows 1000,1000000
 
 Defaults: 20 steps x 15 trials up to 1e4 rows, 5 x 7 up to 1e5, 1 x 7 above (a replicated step takes
@@ -102,7 +101,9 @@ import _harness as h  # noqa: E402
 
 
 def _add_flags(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--rows", default="1000,10000,100000,1000000",
+  parser.add_argument("--tables", type=int, default=8,
+                      help="tables of the model whose all-to-alls are counted against a 1-table model")
+  parser.add_argument("--rows", default="1000,2000,10000,100000,1000000",
                       help="comma-separated table sizes V (rows), one table row of the report each")
   parser.add_argument("--dim", type=int, default=64, help="table width D")
   parser.add_argument("--steps", type=int, default=None,
@@ -117,6 +118,8 @@ ARGS = h.parse_args(__doc__, _add_flags) if __name__ == "__main__" else None
 if ARGS is not None:
   h.emulate_cpu_devices(ARGS.cpu_devices)  # before JAX initialises its backends
 
+from _embedding_per_table import PerTableEmbedding  # noqa: E402  # the code path before issue 25
+
 import tpustrat  # noqa: E402
 from tpustrat import embedding  # noqa: E402
 
@@ -126,8 +129,10 @@ OUT = 16  # width of the dense layer
 LR = 0.1
 ADAGRAD_INIT = 0.1
 CHECK_STEPS = 2
-STEP_TARGET_ROWS = 1_000_000  # the step-time target applies from this table size on
-STEP_TARGET = 1.00
+STEP_TARGET_ROWS = 1_000_000  # the step-time target: at this table size
+STEP_TARGET_MS = 140
+CROSSOVER_TARGET = 2_000  # sharded no slower than replicated from this table size on
+BYTES_TARGET = 0.6  # bytes exchanged with 50% duplicate ids, relative to before
 
 
 def default_plan(rows: int) -> tuple[int, int]:
@@ -179,53 +184,83 @@ def make_replicated_step(optimizer: str) -> Callable[..., Any]:
 # -- the variants ---------------------------------------------------------------------------------------
 
 
+def _copy(tree: Any) -> Any:
+  return jax.tree.map(lambda x: x.copy(), tree)
+
+
 class Variant:
-  """A named loop: `carry = step(carry)` k times from the initial carry, then wait for the end."""
+  """A named loop: `carry = step(carry)` k times from the initial carry, then wait for the end. With
+  `donate`, each step donates its carry (``RunOptions(donate_argnums=0)``), and each loop starts from a
+  copy of the initial carry made before the clock starts."""
 
   def __init__(self, name: str, strategy: tpustrat.Strategy, fn: Callable[..., Any], init: Any,
-               data: tuple[Any, ...]) -> None:
+               data: tuple[Any, ...], donate: bool) -> None:
     self.name, self.strategy, self.fn, self.init, self.data = name, strategy, fn, init, data
+    self.donate = donate
+    self.options = tpustrat.RunOptions(donate_argnums=0) if donate else None
+
+  def start(self) -> Any:
+    return _copy(self.init) if self.donate else self.init
 
   def run(self, k: int) -> tuple[float, Any]:
     """Runs `k` chained steps; returns (seconds, outputs of the last step)."""
     def step(out):
-      return self.strategy.run(self.fn, args=(out[0],) + self.data)
+      return self.strategy.run(self.fn, args=(out[0],) + self.data, options=self.options)
 
-    return h.time_chain(lambda: (self.init, None), step, k, self.strategy.experimental_run_wait)
+    return h.time_chain(lambda: (self.start(), None), step, k, self.strategy.experimental_run_wait)
 
   def compiled(self) -> Any:
-    """The step as one compiled program (`run`'s program inlined in an outer `jax.jit`)."""
-    return jax.jit(lambda carry, *data: self.strategy.run(self.fn, args=(carry,) + data)).lower(
-        self.init, *self.data).compile()
+    """The step as one compiled program (`run`'s program inlined in an outer `jax.jit`, which donates
+    the carry when the variant does)."""
+    return jax.jit(lambda carry, *data: self.strategy.run(self.fn, args=(carry,) + data),
+                   donate_argnums=(0,) if self.donate else ()).lower(self.init, *self.data).compile()
+
+
+def _feature_embedding(cls: type, strategy: tpustrat.Strategy, rows: int, dim: int, optimizer: str,
+                       **bounds: int) -> embedding.TPUEmbedding:
+  opt = embedding.SGD(LR) if optimizer == "sgd" else embedding.Adagrad(LR, ADAGRAD_INIT)
+  table = embedding.TableConfig(rows, dim, combiner="mean", name="table", **bounds)
+  return cls({"f": embedding.FeatureConfig(table, name="f")}, opt, strategy)
+
+
+def _data(strategy: tpustrat.Strategy, ids: np.ndarray, ys: np.ndarray) -> tuple[Any, ...]:
+  split = NamedSharding(strategy.mesh, P("replica"))
+  return tuple(tpustrat.PerReplica.from_stacked(jax.device_put(a, split)) for a in (ids, ys))
 
 
 def make_variants(strategy: tpustrat.Strategy, rows: int, dim: int, optimizer: str
-                  ) -> tuple[embedding.TPUEmbedding, Variant, Variant]:
+                  ) -> tuple[embedding.TPUEmbedding, list[Variant]]:
   n = strategy.num_replicas_in_sync
   if GLOBAL_BATCH % n:
     raise SystemExit(f"the global batch of {GLOBAL_BATCH} does not split over {n} replicas")
   b = GLOBAL_BATCH // n
-  opt = embedding.SGD(LR) if optimizer == "sgd" else embedding.Adagrad(LR, ADAGRAD_INIT)
-  table = embedding.TableConfig(rows, dim, combiner="mean", name="table")
-  emb = embedding.TPUEmbedding({"f": embedding.FeatureConfig(table, name="f")}, opt, strategy)
+  emb = _feature_embedding(embedding.TPUEmbedding, strategy, rows, dim, optimizer)
+  before = _feature_embedding(PerTableEmbedding, strategy, rows, dim, optimizer)
   state = emb.build(seed=0)
 
   rng = np.random.default_rng(rows)
   ids = rng.integers(0, rows, size=(n, b, IDS_PER_EXAMPLE)).astype(np.int32)
   ys = rng.standard_normal((n, b, OUT)).astype(np.float32)
   w0 = (rng.standard_normal((dim, OUT)) / np.sqrt(dim)).astype(np.float32)
-  mesh = strategy.mesh
-  replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("replica"))
-  data = tuple(tpustrat.PerReplica.from_stacked(jax.device_put(a, split)) for a in (ids, ys))
+  replicated = NamedSharding(strategy.mesh, P())
+  data = _data(strategy, ids, ys)
   w = tpustrat.Mirrored.from_global(jax.device_put(w0, replicated))
 
   full = jax.device_put(emb.embedding_tables(state)["table"], replicated)
   slots = {} if optimizer == "sgd" else {"accumulators": jax.device_put(
       np.full((rows, dim), ADAGRAD_INIT, np.float32), replicated)}
-  sharded = Variant("sharded", strategy, make_sharded_step(emb), (state, w), data)
-  dense = Variant("replicated", strategy, make_replicated_step(optimizer),
-                  (tpustrat.Mirrored.from_global((full, slots)), w), data)
-  return emb, sharded, dense
+  variants = [
+      Variant(SHARDED, strategy, make_sharded_step(emb), (state, w), data, donate=True),
+      Variant(BEFORE, strategy, make_sharded_step(before), (state, w), data, donate=False),
+      Variant(REPLICATED, strategy, make_replicated_step(optimizer),
+              (tpustrat.Mirrored.from_global((full, slots)), w), data, donate=True),
+  ]
+  return emb, variants
+
+
+SHARDED = "sharded"
+BEFORE = "sharded, before"
+REPLICATED = "replicated"
 
 
 # -- checking, measuring --------------------------------------------------------------------------------
@@ -235,20 +270,25 @@ def _array(v: Any) -> np.ndarray:
   return np.asarray(jax.device_get(v.tree if isinstance(v, tpustrat.DistributedValues) else v))
 
 
-def check_same(emb: embedding.TPUEmbedding, sharded: Variant, dense: Variant, rows: int) -> None:
+def check_same(emb: embedding.TPUEmbedding, variants: list[Variant], rows: int) -> None:
+  sharded, before, dense = variants
   (state, w_s), loss_s = sharded.run(CHECK_STEPS)[1]
+  (state_b, w_b), loss_b = before.run(CHECK_STEPS)[1]
   ((table, slots), w_d), loss_d = dense.run(CHECK_STEPS)[1]
   tol = dict(rtol=1e-5, atol=1e-6)
   what = f"{rows} rows: sharded and replicated give different"
   got = emb.embedding_tables(state)["table"]
   np.testing.assert_allclose(got, _array(table), **tol, err_msg=f"{what} tables")
+  np.testing.assert_allclose(got, emb.embedding_tables(state_b)["table"], **tol,
+                             err_msg=f"{rows} rows: sharded and sharded-before give different tables")
   for name, slot in slots.items():
     np.testing.assert_allclose(np.asarray(state["slots"]["table"][name]), _array(slot), **tol,
                                err_msg=f"{what} {name}")
-  np.testing.assert_allclose(_array(w_s), _array(w_d), **tol, err_msg=f"{what} dense layers")
-  np.testing.assert_allclose(_array(loss_s), _array(loss_d), **tol, err_msg=f"{what} losses")
-  before = emb.embedding_tables(sharded.init[0])["table"]
-  assert not np.allclose(got, before), f"{rows} rows: the table did not move"
+  for w_x, loss_x in ((w_d, loss_d), (w_b, loss_b)):
+    np.testing.assert_allclose(_array(w_s), _array(w_x), **tol, err_msg=f"{what} dense layers")
+    np.testing.assert_allclose(_array(loss_s), _array(loss_x), **tol, err_msg=f"{what} losses")
+  before_table = emb.embedding_tables(sharded.init[0])["table"]
+  assert not np.allclose(got, before_table), f"{rows} rows: the table did not move"
 
 
 def device0_bytes(tree: Any) -> int:
@@ -275,18 +315,14 @@ def collective_bytes(hlo: str, op: str) -> tuple[int, int]:
   return count, total
 
 
-def program_bytes(compiled: Any) -> int | None:
-  """Per-device bytes of a compiled program: arguments + outputs + temporaries - aliased (XLA)."""
+def program_bytes(compiled: Any) -> tuple[int, int] | tuple[None, None]:
+  """(arguments + outputs + temporaries - aliased, temporaries) of a compiled program, per device (XLA)."""
   try:
     m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes,
+            m.temp_size_in_bytes)
   except Exception:  # pylint: disable=broad-except  # a backend without memory_analysis
-    return None
-
-
-def peak_bytes() -> int | None:
-  stats = jax.devices()[0].memory_stats()
-  return None if not stats else stats.get("peak_bytes_in_use")
+    return None, None
 
 
 def fmt_bytes(x: int | None) -> str:
@@ -299,59 +335,160 @@ def fmt_bytes(x: int | None) -> str:
 
 
 def bench_one(strategy: tpustrat.Strategy, rows: int, args: argparse.Namespace) -> dict[str, Any]:
-  n = strategy.num_replicas_in_sync
-  emb, sharded, dense = make_variants(strategy, rows, args.dim, args.optimizer)
+  emb, variants = make_variants(strategy, rows, args.dim, args.optimizer)
   steps, trials = default_plan(rows)
   steps, trials = args.steps or steps, args.trials or trials
-  check_same(emb, sharded, dense, rows)
+  check_same(emb, variants, rows)
   print(f"# {rows} rows: results allclose; timing {trials} trials x {steps} steps per variant ...",
         flush=True)
-  variants = [sharded, dense]
   for v in variants:
     v.run(steps)  # warm-up
   with h.no_compilation():
     times = h.time_rounds(variants, trials, h.permutation_schedule(variants),
                           lambda v: v.run(steps)[0] / steps * 1e6)
-  hlo_s, hlo_d = (v.compiled() for v in variants)
-  m = (GLOBAL_BATCH // n) * IDS_PER_EXAMPLE  # ids per replica
-  a2a_analytic = 2 * (n * m * 4 + n * m * args.dim * 4) if n > 1 else 0
-  a2a_count, a2a_bytes = collective_bytes(hlo_s.as_text(), "all-to-all")
-  ar_count_d, ar_bytes_d = collective_bytes(hlo_d.as_text(), "all-reduce")
-  table_s = device0_bytes((sharded.init[0]["tables"], sharded.init[0]["slots"]))
-  table_d = device0_bytes(dense.init[0])
-  padded_rows = -(-rows // n)
-  row = {
-      "rows": rows, "steps": steps, "trials": trials,
-      "us_s": statistics.median(times["sharded"]), "us_d": statistics.median(times["replicated"]),
-      "paired": h.spread(h.paired_ratios(times["sharded"], times["replicated"])),
-      "table_s": table_s, "table_d": table_d, "mem_target": padded_rows / rows,
-      "prog_s": program_bytes(hlo_s), "prog_d": program_bytes(hlo_d), "peak": peak_bytes(),
-      "a2a_analytic": a2a_analytic, "a2a_count": a2a_count, "a2a_bytes": a2a_bytes,
-      "ar_count_d": ar_count_d, "ar_bytes_d": ar_bytes_d,
-  }
-  del emb, sharded, dense, variants, hlo_s, hlo_d
+  compiled = {v.name: v.compiled() for v in variants}
+  row = {"rows": rows, "steps": steps, "trials": trials,
+         "paired": h.spread(h.paired_ratios(times[SHARDED], times[REPLICATED])),
+         "paired_before": h.spread(h.paired_ratios(times[BEFORE], times[REPLICATED])),
+         "vs_before": h.spread(h.paired_ratios(times[SHARDED], times[BEFORE])),
+         "table_s": device0_bytes((variants[0].init[0]["tables"], variants[0].init[0]["slots"])),
+         "table_d": device0_bytes(variants[2].init[0]), "mem_target": -(-rows // strategy.num_replicas_in_sync) / rows,
+         "block": -(-rows // strategy.num_replicas_in_sync) * args.dim * 4}
+  for v in variants:
+    row[f"us {v.name}"] = statistics.median(times[v.name])
+    row[f"prog {v.name}"], row[f"temp {v.name}"] = program_bytes(compiled[v.name])
+    row[f"a2a {v.name}"] = collective_bytes(compiled[v.name].as_text(), "all-to-all")
+  row["ar replicated"] = collective_bytes(compiled[REPLICATED].as_text(), "all-reduce")
+  del emb, variants, compiled
   gc.collect()
   return row
 
 
-def crossover(rows: list[dict[str, Any]]) -> str:
-  """Where the median paired ratio sharded / replicated crosses 1 over the measured table sizes."""
-  faster = [r["paired"][0] <= 1.0 for r in rows]
+def crossover(rows: list[dict[str, Any]], key: str = "paired") -> tuple[str, float | None]:
+  """Where the median paired ratio (`key`) crosses 1 over the measured table sizes: (text, rows or None)."""
+  faster = [r[key][0] <= 1.0 for r in rows]
   sizes = [r["rows"] for r in rows]
   if all(faster):
-    return f"sharded is no slower than replicated at every measured size ({sizes[0]} to {sizes[-1]} rows)"
+    return f"no slower at every measured size ({sizes[0]} to {sizes[-1]} rows)", float(sizes[0])
   if not any(faster):
-    return f"replicated is faster at every measured size ({sizes[0]} to {sizes[-1]} rows)"
+    return f"slower at every measured size ({sizes[0]} to {sizes[-1]} rows)", None
   first = faster.index(True)
   if first > 0 and all(faster[first:]):
     lo, hi = rows[first - 1], rows[first]
     # log-linear interpolation of the ratio between the two sizes around 1.0
     x0, x1 = np.log10(lo["rows"]), np.log10(hi["rows"])
-    y0, y1 = lo["paired"][0], hi["paired"][0]
+    y0, y1 = lo[key][0], hi[key][0]
     at = 10 ** (x0 + (1.0 - y0) * (x1 - x0) / (y1 - y0)) if y1 != y0 else hi["rows"]
-    return (f"sharded becomes faster between {lo['rows']} rows (ratio {y0:.2f}) and {hi['rows']} rows "
-            f"(ratio {y1:.2f}), about {at:.2g} rows by log-linear interpolation")
-  return "no single crossover: " + ", ".join(f"{s} rows {r['paired'][0]:.2f}" for s, r in zip(sizes, rows))
+    return (f"faster from between {lo['rows']} rows (ratio {y0:.2f}) and {hi['rows']} rows (ratio {y1:.2f}), "
+            f"about {at:.2g} rows by log-linear interpolation", float(at))
+  return "no single crossover: " + ", ".join(f"{s} rows {r[key][0]:.2f}" for s, r in zip(sizes, rows)), None
+
+
+# -- the exchange figures (compiled programs, not timed) ----------------------------------------------
+
+
+FIGURE_ROWS = 100_000  # rows per table of the exchange figures: buckets hold min(M, V/N) = M ids here
+FIGURE_DIMS = (64, 32)  # the tables of the 8-table model alternate these widths
+
+
+def multi_table_step(emb: embedding.TPUEmbedding, names: list[str]) -> Callable[..., Any]:
+  def step(carry, ids, y):
+    state, w = carry
+    feats = {k: ids for k in names}
+    acts = emb.lookup(state, feats)
+
+    def loss_fn(acts, w):
+      x = jnp.concatenate([acts[k] for k in names], axis=1)
+      return jnp.sum((x @ w - y) ** 2) / GLOBAL_BATCH
+
+    loss, (g_act, g_w) = jax.value_and_grad(loss_fn, argnums=(0, 1))(acts, w)
+    return (emb.apply_gradients(state, feats, g_act), w - LR * g_w), lax.psum(loss, "replica")
+
+  return step
+
+
+def all_to_all_counts(strategy: tpustrat.Strategy, tables: int) -> dict[str, tuple[int, int]]:
+  """{variant: (all-to-alls, bytes) in the compiled step} of a model with `tables` tables (one feature
+  each, widths alternating `FIGURE_DIMS`), for the library and the before-path."""
+  n = strategy.num_replicas_in_sync
+  b = GLOBAL_BATCH // n
+  dims = [FIGURE_DIMS[i % len(FIGURE_DIMS)] for i in range(tables)]
+  names = [f"f{i}" for i in range(tables)]
+  rng = np.random.default_rng(tables)
+  ids = rng.integers(0, FIGURE_ROWS, size=(n, b, IDS_PER_EXAMPLE)).astype(np.int32)
+  ys = rng.standard_normal((n, b, OUT)).astype(np.float32)
+  data = _data(strategy, ids, ys)
+  w = tpustrat.Mirrored.from_global(jax.device_put(np.zeros((sum(dims), OUT), np.float32),
+                                                   NamedSharding(strategy.mesh, P())))
+  out = {}
+  for label, cls in ((SHARDED, embedding.TPUEmbedding), (BEFORE, PerTableEmbedding)):
+    configs = {k: embedding.FeatureConfig(embedding.TableConfig(
+        FIGURE_ROWS, d, combiner="mean", name=f"t{i}", initializer=lambda s, t: jnp.zeros(s, t)), name=k)
+        for i, (k, d) in enumerate(zip(names, dims))}
+    emb = cls(configs, embedding.SGD(LR), strategy)
+    step = multi_table_step(emb, names)
+    hlo = jax.jit(lambda carry, *d, step=step: strategy.run(step, args=(carry,) + d)).lower(
+        (emb.build(), w), *data).compile().as_text()
+    out[label] = collective_bytes(hlo, "all-to-all")
+  return out
+
+
+def duplicate_ids(n: int, b: int, rows: int, seed: int = 5) -> np.ndarray:
+  """[n, b, IDS_PER_EXAMPLE] ids, half of each replica's ids duplicates: b * L / 2 distinct uniform ids,
+  each used twice, shuffled over the replica's examples and positions."""
+  rng = np.random.default_rng(seed)
+  m = b * IDS_PER_EXAMPLE
+  out = np.empty((n, m), np.int32)
+  for r in range(n):
+    distinct = rng.choice(rows, m // 2, replace=False)
+    out[r] = rng.permutation(np.concatenate([distinct, distinct]))
+  return out.reshape(n, b, IDS_PER_EXAMPLE)
+
+
+def dedup_bytes(strategy: tpustrat.Strategy, dim: int, optimizer: str) -> dict[str, Any]:
+  """The bytes of the exchanges on a batch with 50% duplicate ids (`duplicate_ids`): compiled (HLO
+  all-to-all operands) for the before-path, the library with its default buckets, and the library with
+  ``max_unique_ids_per_partition`` set to the batch's largest count of distinct ids per (replica, owner)
+  (what `check_ids` accepts), next to the buckets the same bound would need counting every occurrence;
+  and payload (the ids and rows that fill bucket slots). The bounded library step is checked against
+  the before-path (allclose)."""
+  n = strategy.num_replicas_in_sync
+  b = GLOBAL_BATCH // n
+  rows = FIGURE_ROWS
+  ids = duplicate_ids(n, b, rows)
+  ys = np.random.default_rng(6).standard_normal((n, b, OUT)).astype(np.float32)
+  data = _data(strategy, ids, ys)
+  per_owner = -(-rows // n)
+  raw = max(int(np.bincount(ids[r].reshape(-1) // per_owner, minlength=n).max()) for r in range(n))
+  distinct = max(int(np.bincount(np.unique(ids[r]) // per_owner, minlength=n).max()) for r in range(n))
+  w = tpustrat.Mirrored.from_global(jax.device_put(np.full((dim, OUT), 0.1, np.float32),
+                                                   NamedSharding(strategy.mesh, P())))
+  embs = {BEFORE: _feature_embedding(PerTableEmbedding, strategy, rows, dim, optimizer),
+          SHARDED: _feature_embedding(embedding.TPUEmbedding, strategy, rows, dim, optimizer),
+          "bounded": _feature_embedding(embedding.TPUEmbedding, strategy, rows, dim, optimizer,
+                                        max_unique_ids_per_partition=distinct),
+          "bounded, no dedup": _feature_embedding(embedding.TPUEmbedding, strategy, rows, dim, optimizer,
+                                                  max_ids_per_partition=raw)}
+  state = embs[SHARDED].build(seed=0)
+  out: dict[str, Any] = {"raw": raw, "distinct": distinct}
+  results = {}
+  for label, emb in embs.items():
+    step = make_sharded_step(emb)
+    compiled = jax.jit(lambda carry, *d, step=step: strategy.run(step, args=(carry,) + d)).lower(
+        (state, w), *data).compile()
+    out[label] = collective_bytes(compiled.as_text(), "all-to-all")
+    if label in (BEFORE, "bounded"):
+      carry = (state, w)
+      for _ in range(CHECK_STEPS):
+        carry, loss = strategy.run(step, args=(carry,) + data)
+      results[label] = (emb.embedding_tables(carry[0])["table"], _array(loss))
+  for a, b_ in zip(results[BEFORE], results["bounded"]):
+    np.testing.assert_allclose(b_, a, rtol=1e-5, atol=1e-6, err_msg="50% duplicates: bounded and before differ")
+  m = b * IDS_PER_EXAMPLE
+  unique_sent = sum(len(np.unique(ids[r])) for r in range(n)) / n  # per replica
+  out["payload before"] = m * (4 + 2 * 4 * dim)  # ids once (merged), rows back, gradients out
+  out["payload"] = unique_sent * (4 + 2 * 4 * dim)
+  return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -361,40 +498,78 @@ def main(args: argparse.Namespace) -> int:
   sizes = [int(float(s)) for s in args.rows.split(",") if s.strip()]
   t_start = time.perf_counter()
   rows = [bench_one(strategy, v, args) for v in sizes]
-  print(f"# total {time.perf_counter() - t_start:.0f} s")
+  counts = {t: all_to_all_counts(strategy, t) for t in (1, args.tables)}
+  dup = dedup_bytes(strategy, args.dim, args.optimizer)
+  print(f"# 50% duplicates: bounded and before allclose; total {time.perf_counter() - t_start:.0f} s")
   print()
-  columns = ["rows", "optimizer", "steps x trials", "sharded us/step", "replicated us/step",
-             "ratio, median [p25, p75]", "table+slots/device sharded", "replicated", "memory ratio",
-             "memory target", "step program/device sharded", "replicated program", "memory_stats peak",
-             "all_to_all/replica/step analytic", "compiled (ops)", "replicated all-reduce/replica/step",
-             "step target"]
-  print(h.markdown_header(columns, right={"sharded us/step", "replicated us/step", "memory ratio"}))
+  columns = ["rows", "optimizer", "steps x trials", "sharded us/step", "before us/step", "replicated us/step",
+             "sharded / replicated [p25, p75]", "before / replicated", "sharded / before",
+             "table+slots/device sharded", "replicated", "memory target", "temporaries sharded (block)",
+             "before", "all_to_all/replica/step sharded (ops)", "before (ops)", "replicated all-reduce (ops)"]
+  print(h.markdown_header(columns, right={"sharded us/step", "before us/step", "replicated us/step"}))
   for r in rows:
     mem_ratio = r["table_s"] / r["table_d"]
-    mem_verdict = h.verdict(f"<= 1/{n} + pad = {r['mem_target']:.4f}", mem_ratio <= r["mem_target"] + 1e-12)
-    if r["rows"] >= STEP_TARGET_ROWS:
-      step_verdict = h.verdict(f"<= {STEP_TARGET:.2f}", r["paired"][0] <= STEP_TARGET)
-    else:
-      step_verdict = f"(none below {STEP_TARGET_ROWS:.0e} rows)"
+    mem_verdict = h.verdict(f"{mem_ratio:.4f} <= 1/{n} + pad = {r['mem_target']:.4f}",
+                            mem_ratio <= r["mem_target"] + 1e-12)
+    a2a = {k: f"{fmt_bytes(r[f'a2a {k}'][1])} ({r[f'a2a {k}'][0]})" for k in (SHARDED, BEFORE)}
     print(h.markdown_row([
-        r["rows"], args.optimizer, f"{r['steps']} x {r['trials']}", f"{r['us_s']:.0f}", f"{r['us_d']:.0f}",
-        h.format_spread(r["paired"], 3), fmt_bytes(r["table_s"]), fmt_bytes(r["table_d"]), f"{mem_ratio:.4f}",
-        mem_verdict, fmt_bytes(r["prog_s"]), fmt_bytes(r["prog_d"]), fmt_bytes(r["peak"]),
-        fmt_bytes(r["a2a_analytic"]), f"{fmt_bytes(r['a2a_bytes'])} ({r['a2a_count']})",
-        f"{fmt_bytes(r['ar_bytes_d'])} ({r['ar_count_d']})", step_verdict]))
+        r["rows"], args.optimizer, f"{r['steps']} x {r['trials']}", f"{r['us ' + SHARDED]:.0f}",
+        f"{r['us ' + BEFORE]:.0f}", f"{r['us ' + REPLICATED]:.0f}", h.format_spread(r["paired"], 3),
+        f"{r['paired_before'][0]:.3f}", f"{r['vs_before'][0]:.3f}", fmt_bytes(r["table_s"]), fmt_bytes(r["table_d"]),
+        mem_verdict, f"{fmt_bytes(r['temp ' + SHARDED])} ({fmt_bytes(r['block'])})", fmt_bytes(r["temp " + BEFORE]),
+        a2a[SHARDED], a2a[BEFORE],
+        f"{fmt_bytes(r['ar replicated'][1])} ({r['ar replicated'][0]})"]))
   print()
-  print(f"# crossover: {crossover(rows)}")
-  print("us/step: median over trials of (time for `steps` chained steps, until the last is ready) / steps. "
-        "ratio: per-round paired ratios sharded / replicated. table+slots/device: bytes on device 0 of the "
-        "table and optimizer-slot arrays (from their shardings); memory target: sharded / replicated <= "
-        "ceil(V/N) / V. step program/device: XLA memory_analysis of the compiled step (arguments + outputs + "
-        "temporaries - aliased). memory_stats peak: device 0's peak_bytes_in_use after the size's runs "
-        "(process-wide running maximum; n/a where the backend reports none). all_to_all: bytes each "
-        "replica sends per step (own block included), analytic for the library's 4 exchanges, and as "
-        "compiled (operand bytes of the HLO's all-to-all ops, their count in parentheses; XLA merges the "
-        "two identical ids exchanges). replicated all-reduce: bytes of the dense gradient all-reduced per "
-        "step (from its HLO; its ops in parentheses: the table's and the dense layer's gradients may be "
-        "combined). step target: sharded / replicated paired ratio at >= 1M rows.")
+
+  # The issue's four figures, with their targets.
+  figures = []
+  at = [r for r in rows if r["rows"] == STEP_TARGET_ROWS]
+  if at:
+    r = at[0]
+    us, before = r["us " + SHARDED], r["us " + BEFORE]
+    figures.append((f"sharded step time at {STEP_TARGET_ROWS:,} rows", f"{before / 1e3:.0f} ms",
+                    f"{us / 1e3:.1f} ms ({r['vs_before'][0]:.3f}x)", f"<= {STEP_TARGET_MS} ms",
+                    us / 1e3 <= STEP_TARGET_MS))
+  else:
+    figures.append((f"sharded step time at {STEP_TARGET_ROWS:,} rows", "not measured (--rows)", "", "", None))
+  text_b, _ = crossover(rows, "paired_before")
+  text_s, at_rows = crossover(rows, "paired")
+  measured_from = [r for r in rows if r["rows"] >= CROSSOVER_TARGET]
+  met = bool(measured_from) and all(r["paired"][0] <= 1.0 for r in measured_from)
+  figures.append(("crossover vs replicated", text_b, text_s, f"<= {CROSSOVER_TARGET:,} rows",
+                  met if measured_from else None))
+  one, many = counts[1], counts[args.tables]
+  figures.append((f"all-to-alls per step, {args.tables} tables vs 1", f"{many[BEFORE][0]} vs {one[BEFORE][0]}",
+                  f"{many[SHARDED][0]} vs {one[SHARDED][0]}", "same as 1 table",
+                  many[SHARDED][0] == one[SHARDED][0]))
+  ratio_c = dup["bounded"][1] / dup[BEFORE][1]
+  ratio_p = dup["payload"] / dup["payload before"]
+  figures.append(("bytes exchanged per replica and step, 50% duplicate ids",
+                  f"{fmt_bytes(dup[BEFORE][1])} compiled; {fmt_bytes(dup['payload before'])} payload",
+                  f"{fmt_bytes(dup['bounded'][1])} compiled ({ratio_c:.3f}x) with max_unique_ids_per_partition="
+                  f"{dup['distinct']} ({fmt_bytes(dup['bounded, no dedup'][1])} if sized for every occurrence, "
+                  f"max_ids_per_partition={dup['raw']}; {fmt_bytes(dup[SHARDED][1])} unbounded); "
+                  f"{fmt_bytes(dup['payload'])} payload ({ratio_p:.3f}x)",
+                  f"<= {BYTES_TARGET}x", ratio_c <= BYTES_TARGET and ratio_p <= BYTES_TARGET))
+  print(h.markdown_header(["figure", "before (today's code path, same run)", "now", "target", "verdict"]))
+  for name, before, now, target, met in figures:
+    print(h.markdown_row([name, before, now, target, "-" if met is None else ("met" if met else "MISSED")]))
+    if hasattr(h, "figure"):
+      h.figure(f"embedding: {name}", now, target, met)
+  print()
+  print("sharded: TPUEmbedding, state donated (RunOptions(donate_argnums=0)); before: the code path before "
+        "issue 25 (benchmarks/_embedding_per_table.py: per-table exchanges, worst-case buckets, dense [V/N, D] "
+        "gradient, state not donated); replicated: a Mirrored table, dense gradient all-reduced, state donated. "
+        "us/step: median over trials of (time for `steps` chained steps, until the last is ready) / steps. "
+        "ratios: median per-round paired ratios. table+slots/device: bytes on device 0 of the table and "
+        "optimizer-slot arrays; memory target: sharded / replicated <= ceil(V/N) / V. temporaries: XLA "
+        "memory_analysis temp bytes of the compiled step (the block it would copy: in parentheses). "
+        "all_to_all: operand bytes each replica sends per step in the compiled HLO (own block included), "
+        "all-to-all ops in parentheses. Figures: step time from the table; crossover where the paired ratio "
+        "vs replicated crosses 1 (log-linear interpolation); all-to-alls counted in the compiled step of "
+        f"{args.tables} tables of {FIGURE_ROWS} rows (widths alternating {FIGURE_DIMS}, one feature each) "
+        "and of 1; bytes: compiled all-to-all operands, and payload = ids and rows filling bucket slots "
+        "(ids once, rows back, gradients out).")
   return 0
 
 

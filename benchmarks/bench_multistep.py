@@ -258,6 +258,8 @@ def main(args: argparse.Namespace) -> int:
     target = ""
     if r["name"] == "tiny" and r["family"] == "tpustrat" and r["k"] == 10:
       target = h.verdict(f">= {TARGET_SPEEDUP:.2f}x", r["speedup"][0] >= TARGET_SPEEDUP)
+      h.figure("experimental_run_steps k=10 speedup over k=1, tiny step", f"{r['speedup'][0]:.2f}x",
+               f">= {TARGET_SPEEDUP:.2f}x", r["speedup"][0] >= TARGET_SPEEDUP)
     vs = f"{r['vs_plain']:.2f}" if r["vs_plain"] is not None else ""
     print(h.markdown_row([LABELS[r["name"]], r["family"], r["k"], f"{r['steps']} x {r['trials']}", f"{r['us']:.1f}",
                           h.format_spread(r["speedup"], 2, unit="x"), vs, target]))

@@ -487,6 +487,8 @@ def main(args: argparse.Namespace) -> int:
       ratio = h.format_spread(r, 2, unit="x")
       if v.label == KERAS:
         target = h.verdict(f">= {TARGETS[v.k]:.2f}x", r[0] >= TARGETS[v.k])
+        h.figure(f"tpustrat steps/s vs Keras 3 fit, k={v.k}", f"{r[0]:.2f}x", f">= {TARGETS[v.k]:.2f}x",
+                 r[0] >= TARGETS[v.k])
     print(h.markdown_row(["steps/s", v.label, v.k, f"{args.steps} steps x {len(ts)}", f"{steps_per_s:.2f}",
                           f"{ms:.1f}", ratio, target]))
   for family in (RUN_STEPS, PLAIN_SCAN):
@@ -498,6 +500,8 @@ def main(args: argparse.Namespace) -> int:
         target = h.verdict("1 trace each", all(c == 1 for c in traces[k]))
         if k == COMPILE_KS[-1]:
           target += "; " + h.verdict(f"k={k} / k=1 <= {COMPILE_TARGET:.1f}x", r[0] <= COMPILE_TARGET)
+          h.figure(f"experimental_run_steps compile time, k={k} / k=1", f"{r[0]:.2f}x", f"<= {COMPILE_TARGET:.1f}x",
+                   r[0] <= COMPILE_TARGET)
       print(h.markdown_row(["compile s", family, k, f"fresh fn x {len(cs)}", f"{statistics.median(cs):.2f}",
                             "", h.format_spread(r, 2, unit="x"), target]))
   print()

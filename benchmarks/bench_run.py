@@ -48,11 +48,15 @@ machine with accelerators `TPUStrategy` uses those instead)::
     .venv/bin/python benchmarks/bench_run.py --only mlp --steps 3 --trials 101
     .venv/bin/python benchmarks/bench_run.py --only tiny --watchdog   # the step watchdog's cost
     .venv/bin/python benchmarks/bench_run.py --only mlp --check-numerics   # NaN / Inf checks' cost
+    .venv/bin/python benchmarks/bench_run.py --only tiny --step-stats   # the step counters' cost
 
 ``--watchdog`` adds a third variant: the same `run` loop with the step watchdog on (what
 ``--step-timeout`` / ``TPUSTRAT_STEP_TIMEOUT`` turn on), compared with `run` without it (target 1.02). ``--check-numerics`` adds the same `run` loop with
 ``RunOptions(check_numerics=True)`` (every floating output checked for NaN / Inf in the program, the flags
 read on the host when the in-flight bound waits), compared with `run` without it (target 1.05 on the MLP).
+``--step-stats`` adds the same `run` loop with the step counters switched off (they are always on: two clock
+reads around the in-flight wait and a step record per dispatch, `strategy.experimental_step_stats()`), and
+reports `run` as it is against it (target 1.01).
 
 Defaults: tiny 200 steps x 101 trials, mlp 3 steps x 101 trials: short trials, many rounds, so that
 the two runs of a round see the same machine load. About 1 minute in all on a 2-core machine with 8
@@ -93,6 +97,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                       help="also time `run` with the step watchdog on (--step-timeout), against `run` without it")
   parser.add_argument("--check-numerics", action="store_true",
                       help="also time `run` with RunOptions(check_numerics=True), against `run` without it")
+  parser.add_argument("--step-stats", action="store_true",
+                      help="also time `run` with its step counters switched off: `run` (counters on) against it")
 
 
 ARGS = h.parse_args(__doc__, _add_flags) if __name__ == "__main__" else None
@@ -100,6 +106,8 @@ if ARGS is not None:
   h.emulate_cpu_devices(ARGS.cpu_devices)  # before JAX initialises its backends
 
 import tpustrat  # noqa: E402
+from tpustrat._src import engine as engine_lib  # noqa: E402
+from tpustrat._src import step_stats as step_stats_lib  # noqa: E402
 from tpustrat._src import watchdog as watchdog_lib  # noqa: E402
 
 AXIS = "replica"
@@ -109,6 +117,8 @@ TARGETS = {"tiny": 1.05, "mlp": 1.02}
 WATCHDOG_TARGET = 1.02  # `run` with the step watchdog on, against `run` without it
 NUMERICS_TARGET = 1.05  # `run` with RunOptions(check_numerics=True), against `run` without it
 NUMERICS = "tpustrat + check_numerics"
+STEP_STATS_TARGET = 1.01  # `run` (step counters always on) against `run` with them switched off
+NO_STATS = "tpustrat, step counters off"
 LABELS = {"tiny": "tiny step (dispatch-bound)", "mlp": "MLP 784-1024-1024-10, batch 512"}
 
 
@@ -214,6 +224,45 @@ def watchdog_variant(variant: Variant) -> Variant:
     watchdog_lib.activate(None)
 
   return Variant("tpustrat + step watchdog", init, variant._step, finish)  # pylint: disable=protected-access
+
+
+def no_stats_variant(strategy: tpustrat.Strategy, variant: Variant) -> Variant:
+  """`variant` (the tpustrat one) with the strategy's step counters switched off: its in-flight bound notes
+  no waits and no steps (what `run` costs without `strategy.experimental_step_stats()`)."""
+  in_flight = strategy.extended.engine.in_flight
+  counters = in_flight.stats
+
+  def init():
+    in_flight.stats = None
+    return variant._init()  # pylint: disable=protected-access
+
+  def finish():
+    variant._finish()  # pylint: disable=protected-access
+    in_flight.stats = counters
+
+  return Variant(NO_STATS, init, variant._step, finish)  # pylint: disable=protected-access
+
+
+def counter_cost_us(rounds: int = 21, dispatches: int = 20000) -> tuple[float, float, float]:
+  """The step counters' own cost per dispatch, without a program: `InFlight.before_dispatch` /
+  `after_dispatch` (as `engine.dispatch` calls them) with a token that is already ready, with the counters
+  and without, `dispatches` times per round, the rounds interleaved. Returns (us per dispatch on, off,
+  their difference), each the minimum over the rounds (the least disturbed by other load)."""
+  token = jax.block_until_ready(jnp.zeros((), jnp.int8))
+
+  def loop(stats: step_stats_lib.StepCounters | None) -> float:
+    bound = engine_lib.InFlight(stats)
+    start = time.perf_counter()
+    for _ in range(dispatches):
+      noted = bound.before_dispatch(IN_FLIGHT, 1)
+      bound.after_dispatch(token, None, 1, noted)
+    return (time.perf_counter() - start) / dispatches * 1e6
+
+  on, off = [], []
+  for _ in range(rounds):
+    on.append(loop(step_stats_lib.StepCounters()))
+    off.append(loop(None))
+  return min(on), min(off), min(on) - min(off)
 
 
 def handwritten_variant(name: str, program: Callable[..., Any], init: Callable[[], Any],
@@ -327,6 +376,8 @@ def main(args: argparse.Namespace) -> int:
                                                           args.check_numerics)
     if args.watchdog:
       variants.append(watchdog_variant(variants[0]))
+    if args.step_stats:
+      variants.append(no_stats_variant(strategy, variants[0]))
     tol = dict(rtol=1e-6, atol=1e-7) if name == "tiny" else dict(rtol=1e-5, atol=1e-6)
     check_same(strategy, name, variants, 3, **tol)
     print(f"# {name}: results allclose; timing {trials} trials x {steps} steps per variant ...", flush=True)
@@ -338,6 +389,9 @@ def main(args: argparse.Namespace) -> int:
       rows.append(summarise(name, times, "tpustrat + step watchdog", base="tpustrat") | {"steps": steps})
     if args.check_numerics:
       rows.append(summarise(name, times, NUMERICS, base="tpustrat") | {"steps": steps})
+    if args.step_stats:
+      rows.append(summarise(name, times, "tpustrat", base=NO_STATS) | {"steps": steps, "target": STEP_STATS_TARGET,
+                                                                      "label": "tpustrat (step counters on)"})
   print(f"# total {time.perf_counter() - t_start:.0f} s")
   print()
   print(h.markdown_header(
@@ -345,19 +399,30 @@ def main(args: argparse.Namespace) -> int:
        "paired ratio, median [p25, p75]", "ratio of minima", "overhead us/step", "target"],
       right={"us/step", "hand-written us/step", "ratio", "ratio of minima", "overhead us/step"}))
   for r in rows:
-    target = (WATCHDOG_TARGET if r["variant"] == "tpustrat + step watchdog"
-              else NUMERICS_TARGET if r["variant"] == NUMERICS else TARGETS[r["name"]])
+    target = r.get("target") or (WATCHDOG_TARGET if r["variant"] == "tpustrat + step watchdog"
+                                 else NUMERICS_TARGET if r["variant"] == NUMERICS else TARGETS[r["name"]])
     if r["variant"].startswith("tpustrat"):
       verdict = h.verdict(f"<= {target:.2f}", r["paired"][0] <= target)
+      h.figure(f"strategy.run, {LABELS[r['name']]}: {r.get('label', r['variant'])}, paired ratio to its baseline",
+               f"{r['paired'][0]:.3f}x", f"<= {target:.2f}x", r["paired"][0] <= target)
     else:
       verdict = "(noise floor)"
-    print(h.markdown_row([LABELS[r["name"]], r["variant"], f"{r['steps']} x {r['trials']}", f"{r['us']:.1f}",
+    print(h.markdown_row([LABELS[r["name"]], r.get("label", r["variant"]), f"{r['steps']} x {r['trials']}", f"{r['us']:.1f}",
                           f"{r['base_us']:.1f}", f"{r['ratio']:.3f}", h.format_spread(r["paired"], 3),
                           f"{r['min_ratio']:.3f}", f"{r['overhead']:+.1f}", verdict]))
+  if args.step_stats and any(r["name"] == "tiny" and r["variant"] == "tpustrat" for r in rows):
+    on, off, cost = counter_cost_us()
+    tiny = next(r["us"] for r in rows if r["name"] == "tiny" and r["variant"] == "tpustrat")
+    share = cost / tiny
+    print()
+    print(f"step counters alone (InFlight with a ready token, 21 x 20000 dispatches, minima): {on:.3f} us per "
+          f"dispatch with them, {off:.3f} us without: +{cost * 1e3:.0f} ns, {share:.3%} of the tiny step's "
+          f"{tiny:.1f} us (target <= 1%: {'met' if share <= 0.01 else 'MISSED'})")
+    h.figure("step counters' cost per step, share of the tiny step", f"{share:.3%}", "<= 1%", share <= 0.01)
   print()
   print("us/step: median over trials of (time for `steps` chained steps, until the last is ready) / steps. "
         "ratio: median / hand-written median. paired ratio: per-trial ratios to the hand-written run of the "
-        "same round (for the step-watchdog and check_numerics rows, the baseline is `run` without them). ratio of minima: fastest trial / fastest hand-written trial. overhead: median per-round "
+        "same round (for the step-watchdog and check_numerics rows, the baseline is `run` without them; for the step-counters row, `run` with the counters switched off). ratio of minima: fastest trial / fastest hand-written trial. overhead: median per-round "
         "difference to hand-written. target: checked on the median paired ratio (the most robust to load).")
   return 0
 

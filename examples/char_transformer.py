@@ -23,6 +23,14 @@ every Python (found through `sysconfig`), trained with `tpustrat.TPUStrategy`:
   float32 (below). ``--policy mixed_float16`` computes in float16 and wraps the optimizer in
   `tpustrat.mixed_precision.LossScaleOptimizer` (dynamic loss scaling: an overflow skips the step on
   every replica and halves the scale).
+* **gradient accumulation.** ``--gradient-accumulation-steps K`` splits each replica's batch into ``K``
+  micro-batches inside the step (`tpustrat.accumulate_gradients`, Keras 3's
+  ``gradient_accumulation_steps``): forward and backward one micro-batch at a time in a `lax.scan`, the
+  gradients added up locally and communicated once, so the activations' memory is one micro-batch's and
+  the numbers are the whole batch's (the loss divides by the global number of tokens, a constant). It
+  works with ``--shard`` (the sharded parameters are then read whole once per step, not one layer at a
+  time) and with every policy (with ``mixed_float16`` each micro-batch's loss is multiplied by the loss
+  scale).
 * **checkpoints that resume.** With ``--ckpt-dir``, `tpustrat.checkpoint.CheckpointManager` saves the
   training state *and the input position* at every evaluation; run the same command again and it
   continues at the saved step with the next batch: the numbers are those of an uninterrupted run.
@@ -58,6 +66,7 @@ Run it::
     python examples/char_transformer.py --ckpt-dir /tmp/chars    # stop it, run it again: it resumes
     python examples/char_transformer.py --policy mixed_bfloat16  # pays off on TPUs and GPUs (CPUs emulate it)
     python examples/char_transformer.py --policy mixed_float16   # float16 with dynamic loss scaling (GPUs)
+    python examples/char_transformer.py --gradient-accumulation-steps 4   # 4 micro-batches per replica and step
     python examples/char_transformer.py --steps 1000 --layers 4 --temperature 0   # longer; a greedy sample
     python -m tpustrat.launch -n 2 -d 4 examples/char_transformer.py --steps 40
 """
@@ -81,13 +90,18 @@ import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
+try:  # packages beyond tpustrat's own: its `examples` extra
+  from tqdm.auto import tqdm  # noqa: E402
+except ImportError as e:
+  raise SystemExit(f"{e}. This example needs tpustrat's `examples` extra: "
+                   "pip install 'tpustrat[examples]' (in a clone: pip install -e '.[examples]')") from e
+
 import grain  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
 
 import tpustrat  # noqa: E402
 
@@ -364,14 +378,32 @@ def apply_gradients(tx: optax.GradientTransformation, state: dict[str, Any], gra
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    global_batch_size: int, sharded: bool = False, policy: str = "float32") -> Callable[..., Any]:
+                    global_batch_size: int, sharded: bool = False, policy: str = "float32",
+                    gradient_accumulation_steps: int = 1) -> Callable[..., Any]:
   """The per-replica step ``train_step(state, batch) -> (state, loss)`` for `run` / `experimental_run_steps`.
 
   ``loss`` is the global mean loss of the step (all-reduced, `Mirrored`). Create the step once: the
-  compiled program is cached on the function.
+  compiled program is cached on the function. With ``gradient_accumulation_steps`` ``K > 1`` the gradients
+  come from `tpustrat.accumulate_gradients` over ``K`` micro-batches of each replica's batch: the same
+  numbers as ``K = 1``, the activations of one micro-batch at a time.
   """
   loss_fn = make_loss_fn(graphdef, global_batch_size)
   dtype_policy = tpustrat.mixed_precision.Policy(policy)
+  scaled = isinstance(tx, tpustrat.mixed_precision.LossScaleOptimizer)
+
+  def accumulated(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+    # The loss is a sum over tokens divided by the global token count (a constant), so the micro-batches'
+    # losses and gradients add up to the whole batch's. With loss scaling each micro-batch's loss is
+    # scaled (the gradients come back scaled, for `update` to unscale); the unscaled losses ride as `aux`.
+    # W.r.t. the Mirrored parameters themselves: accumulate_gradients differentiates w.r.t. local copies
+    # and all-reduces the float32 sums once (sharded ones: one reduce-scatter each).
+    def micro_loss(params: Any, micro_batch: Any) -> tuple[jax.Array, jax.Array]:
+      loss = loss_fn(params, micro_batch)
+      return (tx.scale_loss(loss, state["opt_state"]) if scaled else loss), loss
+
+    (_, losses), grads = tpustrat.accumulate_gradients(micro_loss, state["params"], batch, has_aux=True,
+                                                      gradient_accumulation_steps=gradient_accumulation_steps)
+    return jnp.sum(losses), grads
 
   def train_step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
     ctx = tpustrat.get_replica_context()
@@ -379,8 +411,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     # belong to. (W.r.t. `state["params"]` itself JAX would sum them already, but in bfloat16, after each
     # layer's cast: see the module docstring.) FSDP (`sharded`): gradients come back summed over replicas
     # (the blocks reduce-scattered, the small Mirrored leaves all-reduced).
-    params = state["params"] if sharded else tpustrat.local_copy(state["params"])
-    loss, grads = loss_and_grads(tx, loss_fn, state, params, batch)
+    if gradient_accumulation_steps > 1:
+      loss, grads = accumulated(state, batch)  # already summed over replicas (all_reduce below passes them)
+    else:
+      params = state["params"] if sharded else tpustrat.local_copy(state["params"])
+      loss, grads = loss_and_grads(tx, loss_fn, state, params, batch)
     # One all-reduce of the per-replica gradients in the policy's reduce dtype (float32); already-summed
     # ones pass as they are.
     grads = tpustrat.mixed_precision.all_reduce_gradients(grads, dtype_policy)
@@ -485,12 +520,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="split the parameters and optimizer state over the replicas (FSDP)")
   parser.add_argument("--shard-min-bytes", type=int, default=64 << 10,
                       help="with --shard: parameters of at least this many bytes are split")
+  parser.add_argument("--gradient-accumulation-steps", type=int, default=1,
+                      help="micro-batches per replica and step (tpustrat.accumulate_gradients): the same numbers, "
+                           "1/K of the activations' memory; must divide the per-replica batch")
   parser.add_argument("--remat", action="store_true",
                       help="recompute each block in the backward pass instead of keeping its activations "
                            "(with --shard: gather each layer's weights again, so one layer is whole at a time)")
   args = parser.parse_args(argv)
   for name in ("steps", "steps_per_program", "seq_len", "global_batch_size", "layers", "d_model", "heads",
-               "eval_every", "eval_batches"):
+               "eval_every", "eval_batches", "gradient_accumulation_steps"):
     if getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   for name in ("warmup_steps", "sample_len"):
@@ -527,6 +565,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if args.global_batch_size % n:
     raise SystemExit(f"--global-batch-size {args.global_batch_size} is not a multiple of the {n} replicas; "
                      f"pick a multiple of {n}.")
+  if (args.global_batch_size // n) % args.gradient_accumulation_steps:
+    raise SystemExit(f"--gradient-accumulation-steps {args.gradient_accumulation_steps} does not divide the "
+                     f"{args.global_batch_size // n} sequences per replica (--global-batch-size "
+                     f"{args.global_batch_size} over {n} replicas).")
   config = Config(seq_len=args.seq_len, layers=args.layers, d_model=args.d_model, heads=args.heads,
                   policy=args.policy, remat=args.remat)
 
@@ -538,7 +580,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   say(f"{strategy!r} on {jax.devices()[0].platform}: {len(train_files)} training files "
       f"({len(train_text) / 1e6:.2f} MB), {len(val_files)} validation files ({len(val_text) / 1e6:.2f} MB, "
       f"{len(val_ds)} batches evaluated); global batch {args.global_batch_size} x {args.seq_len} bytes "
-      f"({args.global_batch_size // n} sequences per replica)")
+      f"({args.global_batch_size // n} sequences per replica"
+      + (f", in {args.gradient_accumulation_steps} micro-batches" if args.gradient_accumulation_steps > 1 else "")
+      + ")")
 
   graphdef, params = make_model(config, args.seed)
   tx = make_optimizer(args.learning_rate, args.warmup_steps, args.decay_steps, args.policy)
@@ -552,7 +596,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   say(f"model: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, {num_params:,} float32 "
       f"parameters, policy {args.policy} (computing in {config.dtype_policy.compute_dtype})")
 
-  train_step = make_train_step(graphdef, tx, args.global_batch_size, sharded=args.shard, policy=args.policy)
+  train_step = make_train_step(graphdef, tx, args.global_batch_size, sharded=args.shard, policy=args.policy,
+                               gradient_accumulation_steps=args.gradient_accumulation_steps)
   eval_step = make_eval_step(graphdef, args.global_batch_size)
   iterator = iter(strategy.experimental_distribute_dataset(train_ds))
 
@@ -596,6 +641,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if manager is not None:
     manager.close()  # waits for the last save
   iterator.close()
+  # Where the loop's time went (this process's; evaluation included): waiting for batches, waiting on the
+  # devices (the bound on programs in flight), and the host's own work (dispatch, compiles, evaluation's sync).
+  step_stats = strategy.experimental_step_stats()
   tokens_per_second = timed_tokens / timed_seconds if timed_tokens else float("nan")
   train_losses = ([float(x) for o in losses for x in np.asarray(strategy.experimental_local_results(o)[0])]
                   if losses else [])
@@ -608,6 +656,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   seconds = time.perf_counter() - wall_start
   say(f"validation loss {history[0][1]:.4f} (step {history[0][0]}) -> {history[-1][1]:.4f} (step "
       f"{history[-1][0]}); {tokens_per_second:,.0f} tokens/s over {n} replicas; {seconds:.0f} s in all")
+  say(f"training and evaluation loop: {step_stats}")
   loss_scale, skipped = None, 0
   if isinstance(tx, tpustrat.mixed_precision.LossScaleOptimizer):  # the scale and the steps it skipped
     opt = state["opt_state"]
@@ -619,6 +668,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   return {
       "num_replicas": n,
       "policy": args.policy,
+      "gradient_accumulation_steps": args.gradient_accumulation_steps,
       "loss_scale": loss_scale,  # None without loss scaling
       "skipped_steps": skipped,
       "start_step": start,
@@ -629,6 +679,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "final_val_loss": history[-1][1],
       "tokens_per_step": tokens_per_step,
       "tokens_per_second": tokens_per_second,
+      "step_stats": step_stats,  # tpustrat.StepStats
       "num_params": num_params,
       "train_files": len(train_files),
       "val_files": len(val_files),

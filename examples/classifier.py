@@ -90,14 +90,19 @@ import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
+try:  # packages beyond tpustrat's own: its `examples` extra
+  from sklearn.datasets import load_digits  # noqa: E402
+  from sklearn.model_selection import train_test_split  # noqa: E402
+  from tqdm.auto import tqdm  # noqa: E402
+except ImportError as e:
+  raise SystemExit(f"{e}. This example needs tpustrat's `examples` extra: "
+                   "pip install 'tpustrat[examples]' (in a clone: pip install -e '.[examples]')") from e
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
 
 import tpustrat  # noqa: E402
 
@@ -334,6 +339,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"train accuracy {train_accuracies[-1]:.4f}")
     jax.block_until_ready(state)
   elapsed = time.perf_counter() - timed_start
+  # Where the training loop's time went (this process's): waiting for batches, waiting on the devices (the
+  # bound on steps in flight), and the host's own work (the step's Python, dispatch, the first compile).
+  step_stats = strategy.experimental_step_stats()
+  say(f"training loop: {step_stats}")
   examples_per_second = timed_examples / elapsed if timed_examples else float("nan")
 
   test = evaluate(strategy, eval_step, state["params"], x_test, y_test, args.global_batch_size)
@@ -348,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "test_correct": test["correct"],
       "test_examples": test["examples"],
       "examples_per_second": examples_per_second,
+      "step_stats": {"steps": step_stats.steps, "wall_seconds": step_stats.wall_seconds,
+                     "input_seconds": step_stats.input_seconds, "device_seconds": step_stats.device_seconds},
       "epochs": args.epochs,
       "steps_per_epoch": steps_per_epoch,
       "num_replicas": n,

@@ -68,11 +68,16 @@ import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
+try:  # packages beyond tpustrat's own: its `examples` extra
+  from tqdm.auto import tqdm  # noqa: E402
+except ImportError as e:
+  raise SystemExit(f"{e}. This example needs tpustrat's `examples` extra: "
+                   "pip install 'tpustrat[examples]' (in a clone: pip install -e '.[examples]')") from e
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
 
 import tpustrat  # noqa: E402
 from tpustrat import ops  # noqa: E402

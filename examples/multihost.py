@@ -67,7 +67,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
+try:  # packages beyond tpustrat's own: its `examples` extra
+  from tqdm.auto import tqdm
+except ImportError as e:
+  raise SystemExit(f"{e}. This example needs tpustrat's `examples` extra: "
+                   "pip install 'tpustrat[examples]' (in a clone: pip install -e '.[examples]')") from e
 
 CLASSIFIER = pathlib.Path(__file__).resolve().with_name("classifier.py")
 

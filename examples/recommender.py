@@ -10,9 +10,12 @@ A click-through-rate model in the style of DLRM (Naumov et al., 2019), trained w
   one contiguous block of rows per replica: with 8 replicas a table of ``V`` rows costs each device
   ``ceil(V / 8)`` rows (plus as many per optimizer slot), never the whole table. A lookup sends each
   id to the replica that owns its row and brings the row back, with two `all_to_all`s.
-* **one multi-hot feature.** ``user_interests`` holds up to 10 ids per example (``[b, 10]``, ``-1`` as
-  padding, some examples with none), combined into one activation by their mean; the other seven
-  features hold one id per example, combined by ``sum`` (the id's row itself).
+* **one sequence feature.** ``user_interests`` holds up to 10 ids per example (``[b, 10]``, ``-1`` as
+  padding, some examples with none) and is a sequence feature (``FeatureConfig(max_sequence_length=10)``,
+  as in TF): its activation is ``[b, 10, 16]``, one row per position, zeros for padding, and the model
+  pools it itself (`pool_sequences`: the mean over the present ids, where attention over the positions
+  would go); the gradient of each position goes back to its id's row. The other seven features hold one
+  id per example, combined by ``sum`` (the id's row itself).
 * **two optimizers, one step.** The dense part (a bottom MLP over 13 dense features and a top MLP over
   the concatenated activations, Flax NNX) is trained with Optax's Adam. The tables are trained by the
   embedding's own sparse optimizer (`tpustrat.embedding.Adam`, lazy as TF's: or `--embedding-optimizer
@@ -89,12 +92,17 @@ import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
+try:  # packages beyond tpustrat's own: its `examples` extra
+  from tqdm.auto import tqdm  # noqa: E402
+except ImportError as e:
+  raise SystemExit(f"{e}. This example needs tpustrat's `examples` extra: "
+                   "pip install 'tpustrat[examples]' (in a clone: pip install -e '.[examples]')") from e
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
 
 import tpustrat  # noqa: E402
 
@@ -219,8 +227,10 @@ def make_embedding(strategy: tpustrat.Strategy, features: Sequence[Feature], lea
   configs = {}
   for f in features:
     table = tpustrat.embedding.TableConfig(vocabulary_size=f.vocabulary_size, dim=EMBEDDING_DIM,
-                                           combiner="mean" if f.multi_hot else "sum", name=f.name)
-    configs[f.name] = tpustrat.embedding.FeatureConfig(table, name=f.name)
+                                           combiner="sum", name=f.name)
+    # A multi-hot feature is a sequence feature: [b, max_ids, 16], pooled by the model (`pool_sequences`).
+    configs[f.name] = tpustrat.embedding.FeatureConfig(table, max_sequence_length=f.max_ids if f.multi_hot else 0,
+                                                       name=f.name)
   opt = {"adam": tpustrat.embedding.Adam, "adagrad": tpustrat.embedding.Adagrad}[optimizer](learning_rate)
   return tpustrat.embedding.TPUEmbedding(configs, opt, strategy)
 
@@ -252,6 +262,18 @@ def create_dense_state(num_sparse: int, seed: int, learning_rate: float):
   return graphdef, {"params": params, "opt_state": jax.jit(tx.init)(params)}, tx
 
 
+def pool_sequences(activations: dict[str, jax.Array], ids: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Each sequence feature's ``[b, L, 16]`` activation pooled to ``[b, 16]``: the mean over its present
+  ids (padding positions are zero rows; an example with none gets zeros). The others pass as they are."""
+  out = {}
+  for name, act in activations.items():
+    if act.ndim == 3:
+      count = jnp.sum(ids[name] >= 0, axis=1, keepdims=True).astype(act.dtype)
+      act = jnp.sum(act, axis=1) / jnp.maximum(count, 1.0)
+    out[name] = act
+  return out
+
+
 def make_logits_fn(graphdef: nnx.GraphDef, feature_names: Sequence[str]) -> Callable[..., jax.Array]:
   def logits_fn(params: nnx.State, activations: dict[str, jax.Array], dense: jax.Array) -> jax.Array:
     return nnx.merge(graphdef, params)(dense, [activations[name] for name in feature_names])
@@ -264,12 +286,13 @@ def make_train_step(embedding: tpustrat.embedding.TPUEmbedding, graphdef: nnx.Gr
   logits_fn = make_logits_fn(graphdef, feature_names)
 
   def loss_fn(params, activations, batch):
-    logits = logits_fn(params, activations, batch["dense"])
+    # pooled inside the differentiated function: each sequence position gets its own gradient
+    logits = logits_fn(params, pool_sequences(activations, batch["ids"]), batch["dense"])
     # TF's `compute_average_loss`: over the GLOBAL batch, so that the replicas' shares add up to the mean.
     return jnp.sum(optax.sigmoid_binary_cross_entropy(logits, batch["label"])) / global_batch_size
 
   def train_step(state: dict[str, Any], batch: dict[str, Any]) -> tuple[dict[str, Any], jax.Array]:
-    activations = embedding.lookup(state["embedding"], batch["ids"])  # {feature: [b, 16]}, this replica's
+    activations = embedding.lookup(state["embedding"], batch["ids"])  # [b, 16] per feature ([b, 10, 16]: sequence)
     loss, (dense_grads, act_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
         state["params"], activations, batch)
     # The dense parameters are replicated: their gradient is already summed over the replicas. The
@@ -290,7 +313,7 @@ def make_predict_step(embedding: tpustrat.embedding.TPUEmbedding, graphdef: nnx.
   logits_fn = make_logits_fn(graphdef, feature_names)
 
   def predict(state: dict[str, Any], batch: dict[str, Any]) -> jax.Array:
-    activations = embedding.lookup(state["embedding"], batch["ids"])
+    activations = pool_sequences(embedding.lookup(state["embedding"], batch["ids"]), batch["ids"])
     return tpustrat.per_example(logits_fn(state["params"], activations, batch["dense"]))
 
   return predict
@@ -387,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       f"{EMBEDDING_DIM} ({total_rows * EMBEDDING_DIM * 4 / 2**20:.1f} MiB), {device_rows:,} rows per device "
       f"({device_rows * EMBEDDING_DIM * 4 / 2**20:.1f} MiB, + as much per optimizer slot)")
   for f in features:
-    kind = f"multi-hot, up to {f.max_ids} ids, mean" if f.multi_hot else "one id, sum"
+    kind = f"sequence of up to {f.max_ids} ids, pooled by the model" if f.multi_hot else "one id, sum"
     say(f"  {f.name:<15} {f.vocabulary_size:>9,} rows -> {rows_per_device[f.name]:>7,} per device ({kind})")
   say(f"{len(train['label']):,} training examples ({train['label'].mean():.1%} clicks), "
       f"{len(held_out['label']):,} held out; global batch {args.global_batch_size} "

@@ -418,3 +418,26 @@ def test_cross_device_ops_and_unused_parameters():
   _, grads = strategy.run(accumulate_step(2), args=(params, next(batches(strategy, data))))
   check_grads(strategy, grads, ref, params, data)
   np.testing.assert_array_equal(local(grads["unused"], strategy), np.zeros(3, np.float32))
+
+
+def test_a_loss_that_is_not_a_scalar_and_batch_leaves_of_different_rows_are_errors(strategy):
+  params, batch = init_params(), next(batches(strategy, make_data(GLOBAL)))
+
+  def run(loss, batch=batch, k=2, **kw):
+    return strategy.run(lambda p, b: tpustrat.accumulate_gradients(loss, p, b, gradient_accumulation_steps=k, **kw),
+                        args=(params, batch))
+
+  per_example = lambda p, b: jnp.sum((mlp(p, b["x"]) - b["y"]) ** 2, axis=-1)  # noqa: E731
+  with pytest.raises(TypeError, match=r"`loss_fn` must return a scalar loss, got shape \(2,\) on a micro-batch "
+                                      r"of 2 rows \(1/2 of this replica's batch\)\. Sum the per-example"):
+    run(per_example)
+  with pytest.raises(TypeError, match=r"must return a scalar loss, got shape \(4,\)\. Sum"):
+    run(per_example, k=1)
+  with pytest.raises(TypeError, match=r"must return a scalar loss, got shape \(1,\)"):
+    run(lambda p, b: jnp.sum(per_example(p, b), keepdims=True))
+  with pytest.raises(TypeError, match=r"with has_aux=True, `loss_fn` must return \(loss, aux\)"):
+    run(loss_fn, has_aux=True)
+  # A leaf that is not per example (a table of 8 rows beside 4 examples) would be split too: an error.
+  table = strategy.experimental_distribute_values_from_function(lambda ctx: np.ones((8, 3), np.float32))
+  with pytest.raises(ValueError, match=r"different numbers of rows: \['table'\] has 8 per replica, \['x'\] 4"):
+    run(loss_fn, batch={**batch, "table": table})

@@ -19,6 +19,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -82,6 +83,12 @@ CASES = {
         ("# mlp: results allclose;",),
         ("step", "variant", "steps x trials"),
         ((MLP, "tpustrat", "2 x 1"), (MLP, "tpustrat + check_numerics", "2 x 1"))),
+    # README: `bench_run.py --only tiny --step-stats` (run, whose step counters are on, against run with them off).
+    "run-step-stats": Case(
+        "bench_run.py", ("--only", "tiny", "--step-stats", "--steps", "3", "--trials", "1"),
+        ("# tiny: results allclose;", "step counters alone"),
+        ("step", "variant", "steps x trials"),
+        ((TINY, "tpustrat", "3 x 1"), (TINY, "tpustrat (step counters on)", "3 x 1"))),
     # README: `bench_collectives.py --mechanisms --noise-floor` with both default group shapes, at 1/4 MiB.
     "collectives": Case(
         "bench_collectives.py",
@@ -181,6 +188,13 @@ CASES = {
         + tuple(("compile s", variant, k, "fresh fn x 1")
                 for variant in ("tpustrat experimental_run_steps", "hand-written jit(scan(shard_map))")
                 for k in ("1", "8", "64"))),
+    # README: `bench_compile_cache.py` (the char transformer started twice on one compilation cache), tiny.
+    "compile-cache": Case(
+        "bench_compile_cache.py", ("--pairs", "1", "--layers", "1", "--d-model", "32", "--seq-len", "16",
+                                   "--batch", "16", "--max-files", "20"),
+        ("# the same first loss",),
+        ("pair", "start"),  # the script asserts that the second start's compile requests were all cache hits
+        (("1", "first (empty cache)"), ("1", "second"))),
 }
 
 
@@ -235,3 +249,23 @@ def test_benchmark_runs_and_its_variants_agree(name):
     assert sum(x.startswith(line) for x in out.splitlines()) == 1, f"missing {line!r} in:\n{out}"
   rows = markdown_table(out, case.table)
   assert [tuple(r[c] for c in case.key) for r in rows] == list(case.rows), out
+  # The headline figures for run_all.py: `# FIGURE | name | value | target | verdict` lines at the end.
+  figures = [line.split(" | ")[1:] for line in out.splitlines() if line.startswith("# FIGURE | ")]
+  assert figures and all(len(f) == 4 and f[3] in ("met", "MISSED", "-") for f in figures), out[-3000:]
+
+
+def test_run_all_writes_one_table_of_every_figure(tmp_path):
+  """`make bench` (`benchmarks/run_all.py`), here `--quick` on one script: the table of figures, with the
+  platform and JAX version of each, to stdout and to the output file."""
+  output = tmp_path / "RESULTS.md"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, str(BENCHMARKS / "run_all.py"), "--quick", "--only", "run",
+                         "--output", str(output)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  assert output.read_text().strip() == proc.stdout.strip()
+  rows = markdown_table(proc.stdout)
+  assert [r["benchmark"] for r in rows] == ["run"] and rows[0]["figure"].startswith("strategy.run, tiny step")
+  assert rows[0]["platform"].startswith("cpu (cpu), 8 emulated devices") and rows[0]["JAX"] == jax.__version__
+  assert rows[0]["target"] == "<= 1.05x" and rows[0]["verdict"] in ("met", "MISSED")
+  assert "none of them has been measured on a GPU or TPU" in proc.stdout
+  assert "python benchmarks/bench_run.py --only tiny --steps 3 --trials 1" in proc.stdout

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import tpustrat
 import tpustrat.ops as ops
-from tpustrat._src import collectives
+from tpustrat._src import grouped_sums
 
 N = 8
 SPEC = [[0, 2, 4, 6], [1, 3, 5, 7]]
@@ -158,7 +158,7 @@ def test_cross_replica_sum_rejects_other_dtypes(strategy, dtype):
 def test_grouped_sum_of_identical_values_is_per_replica(strategy):
   # Deliberately sums a value that is the same on every replica: group size times it, and a warning. The
   # result is typed as a grouped result (PerReplica), as the README says, although here its groups agree.
-  with pytest.warns(collectives.AlreadyReplicatedWarning, match=r"multiplies it by N=4 \(the group size\)"):
+  with pytest.warns(tpustrat.AlreadyReplicatedWarning, match=r"multiplies it by N=4 \(the group size\)"):
     out = strategy.run(lambda: ops.cross_replica_sum(jnp.array([1.0, 2.0]), SPEC))
   assert isinstance(out, tpustrat.PerReplica)
   np.testing.assert_array_equal(stacked(out), np_group_sum(np.tile([1.0, 2.0], (N, 1)), SPEC))
@@ -206,7 +206,7 @@ def test_result_types_follow_the_groups_not_the_input(strategy, name, given):
     args, stacked_in = (), np.tile(x[3], (N, 1))
   step = (lambda v: fn(v)) if args else (lambda: fn(jnp.asarray(x[3])))
   with warnings.catch_warnings():
-    warnings.simplefilter("ignore", collectives.AlreadyReplicatedWarning)  # a SUM of a Mirrored value
+    warnings.simplefilter("ignore", tpustrat.AlreadyReplicatedWarning)  # a SUM of a Mirrored value
     out = strategy.run(step, args=args)
   want = np_fn(stacked_in.astype(np.float64))
   if same_everywhere:
@@ -260,7 +260,7 @@ def test_second_order_gradient_through_grouped_sum(strategy, rng):
 
 
 def test_forward_mode_through_a_grouped_sum_is_refused(strategy):
-  # A documented limitation of the custom_vjp mechanism (see tpustrat._src.collectives).
+  # A documented limitation of the custom_vjp mechanism (see tpustrat._src.grouped_sums).
   def step(x):
     return jax.jvp(lambda x: ops.cross_replica_sum(x, SPEC), (x,), (jnp.ones_like(x),))[1]
 
@@ -297,7 +297,7 @@ def test_gradients_of_the_siblings(strategy, rng, op):
 
 @pytest.mark.parametrize("impl", ["native", "scatter_gather"])
 def test_each_grouped_sum_mechanism(strategy, rng, monkeypatch, impl):
-  monkeypatch.setattr(collectives, "_GROUPED_SUM_IMPL", impl)
+  monkeypatch.setattr(grouped_sums, "_GROUPED_SUM_IMPL", impl)
   groups = GROUPS["shuffled"]
   x = rng.normal(size=(N, 5)).astype(np.float32)  # 5 is not a multiple of the group size
 
@@ -315,23 +315,23 @@ def test_each_grouped_sum_mechanism(strategy, rng, monkeypatch, impl):
 @pytest.fixture
 def fresh_probe():
   """Forgets the process's probe of the native grouped sum, before and after the test."""
-  collectives._probe_result.cache_clear()
+  grouped_sums._probe_result.cache_clear()
   yield
-  collectives._probe_result.cache_clear()
+  grouped_sums._probe_result.cache_clear()
 
 
 def test_falls_back_when_jax_rejects_the_unchecked_region(strategy, monkeypatch, caplog, fresh_probe):
   def reject(*args):
     raise NotImplementedError("simulated")
 
-  monkeypatch.setattr(collectives, "_GROUPED_SUM_IMPL", "auto")
-  monkeypatch.setattr(collectives, "_unchecked_grouped_psum", reject)
-  with caplog.at_level(logging.WARNING, logger=collectives.__name__):
+  monkeypatch.setattr(grouped_sums, "_GROUPED_SUM_IMPL", "auto")
+  monkeypatch.setattr(grouped_sums, "_unchecked_grouped_psum", reject)
+  with caplog.at_level(logging.WARNING, logger=grouped_sums.__name__):
     out = strategy.run(lambda: ops.cross_replica_sum(lax.axis_index("replica").astype(jnp.float32), SPEC))
   np.testing.assert_array_equal(stacked(out), np_group_sum(np.arange(N), SPEC))
   assert "grouped sums use reduce-scatter + all-gather" in caplog.text
-  assert not collectives._native_grouped_sum_supported()
-  assert collectives._GROUPED_SUM_IMPL == "auto"  # decided by the probe, no switch flipped
+  assert not grouped_sums._native_grouped_sum_supported()
+  assert grouped_sums._GROUPED_SUM_IMPL == "auto"  # decided by the probe, no switch flipped
 
 
 def test_a_user_error_in_one_program_does_not_change_later_grouped_sums(strategy, monkeypatch):
@@ -341,25 +341,25 @@ def test_a_user_error_in_one_program_does_not_change_later_grouped_sums(strategy
   with pytest.raises(TypeError, match=r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp function"):
     strategy.run(lambda: jax.hessian(lambda v: ops.cross_replica_sum(v, SPEC))(rid()))
   fallback = []
-  real = collectives._grouped_psum_scatter_gather
-  monkeypatch.setattr(collectives, "_grouped_psum_scatter_gather", lambda *a: fallback.append(a) or real(*a))
+  real = grouped_sums._grouped_psum_scatter_gather
+  monkeypatch.setattr(grouped_sums, "_grouped_psum_scatter_gather", lambda *a: fallback.append(a) or real(*a))
   out = strategy.run(lambda: ops.cross_replica_sum(rid() + 1, SPEC))
   np.testing.assert_array_equal(stacked(out), [16, 20] * 4)
-  assert collectives._native_grouped_sum_supported() and not fallback
+  assert grouped_sums._native_grouped_sum_supported() and not fallback
 
 
 def test_the_grouped_sum_probe_runs_once_across_threads(monkeypatch, fresh_probe):
   calls = []
-  real = collectives._probe_native_grouped_sum
+  real = grouped_sums._probe_native_grouped_sum
 
   def slow_probe():
     calls.append(threading.get_ident())
     time.sleep(0.05)
     return real()
 
-  monkeypatch.setattr(collectives, "_probe_native_grouped_sum", slow_probe)
+  monkeypatch.setattr(grouped_sums, "_probe_native_grouped_sum", slow_probe)
   results = []
-  threads = [threading.Thread(target=lambda: results.append(collectives._native_grouped_sum_supported()))
+  threads = [threading.Thread(target=lambda: results.append(grouped_sums._native_grouped_sum_supported()))
              for _ in range(4)]
   for t in threads:
     t.start()
@@ -609,7 +609,7 @@ def test_sibling_bad_arguments(strategy, call, error, match):
 
 
 def test_name_is_accepted(strategy):
-  with pytest.warns(collectives.AlreadyReplicatedWarning):  # jnp.ones(2) is the same on every replica
+  with pytest.warns(tpustrat.AlreadyReplicatedWarning):  # jnp.ones(2) is the same on every replica
     out = strategy.run(lambda: ops.cross_replica_sum(jnp.ones(2), SPEC, name="bn_stats"))
   np.testing.assert_array_equal(local(out), [4.0, 4.0])
 

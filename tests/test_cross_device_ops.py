@@ -25,8 +25,8 @@ from tpustrat import (
   ReductionToOneDevice,
 )
 from tpustrat._src import all_reduce, cross_device, engine
-from tpustrat._src.collectives import AlreadyReplicatedWarning
 from tpustrat._src.cross_device import ops as ops_lib
+from tpustrat._src.gradient_semantics import AlreadyReplicatedWarning
 from tpustrat._src.mirrored_strategy import MirroredStrategy
 
 N = 8

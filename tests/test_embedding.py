@@ -741,9 +741,13 @@ def test_run_steps_over_a_distributed_dataset_equals_step_by_step(strategies):
     (lambda: emb_lib.Adam(learning_rate=-1), "learning_rate"),
     (lambda: emb_lib.Adam(beta_1=1.0), "beta_1"),
     (lambda: emb_lib.Adam(epsilon=0.0), "epsilon"),
-    (lambda: emb_lib.FeatureConfig(emb_lib.TableConfig(V, 4), max_sequence_length=3), "max_sequence_length"),
+    (lambda: emb_lib.FeatureConfig(emb_lib.TableConfig(V, 4), max_sequence_length=-1), "max_sequence_length"),
+    (lambda: emb_lib.FeatureConfig(emb_lib.TableConfig(V, 4), max_sequence_length=True), "max_sequence_length"),
+    (lambda: emb_lib.TableConfig(V, 4, max_ids_per_partition=0), "max_ids_per_partition"),
+    (lambda: emb_lib.TableConfig(V, 4, max_unique_ids_per_partition=2.5), "max_unique_ids_per_partition"),
 ], ids=["combiner_max", "vocabulary_size_0", "vocabulary_size_bool", "dim_0", "sgd_lr_-1", "adagrad_lr_-1",
-        "adagrad_accumulator_0", "adam_lr_-1", "adam_beta_1_1", "adam_epsilon_0", "sequence_feature"])
+        "adagrad_accumulator_0", "adam_lr_-1", "adam_beta_1_1", "adam_epsilon_0", "sequence_length_-1",
+        "sequence_length_bool", "max_ids_0", "max_unique_ids_float"])
 def test_bad_config_raises_value_error(make, match):
   with pytest.raises(ValueError, match=match):
     make()

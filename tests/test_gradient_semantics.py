@@ -11,8 +11,8 @@ import pytest
 
 import tpustrat
 import tpustrat.ops as ops
-from tpustrat._src.collectives import AlreadyReplicatedWarning, local_copy
 from tpustrat._src.cross_device import HierarchicalCopyAllReduce, NcclAllReduce
+from tpustrat._src.gradient_semantics import AlreadyReplicatedWarning, local_copy
 from tpustrat._src.mirrored_strategy import MirroredStrategy
 
 N = 8

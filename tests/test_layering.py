@@ -13,15 +13,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "tpustrat"
 
 # Lowest first. A module belongs to the first entry that names it or a package above it.
 LAYERS: list[tuple[str, ...]] = [
-    # JAX compatibility; names and validation shared with the launcher; host buffers.
-    ("tpustrat._src.jax_compat", "tpustrat._src.names", "tpustrat._src.validation", "tpustrat._src.host_memory",
-     "tpustrat._src.watchdog", "tpustrat._src.termination_notice"),
+    # The version; JAX compatibility; names and validation shared with the launcher; host buffers.
+    ("tpustrat._version", "tpustrat._src.jax_compat", "tpustrat._src.names", "tpustrat._src.validation",
+     "tpustrat._src.host_memory", "tpustrat._src.watchdog", "tpustrat._src.termination_notice", "tpustrat._src.profiler",
+     "tpustrat._src.compilation_cache", "tpustrat._src.step_stats"),
     # Values and the reduce op.
     ("tpustrat._src.values", "tpustrat._src.reduce_op"),
     # The context: thread-local state only.
     ("tpustrat._src.context",),
     # Collectives and reductions.
-    ("tpustrat._src.collectives", "tpustrat._src.all_reduce", "tpustrat._src.reduce"),
+    ("tpustrat._src.gradient_semantics", "tpustrat._src.groups", "tpustrat._src.grouped_sums",
+     "tpustrat._src.collectives", "tpustrat._src.all_reduce", "tpustrat._src.reduce"),
     # The engine (a mesh and a replica count), and the logical-core annotations it honours.
     ("tpustrat._src.logical", "tpustrat._src.logical_interpreter", "tpustrat._src.batch_rows", "tpustrat._src.numerics",
      "tpustrat._src.engine"),
@@ -38,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpustrat._src.checkpoint", "tpustrat._src.preemption", "tpustrat._src.embedding"),
     # The public surface.
     ("tpustrat._src", "tpustrat.ops", "tpustrat.checkpoint", "tpustrat.cluster_resolver", "tpustrat.embedding",
-     "tpustrat.mixed_precision", "tpustrat.launch",
+     "tpustrat.mixed_precision", "tpustrat.experimental", "tpustrat.launch",
      "tpustrat"),
 ]
 

@@ -528,6 +528,10 @@ def test_errors():
   for bad in (0, 0.0, -1.0, float("inf"), float("nan")):
     with pytest.raises(ValueError, match="initial_scale` must be a finite number > 0"):
       mp.LossScaleOptimizer(optax.sgd(1.0), initial_scale=bad)
+  for bad in (2.0 ** 200, 1e-50):  # finite in Python, but inf / 0 as the float32 the scale is kept in
+    with pytest.raises(ValueError, match="outside float32's normal range"):
+      mp.LossScaleOptimizer(optax.sgd(1.0), initial_scale=bad)
+  assert mp.LossScaleOptimizer(optax.sgd(1.0), initial_scale=2.0 ** 127).initial_scale == 2.0 ** 127
   for bad in (True, "2", None):
     with pytest.raises(TypeError, match="initial_scale"):
       mp.LossScaleOptimizer(optax.sgd(1.0), initial_scale=bad)
@@ -542,3 +546,45 @@ def test_errors():
   lso = mp.LossScaleOptimizer(optax.sgd(1.0))
   with pytest.raises(TypeError, match="LossScaleState"):
     lso.update({"w": jnp.ones(2)}, optax.sgd(1.0).init({"w": jnp.ones(2)}))
+
+
+def test_state_restored_from_a_checkpoint_continues_identically(strategy, tmp_path):
+  # LossScaleState (a NamedTuple around Adam's state) saved by tpustrat.checkpoint.CheckpointManager after
+  # step 8 of 30 (with a skipped step behind it), with the iterator's position, restored into a fresh
+  # state: the remaining 22 steps give the uninterrupted run's scale, counter, skips and parameters, bit
+  # for bit, and both match the numpy reference.
+  batches, params0 = make_data()
+  lso = make_optimizer("adam", "mirrored")
+  step = make_step(lso, "mirrored")
+  options = tpustrat.RunOptions(donate_argnums=0)
+  dataset = strategy.experimental_distribute_dataset(batches)
+
+  def train(state, it, steps):
+    reports = []
+    for _ in range(steps):
+      state, report = strategy.run(step, args=(state, next(it)), options=options)
+      reports.append({k: first(strategy, v) for k, v in report.items()})
+    return state, reports
+
+  manager = tpustrat.checkpoint.CheckpointManager(tmp_path, strategy)
+  it = iter(dataset)
+  state, reports = train(init_state(strategy, params0, lso, "mirrored"), it, 8)
+  manager.save(8, state, iterator=it)
+  manager.wait_until_finished()
+  state, rest = train(state, it, STEPS - 8)
+  reports += rest
+  it.close()
+
+  it = iter(dataset)
+  restored = manager.restore(target=init_state(strategy, params0, lso, "mirrored"), iterator=it)
+  assert isinstance(restored["opt"], mp.LossScaleState)
+  assert int(first(strategy, restored["opt"].skipped_steps)) == 2  # steps 4 and 5 were skipped
+  restored, resumed = train(restored, it, STEPS - 8)
+  it.close()
+  manager.close()
+  for got, want in zip(resumed, reports[8:]):
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got), (got, want)
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(first(strategy, a), first(strategy, b))
+  final = {k: first(strategy, v) for k, v in state["params"].items()}
+  check_against_numpy(strategy, batches, params0, "adam", reports, final)

@@ -144,6 +144,20 @@ print("RESULT", json.dumps(dict(
 """
 
 
+def test_each_process_counts_its_steps_and_warns_of_slow_input_and_retracing(job):
+  """tests/_mp_scripts/across_processes.py `step_stats`: 40 steps over a source that sleeps per element,
+  windows of 20 steps, then one function compiled for 6 shapes; every process counts its own."""
+  for p in (0, 1):
+    got = job[p]["step_stats"]
+    assert got["steps"] == 40 and got["history"] == [1] * 40
+    assert got["input_seconds"] >= got["slept"]  # the waits hold the source's sleeps
+    assert got["input_seconds"] + got["device_seconds"] <= got["wall_seconds"]
+    kinds = [kind for kind, _ in got["warnings"]]
+    assert kinds == ["InputBoundWarning", "RetracingWarning"], got["warnings"]
+    assert "over its last 20 steps" in got["warnings"][0][1]
+    assert "the argument at args[0] changed from float32[5] to float32[6]" in got["warnings"][1][1]
+
+
 def test_a_process_that_holds_no_replica_builds_values_from_function_too():
   # A strategy on process 0's 4 devices only: process 1 holds none of its replicas. It contributes no
   # data, but gets the same global value (no shards of its own) and follows run / reduce like process 0;

@@ -2,7 +2,7 @@
 
 Every public name is re-exported here once; the code lives in `tpustrat._src`. The public submodules
 (`tpustrat.ops`, `tpustrat.cluster_resolver`, `tpustrat.checkpoint`, `tpustrat.embedding`,
-`tpustrat.mixed_precision`) are imported too, so that
+`tpustrat.mixed_precision`, `tpustrat.experimental`) are imported too, so that
 ``import tpustrat`` is enough to use them, as with ``tf.raw_ops`` or ``jax.lax``. `tpustrat.launch` is a
 command-line entry point (``python -m tpustrat.launch``) and is imported on its own.
 """
@@ -10,14 +10,14 @@ command-line entry point (``python -m tpustrat.launch``) and is imported on its 
 from tpustrat import checkpoint as checkpoint  # orbax itself is imported on first use
 from tpustrat import cluster_resolver as cluster_resolver
 from tpustrat import embedding as embedding
+from tpustrat import experimental as experimental
 from tpustrat import mixed_precision as mixed_precision
 from tpustrat import ops as ops
+from tpustrat._src import compilation_cache as _compilation_cache
 from tpustrat._src.accumulation import accumulate_gradients as accumulate_gradients
 from tpustrat._src.batch_rows import BatchRowsWarning as BatchRowsWarning
 from tpustrat._src.cluster_resolver import experimental_connect_to_cluster as experimental_connect_to_cluster
 from tpustrat._src.cluster_resolver import initialize_tpu_system as initialize_tpu_system
-from tpustrat._src.collectives import AlreadyReplicatedWarning as AlreadyReplicatedWarning
-from tpustrat._src.collectives import local_copy as local_copy
 from tpustrat._src.context import ReplicaContext as ReplicaContext
 from tpustrat._src.context import ValueContext as ValueContext
 from tpustrat._src.context import get_replica_context as get_replica_context
@@ -32,6 +32,8 @@ from tpustrat._src.cross_device import HierarchicalCopyAllReduce as Hierarchical
 from tpustrat._src.cross_device import NcclAllReduce as NcclAllReduce
 from tpustrat._src.cross_device import ReductionToOneDevice as ReductionToOneDevice
 from tpustrat._src.engine import RunOptions as RunOptions
+from tpustrat._src.gradient_semantics import AlreadyReplicatedWarning as AlreadyReplicatedWarning
+from tpustrat._src.gradient_semantics import local_copy as local_copy
 from tpustrat._src.input import DistributedDataset as DistributedDataset
 from tpustrat._src.input import DistributedIterator as DistributedIterator
 from tpustrat._src.input import InputContext as InputContext
@@ -48,6 +50,10 @@ from tpustrat._src.reduce_op import ReduceOp as ReduceOp
 from tpustrat._src.sharding import MinSizePartitioner as MinSizePartitioner
 from tpustrat._src.sharding import clip_by_global_norm as clip_by_global_norm
 from tpustrat._src.sharding import global_norm as global_norm
+from tpustrat._src.step_stats import InputBoundWarning as InputBoundWarning
+from tpustrat._src.step_stats import RetracingWarning as RetracingWarning
+from tpustrat._src.step_stats import StepRecord as StepRecord
+from tpustrat._src.step_stats import StepStats as StepStats
 from tpustrat._src.steps import stack_steps as stack_steps
 from tpustrat._src.steps import unstack_steps as unstack_steps
 from tpustrat._src.strategy import Strategy as Strategy
@@ -64,8 +70,9 @@ from tpustrat._src.values import ShardedVariable as ShardedVariable
 from tpustrat._src.values import gather_again_policy as gather_again_policy
 from tpustrat._src.values import read_values as read_values
 from tpustrat._src.zero import sharded_optimizer as sharded_optimizer
+from tpustrat._version import __version__ as __version__  # written in tpustrat/_version.py only
 
-__version__ = "0.1.0"
+_compilation_cache.enable_from_environment()  # `launch --compilation-cache DIR` (TPUSTRAT_COMPILATION_CACHE_DIR)
 
 __all__ = [
     "accumulate_gradients",
@@ -84,6 +91,7 @@ __all__ = [
     "DistributedDataset",
     "DistributedIterator",
     "DistributedValues",
+    "InputBoundWarning",
     "InputContext",
     "InputOptions",
     "Mirrored",
@@ -101,8 +109,11 @@ __all__ = [
     "PreemptionCheckpointHandler",
     "ReduceOp",
     "ReplicaContext",
+    "RetracingWarning",
     "RunOptions",
     "Strategy",
+    "StepRecord",
+    "StepStats",
     "StrategyExtended",
     "TPUStrategy",
     "TerminationConfig",
@@ -111,6 +122,7 @@ __all__ = [
     "checkpoint",
     "cluster_resolver",
     "embedding",
+    "experimental",
     "experimental_connect_to_cluster",
     "get_replica_context",
     "get_strategy",

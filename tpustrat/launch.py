@@ -76,11 +76,20 @@ the process with status 124 (``tpustrat._src.names.EXIT_STEP_TIMEOUT``) when a s
 ``S`` seconds for its peers (a peer hangs without stopping its heartbeats), so that the job fails, and is
 restarted with ``--max-restarts``, rather than hangs until ``--timeout``.
 
+Profiles and the compilation cache (off by default). ``--profile DIR`` sets ``TPUSTRAT_PROFILE_DIR`` in every
+process: each profiles itself (JAX's profiler, with the library's step marks) into ``DIR/process_<i>/`` from
+the first strategy it creates until it exits, or for ``--profile-steps N`` training steps
+(`tpustrat.experimental.profile`; ``tensorboard --logdir DIR`` shows one run per process).
+``--compilation-cache DIR`` sets ``TPUSTRAT_COMPILATION_CACHE_DIR``, which ``import tpustrat`` reads
+(`tpustrat.experimental.enable_compilation_cache`): JAX's persistent compilation cache in ``DIR``, the same
+for every start, so a restart loads the programs the first start compiled instead of compiling them.
+
 Usage::
 
     python -m tpustrat.launch --num-processes 2 --devices-per-process 4 examples/classifier.py --epochs 3
     python -m tpustrat.launch -n 4 -d 2 -m mypackage.train --flag value
     python -m tpustrat.launch -n 2 -d 4 --max-restarts 3 --step-timeout 300 train.py --resume
+    python -m tpustrat.launch --version    # tpustrat 0.1.0 (jax ..., jaxlib ..., python ...)
 
 Only for one machine: on several hosts, start one process per host with the cluster's own tools (a
 Cloud TPU slice: ``gcloud compute tpus tpu-vm ssh ... --worker=all --command=...``; Slurm: ``srun``) and
@@ -94,6 +103,7 @@ import collections
 import dataclasses
 import errno
 import os
+import platform
 import queue
 import re
 import secrets
@@ -188,12 +198,30 @@ def _seconds(name: str):
   return parse
 
 
+def _version_line() -> str:
+  """``tpustrat 0.1.0 (jax 0.10.2, jaxlib 0.10.2, python 3.11.7)``: what ``--version`` prints."""
+  from importlib import metadata
+
+  from tpustrat._version import __version__
+
+  def installed(distribution: str) -> str:
+    try:
+      return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+      return "not installed"
+
+  return (f"tpustrat {__version__} (jax {installed('jax')}, jaxlib {installed('jaxlib')}, "
+          f"python {platform.python_version()})")
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="python -m tpustrat.launch",
       description="Runs N processes of a Python program on this machine as one multi-process JAX job "
                   "(CPU devices, gloo collectives, coordinator on 127.0.0.1).",
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--version", action="version", version=_version_line(),
+                      help="print tpustrat's version and the JAX, jaxlib and Python it runs with, and exit")
   parser.add_argument("-n", "--num-processes", type=_positive(int, "--num-processes"), default=2,
                       help="number of processes")
   parser.add_argument("-d", "--devices-per-process", type=_positive(int, "--devices-per-process"), default=1,
@@ -228,6 +256,16 @@ def _parser() -> argparse.ArgumentParser:
                       help="set TPUSTRAT_STEP_TIMEOUT: a process whose step waits longer than this many "
                            "seconds for its peers exits with status 124 (1 to 2147483647; default: leave the "
                            "variable as is)")
+  parser.add_argument("--profile", metavar="DIR", default=None,
+                      help="profile every process (JAX's profiler, the library's step marks) into "
+                           "DIR/process_<i>/, from its first strategy until it exits (or --profile-steps): sets "
+                           "TPUSTRAT_PROFILE_DIR; view with tensorboard --logdir DIR")
+  parser.add_argument("--profile-steps", type=_positive(int, "--profile-steps"), default=None,
+                      help="with --profile: stop each process's profile after this many training steps")
+  parser.add_argument("--compilation-cache", metavar="DIR", default=None,
+                      help="JAX's persistent compilation cache in DIR for every process and every restart "
+                           "(sets TPUSTRAT_COMPILATION_CACHE_DIR): a restart reads the programs the first "
+                           "start compiled")
   parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None, metavar="MODULE [ARGS]",
                       help="run a module (as python -m does) instead of a script")
   parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] (or the module's args)")
@@ -270,12 +308,14 @@ def _with_device_count(xla_flags: str, count: int) -> str:
 def process_env(base: dict[str, str], *, process_id: int, num_processes: int, devices_per_process: int,
                 address: str, heartbeat_timeout: int, initialization_timeout: int, shutdown_timeout: int,
                 step_timeout: float | None = None, restart_count: int = 0,
-                job_id: str | None = None) -> dict[str, str]:
+                job_id: str | None = None, profile_dir: str | None = None, profile_steps: int | None = None,
+                compilation_cache: str | None = None) -> dict[str, str]:
   """The environment of process `process_id`: `base` plus what the resolver and JAX read,
   ``TPUSTRAT_RESTART_COUNT=restart_count``, ``TPUSTRAT_STEP_TIMEOUT=step_timeout`` unless `step_timeout`
   is None (then `base`'s, if any), ``TPUSTRAT_JOB_ID=job_id`` unless `job_id` is None (then `base`'s, if
-  any), and ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION=1`` unless `base` sets it (to ``0``: no exception
-  hook)."""
+  any), ``TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION=1`` unless `base` sets it (to ``0``: no exception
+  hook), and, where given, ``TPUSTRAT_PROFILE_DIR`` / ``TPUSTRAT_PROFILE_STEPS`` (`profile_dir`,
+  `profile_steps`) and ``TPUSTRAT_COMPILATION_CACHE_DIR`` (`compilation_cache`), as absolute paths."""
   env = dict(base)
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_ID", "JAX_NUM_PROCESSES", "JAX_LOCAL_DEVICE_IDS",
                names.ENV_LOCAL_DEVICE_IDS):
@@ -299,6 +339,12 @@ def process_env(base: dict[str, str], *, process_id: int, num_processes: int, de
     env[names.ENV_STEP_TIMEOUT] = str(step_timeout)
   if job_id is not None:
     env[names.ENV_JOB_ID] = job_id
+  if profile_dir is not None:
+    env[names.ENV_PROFILE_DIR] = os.path.abspath(profile_dir)
+    if profile_steps is not None:
+      env[names.ENV_PROFILE_STEPS] = str(profile_steps)
+  if compilation_cache is not None:
+    env[names.ENV_COMPILATION_CACHE_DIR] = os.path.abspath(compilation_cache)
   if not env.get(names.ENV_EXIT_ON_UNCAUGHT, "").strip():
     env[names.ENV_EXIT_ON_UNCAUGHT] = "1"
   return env
@@ -590,6 +636,8 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
            heartbeat_timeout: int = 10, initialization_timeout: int = 60, shutdown_timeout: int = 30,
            grace_period: float | None = None, timeout: float | None = None, max_restarts: int = 0,
            step_timeout: float | None = None, termination_grace_period: float = 30.0,
+           profile: str | os.PathLike | None = None, profile_steps: int | None = None,
+           compilation_cache: str | os.PathLike | None = None,
            stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None) -> int:
   """Runs `command` (an argv list, e.g. ``[sys.executable, "train.py"]``) as `num_processes` processes.
 
@@ -629,6 +677,15 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
       here too).
     termination_grace_period: seconds the processes get to exit after the launcher forwarded SIGTERM to
       them, before they are killed.
+    profile: a directory: every process profiles itself into ``<profile>/process_<i>/`` (JAX's profiler
+      with the library's step marks, `tpustrat.experimental.profile`), from the first strategy it creates
+      until it exits, or for `profile_steps` training steps (``TPUSTRAT_PROFILE_DIR``,
+      ``TPUSTRAT_PROFILE_STEPS``). Off (None) by default: a profile costs time and disk.
+    profile_steps: with `profile`, how many training steps each process's profile records (None: all).
+    compilation_cache: a directory for JAX's persistent compilation cache, the same for every process and
+      every start (``TPUSTRAT_COMPILATION_CACHE_DIR``, read by ``import tpustrat``:
+      `tpustrat.experimental.enable_compilation_cache`), so a restart loads what the first start
+      compiled. Off (None) by default.
     stdout: where the processes' standard output goes, each line prefixed (default: ours).
     stderr: where their standard error and the launcher's messages go (default: ours).
 
@@ -672,6 +729,13 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
                    f"{names.ENV_STEP_TIMEOUT} (in the launcher's environment)")
   if grace_period is None:
     grace_period = heartbeat_timeout + 10.0
+  if profile_steps is not None and (isinstance(profile_steps, bool) or not isinstance(profile_steps, int)
+                                    or profile_steps < 1):
+    raise ValueError(f"launch: profile_steps must be a positive int or None, got {profile_steps!r}")
+  if profile_steps is not None and profile is None:
+    raise ValueError("launch: profile_steps needs profile (the directory the profiles go to)")
+  if compilation_cache is not None:
+    os.makedirs(compilation_cache, exist_ok=True)
   argv = _bootstrapped(command)
   output = _Output(stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
   deadline = None if timeout is None else time.monotonic() + timeout
@@ -692,7 +756,10 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
                             devices_per_process=devices_per_process, address=address,
                             heartbeat_timeout=heartbeat_timeout,
                             initialization_timeout=initialization_timeout, shutdown_timeout=shutdown_timeout,
-                            step_timeout=step_timeout, restart_count=restart, job_id=job_id)
+                            step_timeout=step_timeout, restart_count=restart, job_id=job_id,
+                            profile_dir=None if profile is None else os.fspath(profile),
+                            profile_steps=profile_steps,
+                            compilation_cache=None if compilation_cache is None else os.fspath(compilation_cache))
                 for i in range(num_processes)]
         ending = _run(argv, envs, output, grace_period=grace_period, timeout=timeout, deadline=deadline,
                       retry_taken_port=attempt < attempts, termination=termination,
@@ -850,6 +917,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not 0 <= args.port <= 65535 - names.JOB_CHECK_PORT_OFFSET:
     parser.error(f"--port must be in [0, {65535 - names.JOB_CHECK_PORT_OFFSET}] (the next port is the job "
                  f"check's), got {args.port}")
+  if args.profile_steps is not None and args.profile is None:
+    parser.error("--profile-steps needs --profile DIR")
   if args.step_timeout is None and os.environ.get(names.ENV_STEP_TIMEOUT, "").strip():
     try:
       _check_timeout("step_timeout", os.environ[names.ENV_STEP_TIMEOUT],
@@ -866,7 +935,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 port=args.port, heartbeat_timeout=args.heartbeat_timeout,
                 initialization_timeout=args.initialization_timeout, shutdown_timeout=args.shutdown_timeout,
                 grace_period=args.grace_period, timeout=args.timeout, max_restarts=args.max_restarts,
-                step_timeout=args.step_timeout, termination_grace_period=args.termination_grace_period)
+                step_timeout=args.step_timeout, termination_grace_period=args.termination_grace_period,
+                profile=args.profile, profile_steps=args.profile_steps, compilation_cache=args.compilation_cache)
 
 
 if __name__ == "__main__":

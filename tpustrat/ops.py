@@ -1,8 +1,8 @@
 """TPU collectives with TF's group assignments, for use inside `strategy.run` (`import tpustrat.ops`).
 
 The counterparts of TF's raw TPU ops `CrossReplicaSum`, `AllToAll`, `CollectivePermute`, all-gather and
-reduce-scatter. See `tpustrat._src.collectives` for how each maps onto `jax.lax` and how grouped sums
-are computed. `cross_replica_sum` and `reduce_scatter` (SUM) of a traced value that is already the same on
+reduce-scatter. See `tpustrat._src.collectives` for how each maps onto `jax.lax` and `tpustrat._src.grouped_sums`
+for how grouped sums are computed. `cross_replica_sum` and `reduce_scatter` (SUM) of a traced value that is already the same on
 every replica (for example gradients w.r.t. `Mirrored` parameters, which `jax.grad` has already summed
 over replicas) multiply it by the group size and emit a `tpustrat.AlreadyReplicatedWarning` at trace time.
 """

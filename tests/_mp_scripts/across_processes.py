@@ -3,7 +3,8 @@
 ``python -m tpustrat.launch -n 2 -d 4 tests/_mp_scripts/across_processes.py`` prints, in every process, one
 ``RESULT {json}`` line: the host-side answers of `check_api` (which the test compares with the same
 function run in one process on 8 devices) and of `this_process` (what each process holds), then the
-losses of the flagship example (examples/classifier.py), trained on all 8 devices of the job.
+losses of the flagship example (examples/classifier.py), trained on all 8 devices of the job, and what
+`step_stats` saw (this process's step counters over a slow source, and the warnings).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import importlib.util
 import json
 import pathlib
 import sys
+import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +109,41 @@ def this_process(strategy: tpustrat.Strategy) -> dict:
   }
 
 
+def step_stats(strategy: tpustrat.Strategy) -> dict:
+  """This process's step counters over a slow source (each element sleeps: a slow decoder), the
+  input-bound warning it gives, and the retracing warning of a function compiled for 6 shapes."""
+  strategy.experimental_step_stats(reset=True)
+  strategy.extended.experimental_input_bound_window = 20
+  slept = [0.0]
+
+  def slow():
+    for i in range(40):
+      start = time.perf_counter()
+      time.sleep(0.03)
+      slept[0] += time.perf_counter() - start
+      yield np.full((16, 2), i, np.float32)
+
+  def double(x):
+    return x * 2
+
+  def add_one(x):
+    return x + 1
+
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    for batch in strategy.experimental_distribute_dataset(slow()):
+      strategy.run(double, args=(batch,))
+    strategy.experimental_run_wait()
+    stats = strategy.experimental_step_stats()
+    for n in range(1, 7):
+      strategy.run(add_one, args=(np.ones(n, np.float32),))
+  return {"steps": stats.steps, "history": [r.steps for r in stats.history], "slept": slept[0],
+          "input_seconds": stats.input_seconds, "device_seconds": stats.device_seconds,
+          "wall_seconds": stats.wall_seconds,
+          "warnings": [[type(w.message).__name__, str(w.message)] for w in record
+                       if issubclass(w.category, (tpustrat.InputBoundWarning, tpustrat.RetracingWarning))]}
+
+
 def classifier_losses() -> list[float]:
   spec = importlib.util.spec_from_file_location("classifier_example", EXAMPLE)
   module = importlib.util.module_from_spec(spec)
@@ -115,6 +153,7 @@ def classifier_losses() -> list[float]:
 
 if __name__ == "__main__":
   strategy = tpustrat.TPUStrategy()  # joins the launcher's job (TPUSTRAT_* environment variables)
-  result = {"api": check_api(strategy), "local": this_process(strategy), "losses": classifier_losses()}
+  result = {"api": check_api(strategy), "local": this_process(strategy), "losses": classifier_losses(),
+            "step_stats": step_stats(strategy)}
   print("RESULT " + json.dumps(result), flush=True)
   sys.exit(0)

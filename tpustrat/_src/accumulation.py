@@ -86,7 +86,7 @@ def accumulate_gradients(loss_fn: Callable[..., Any], params: Any, batch: Any, *
       the micro-batch that are real, so a loss that masks with them on the whole batch masks the same rows
       here and padding rows count for nothing.
     params: the pytree to differentiate: `Mirrored` parameters as the step receives them (arrays the same
-      on every replica), `LocalShard`s of `ShardedVariable`s, or per-replica values.
+      on every replica), the `LocalShard` blocks of `ShardedVariable` values, or per-replica values.
     batch: this replica's batch: a pytree whose every leaf has the batch on axis 0, with a number of rows
       that `gradient_accumulation_steps` divides.
     gradient_accumulation_steps: ``k``, the number of micro-batches (an int >= 1; Keras 3's name). With 1
@@ -111,11 +111,14 @@ def accumulate_gradients(loss_fn: Callable[..., Any], params: Any, batch: Any, *
   Raises:
     TypeError: `gradient_accumulation_steps` is not an int (a bool, a float), or `loss_fn` is not callable.
     ValueError: `gradient_accumulation_steps` < 1; a leaf of `batch` is a scalar or its rows are not a
-      multiple of ``k`` (the message names the leaf's path, its rows and ``k``); `batch` has no leaves
-      while ``k > 1``; `loss_fn` calls `tpustrat.per_example` (raised when the loss is traced: mark
-      per-example results outside, on the stacked `aux`).
+      multiple of ``k`` (the message names the leaf's path, its rows and ``k``); with ``k > 1``, leaves of
+      `batch` with different numbers of rows (naming two), or no leaves at all; `loss_fn` calls
+      `tpustrat.per_example` (raised when the loss is traced: mark per-example results outside, on the
+      stacked `aux`).
+    TypeError (when the loss is traced): `loss_fn` returns a loss that is not a scalar (the message gives
+      its shape and the micro-batch's rows), or, with `has_aux`, not a pair.
     RuntimeError: called in the cross-replica context (inside `strategy.scope()`, outside `run`).
-    All but the `per_example` one are raised before `loss_fn` is traced.
+    All but the `per_example` one and the loss's own are raised before `loss_fn` is traced.
 
   Memory: the accumulators hold one float32 (or parameter-dtype) copy of the local gradient, whole for
   sharded parameters, which are also read whole once for the whole step: a `LocalShard` parameter costs
@@ -168,10 +171,20 @@ def accumulate_gradients(loss_fn: Callable[..., Any], params: Any, batch: Any, *
           f"{_NAME}: the leaf of `batch` at {where} has {rows} rows per replica, which "
           f"gradient_accumulation_steps={k} does not divide; choose a k that divides the per-replica batch "
           f"(global batch / num_replicas_in_sync), or a batch size that k divides.")
+  if k > 1:
+    first_path, first = batch_leaves[0]
+    for path, x in batch_leaves[1:]:
+      if jnp.shape(x)[0] != jnp.shape(first)[0]:
+        raise ValueError(
+            f"{_NAME}: the leaves of `batch` hold different numbers of rows: "
+            f"{tree_path(first_path) or '<root>'} has {jnp.shape(first)[0]} per replica, {tree_path(path)} "
+            f"{jnp.shape(x)[0]}; every leaf must hold the same examples on axis 0 to be split into "
+            f"gradient_accumulation_steps={k} micro-batches (close over values that are not per example in "
+            "`loss_fn`).")
   flat_batch = [x for _, x in batch_leaves]
 
   kinds, diff_params, params_tree = _prepare_params(params, axis)
-  value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  value_and_grad = jax.value_and_grad(_checked_loss(loss_fn, has_aux, k), has_aux=has_aux)
 
   if k == 1:
     out, local = value_and_grad(diff_params, batch)
@@ -202,6 +215,28 @@ def accumulate_gradients(loss_fn: Callable[..., Any], params: Any, batch: Any, *
   return ((loss, aux), grads) if has_aux else (loss, grads)
 
 
+def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool, k: int) -> Callable[..., Any]:
+  """`loss_fn`, raising a `TypeError` in tpustrat's words (naming the micro-batch) when its result is not
+  a scalar loss (or ``(loss, aux)`` with `has_aux`), rather than JAX's message from inside the scan."""
+
+  def checked(params: Any, micro_batch: Any) -> Any:
+    out = loss_fn(params, micro_batch)
+    if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+      raise TypeError(f"{_NAME}: with has_aux=True, `loss_fn` must return (loss, aux), got "
+                      f"{type(out).__name__}.")
+    loss = out[0] if has_aux else out
+    if jnp.ndim(loss) != 0:
+      rows = [jnp.shape(x)[0] for x in jax.tree.leaves(micro_batch) if jnp.ndim(x)]
+      on = f" on a micro-batch of {rows[0]} rows (1/{k} of this replica's batch)" if rows and k > 1 else ""
+      raise TypeError(
+          f"{_NAME}: `loss_fn` must return a scalar loss, got shape {tuple(jnp.shape(loss))}{on}. Sum the "
+          "per-example losses and divide by the global batch size (TF's compute_average_loss: "
+          "jnp.sum(per_example_loss) / GLOBAL_BATCH); return per-example values as `aux` (has_aux=True).")
+    return out
+
+  return checked
+
+
 # -- parameters -----------------------------------------------------------------------------------------
 
 
@@ -220,7 +255,8 @@ def _prepare_params(params: Any, axis: str | None) -> tuple[list[Any], Any, Any]
   `LocalShard` its value read whole (one all-gather, typed per replica), other leaves stay as they are.
   """
   leaves, tree = jax.tree.flatten(params, is_leaf=lambda x: isinstance(x, LocalShard))
-  kinds, diff = [], []
+  kinds: list[str | _Sharded] = []
+  diff: list[Any] = []
   for x in leaves:
     if isinstance(x, LocalShard):
       if jnp.ndim(x.block) != len(x.shape):
@@ -303,7 +339,7 @@ def _micro_batch_rows(ctx: Any, padded: list[int | None], micro_leaves: list[Any
       m = size // k
       rows[j] = (m, jnp.clip(count - i * m, 0, m).astype(jnp.int32))
     ctx.real_rows = tuple(rows)
-    for j in set(padded) - {None}:
+    for j in {j for j in padded if j is not None}:
       ctx.note_batch_leaves([x for x, b in zip(micro_leaves, padded) if b == j], j)
   try:
     yield

@@ -77,7 +77,8 @@ def plan(avals: Sequence[tuple[tuple[int, ...], np.dtype]], rule: tuple[Any, ...
     return sorted(buckets, key=lambda b: b.indices[0])
   if kind == "small":
     max_bytes, max_group = rule[1], rule[2]
-    buckets, run = [], []
+    buckets = []
+    run: list[int] = []
 
     def flush() -> None:
       for start in range(0, len(run), max_group):

@@ -336,7 +336,7 @@ def _conv(eqn: Any, ins: list[Rows]) -> Rows:
   dn = eqn.params.get("dimension_numbers")
   lhs_spec, out_spec = getattr(dn, "lhs_spec", None), getattr(dn, "out_spec", None)
   lhs, rhs = ins
-  if rhs.batches or lhs_spec is None or int(eqn.params.get("batch_group_count", 1)) != 1:
+  if rhs.batches or lhs_spec is None or out_spec is None or int(eqn.params.get("batch_group_count", 1)) != 1:
     return Rows.unknown("conv_general_dilated")
   if lhs.axis != lhs_spec[0]:
     return Rows.unknown("conv_general_dilated")  # rows on a spatial or feature axis

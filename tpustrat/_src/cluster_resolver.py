@@ -487,7 +487,7 @@ class TPUClusterResolver(ClusterResolver):
     """The coordinator's ``host:port`` for a multi-process job, ``''`` for one process (TF: local TPU)."""
     del task_type, task_id, rpc_layer
     coordinator, count, _, _ = self._resolve()
-    return coordinator if count > 1 else ""
+    return coordinator if count > 1 and coordinator is not None else ""
 
   get_master = master
 
@@ -582,6 +582,7 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver: ClusterResolver | 
     if step_timeout is not None:
       watchdog.start(step_timeout, process_index=0, process_count=1)
     return
+  assert coordinator is not None  # a resolver gives every multi-process job a coordinator
   wanted = (coordinator, count, index, None if local is None else tuple(local))
   if _CONNECTED:
     if _CONNECTED[0] != wanted:

@@ -11,27 +11,35 @@ Inside `strategy.run` a step sees it as a `LocalShard` whose ``.block`` is this 
 restores onto another replica count and goes through `run`, `experimental_run_steps` and `jax.tree`
 functions as every sharded value does.
 
-Inside `strategy.run`, a lookup of this replica's ids:
+Inside `strategy.run`, a lookup of this replica's ids, all tables at once:
 
-1. routes each id to the replica that owns its row: ids are placed in one bucket per owner (a bucket
-   holds up to all of this replica's ids, so nothing is ever dropped), ``[N, M]`` for ``M`` ids;
-2. `all_to_all` sends bucket ``o`` to replica ``o``; each replica then holds the ids every replica asked
-   it for, ``[N, M]``, and gathers their rows from its block, ``[N, M, D]``;
-3. a second `all_to_all` sends the rows back; each id takes its row from its bucket's slot, and the rows
-   of an example are combined (``sum``, ``mean`` or ``sqrtn``, weighted as in TF).
+1. routes each table's ids (all its features' ids, concatenated) to the replicas that own their rows:
+   the ids are sorted and deduplicated (`_unique`: a sort, static shapes), and each distinct id takes a
+   slot in the bucket of its owner, ``[N, C]``, ``C = min(M, ceil(V/N), max_ids_per_partition,
+   max_unique_ids_per_partition)`` for ``M`` ids of the table (without bounds nothing can overflow;
+   with them a step that exceeds one fails, naming the table and the bound);
+2. the buckets of every table, concatenated, go out in one `all_to_all`; each replica gathers the rows
+   it was asked for from its blocks, and the rows of every table (flattened, whatever their widths) come
+   back in a second one; every occurrence of an id takes its row from its bucket slot, and the rows of an
+   example are combined (``sum``, ``mean`` or ``sqrtn``, weighted as in TF), or, for a sequence feature
+   (``max_sequence_length = L``), kept per position: ``[b, L, D]``.
 
 `apply_gradients` takes d(loss)/d(activations), spreads each example's gradient over its ids as the
-combiner weighted them, sends the per-id gradients to the owners along the same routes, and sums them
-per row there (duplicates within and across replicas add up); the optimizer then updates the touched
-rows and their slots only (non-lazy Adam: every row, as TF does).
+combiner weighted them (a sequence feature: per position), sums them per distinct id into the same
+bucket slots, sends them to the owners in one `all_to_all` for all tables (the ids' exchange is the
+lookup's: XLA merges the two), and each owner sums them per distinct row (a sort again) and updates only
+those rows and their slots, gathered ``[K, D]`` and scattered back into the block with
+``.at[rows].set(mode="drop")``: in place when `run` donates the state (``RunOptions(donate_argnums=0)``),
+and nothing of the size of the block is built (non-lazy Adam: every row, as TF defines it).
 
-Bytes moved per lookup and replica: ``N * M`` ids out, ``N * M * D`` values back (twice that with the
-gradients); the buckets are sized for the worst case, every id owned by one replica.
+Bytes moved per step and replica: ``N * sum_t C_t`` ids out, ``N * sum_t C_t * D_t`` values back and as
+many gradients out, in three `all_to_all`s however many tables there are.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -173,7 +181,208 @@ class Adam:
     return new_rows, {"momenta": m, "velocities": v}
 
 
-_OPTIMIZERS = (SGD, Adagrad, Adam)
+def _check_number(value: Any, where: str, name: str, ok: Callable[[float], bool], expected: str) -> float:
+  """`value` as a float if it is a finite real number with ``ok(value)``, else a ValueError naming `name`."""
+  if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating))
+      or not math.isfinite(value) or not ok(float(value))):
+    raise ValueError(f"{where}: {name} must be {expected}, got {value!r}.")
+  return float(value)
+
+
+_F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+
+def _check_flag(value: Any, where: str, name: str) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{where}: {name} must be True or False, got {value!r}.")
+  return bool(value)
+
+
+def _reject_unsupported_tf_options(opt: Any) -> None:
+  """TF's options common to its embedding optimizers that tpustrat does not implement: their TF defaults
+  pass (None, or what TF treats as off), anything else raises, so that no setting is silently dropped."""
+  where = type(opt).__name__
+  if opt.use_gradient_accumulation is not True:
+    raise ValueError(f"{where}: use_gradient_accumulation={opt.use_gradient_accumulation!r} is not supported: "
+                     "tpustrat always sums each row's gradients exactly before one update (TF's default, True).")
+  for name in ("clip_weight_min", "clip_weight_max", "clipvalue", "slot_variable_creation_fn"):
+    if getattr(opt, name) is not None:
+      raise ValueError(f"{where}: {name} is not supported by tpustrat.embedding, got {getattr(opt, name)!r:.80}; "
+                       "leave it None.")
+  if opt.weight_decay_factor not in (None, 0):
+    raise ValueError(f"{where}: weight_decay_factor is not supported by tpustrat.embedding, got "
+                     f"{opt.weight_decay_factor!r}; leave it None.")
+  if opt.multiply_weight_decay_factor_by_learning_rate not in (None, False):
+    raise ValueError(f"{where}: multiply_weight_decay_factor_by_learning_rate is not supported (weight decay is "
+                     "not), leave it None.")
+  if opt.low_dimensional_packing_status is not False:
+    raise ValueError(f"{where}: low_dimensional_packing_status (a TPU memory layout of narrow tables) is not "
+                     "supported, leave it False.")
+
+
+@dataclasses.dataclass(frozen=True)
+class FTRL:
+  """FTRL-Proximal (TF's `tf.tpu.experimental.embedding.FTRL`: the TPU embedding ``FtrlParameters`` of
+  ``optimization_parameters.proto``, TF's ``ApplyFtrlV2`` kernel with ``beta``), on the touched rows.
+
+  Slots ``accumulators`` (start at `initial_accumulator_value`) and ``linears`` (start at 0). With
+  ``p = -learning_rate_power``, ``lr = learning_rate``, ``l1``, ``l2`` the regularization strengths and
+  ``g`` a row's summed gradient::
+
+    acc_new = acc + g**2
+    sigma   = acc_new**p - acc**p
+    # multiply_linear_by_learning_rate=False (TF's default):
+    linear += g - sigma / lr * row
+    quadratic = (acc_new**p + beta) / lr + 2 * l2;      l1_t = l1
+    # multiply_linear_by_learning_rate=True (``linears`` holds lr * linear):
+    linear += lr * g - sigma * row
+    quadratic = acc_new**p + beta + 2 * l2 * lr;        l1_t = l1 * lr
+    row = (clip(linear, -l1_t, l1_t) - linear) / quadratic   # 0 where |linear| <= l1_t
+    acc = acc_new
+
+  ``beta`` enters only the quadratic term, as in TF's TPU FTRL (equivalent to ``l2 += beta / (2 * lr)``
+  in TF's other FTRL implementations). The row's new value depends on its old value only through
+  ``linear``. `allow_zero_accumulator` changes nothing here: accumulators start positive (TF requires it
+  too) and only grow, so they are never zero (newer TF ignores the flag). The TPU-only options
+  `use_gradient_accumulation` (always True here), `clip_weight_min`/`max`, `weight_decay_factor`,
+  `multiply_weight_decay_factor_by_learning_rate`, `slot_variable_creation_fn`, `clipvalue` and
+  `low_dimensional_packing_status` accept only their defaults (anything else raises).
+  """
+
+  learning_rate: float = 0.001
+  learning_rate_power: float = -0.5
+  l1_regularization_strength: float = 0.0
+  l2_regularization_strength: float = 0.0
+  beta: float = 0.0
+  initial_accumulator_value: float = 0.1
+  use_gradient_accumulation: bool = True
+  clip_weight_min: Any = None
+  clip_weight_max: Any = None
+  weight_decay_factor: Any = None
+  multiply_weight_decay_factor_by_learning_rate: Any = None
+  slot_variable_creation_fn: Any = None
+  clipvalue: Any = None
+  multiply_linear_by_learning_rate: bool = False
+  allow_zero_accumulator: bool = False
+  low_dimensional_packing_status: bool = False
+
+  def __post_init__(self) -> None:
+    where = "FTRL"
+    set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+    set_("learning_rate", _check_rate(self.learning_rate, where))
+    set_("learning_rate_power", _check_number(self.learning_rate_power, where, "learning_rate_power",
+                                              lambda v: v <= 0, "a number <= 0 (0: a fixed learning rate)"))
+    for name in ("l1_regularization_strength", "l2_regularization_strength", "beta"):
+      set_(name, _check_number(getattr(self, name), where, name, lambda v: v >= 0, "a number >= 0"))
+    # Positive in float32 too: a zero accumulator would make quadratic 0 (TF also requires > 0).
+    set_("initial_accumulator_value", _check_number(
+        self.initial_accumulator_value, where, "initial_accumulator_value",
+        lambda v: _F32_TINY <= v <= _F32_MAX, "a positive number within float32's normal range"))
+    for name in ("multiply_linear_by_learning_rate", "allow_zero_accumulator"):
+      set_(name, _check_flag(getattr(self, name), where, name))
+    _reject_unsupported_tf_options(self)
+
+  slots = ("accumulators", "linears")
+
+  def slot_initial_values(self) -> dict[str, float]:
+    return {"accumulators": self.initial_accumulator_value, "linears": 0.0}
+
+  def update(self, rows, slots, g, touched, step):
+    del step
+    lr, p = self.learning_rate, -self.learning_rate_power
+    l1, l2, beta = self.l1_regularization_strength, self.l2_regularization_strength, self.beta
+    acc, linear = slots["accumulators"], slots["linears"]
+    new_acc = acc + g * g
+    if p == 0.5:  # TF's special case: sqrt rather than pow
+      pow_new, pow_old = jnp.sqrt(new_acc), jnp.sqrt(acc)
+    else:
+      pow_new, pow_old = jnp.power(new_acc, p), jnp.power(acc, p)
+    if self.multiply_linear_by_learning_rate:
+      new_linear = linear + (g * lr - (pow_new - pow_old) * rows)
+      l1_t, quadratic = l1 * lr, pow_new + beta + 2 * l2 * lr
+    else:
+      new_linear = linear + (g - (pow_new - pow_old) / lr * rows)
+      l1_t, quadratic = l1, (pow_new + beta) / lr + 2 * l2
+    new_rows = (jnp.clip(new_linear, -l1_t, l1_t) - new_linear) / quadratic
+    keep = touched[:, None]
+    return jnp.where(keep, new_rows, rows), {"accumulators": jnp.where(keep, new_acc, acc),
+                                             "linears": jnp.where(keep, new_linear, linear)}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdagradMomentum:
+  """Adagrad with momentum (TF's `tf.tpu.experimental.embedding.AdagradMomentum`, the TPU embedding
+  ``AdagradMomentumParameters``; arXiv:2002.11803), on the touched rows.
+
+  Slots ``accumulators`` and ``momenta``, both starting at 0 (as in TF). For a row's summed gradient ``g``::
+
+    acc = acc + g**2                           if beta2 == 1 (TF's default)
+    acc = beta2 * acc + (1 - beta2) * g**2     otherwise
+    pg  = g * (acc + epsilon) ** (-1 / exponent)
+    momenta = momentum * momenta + pg
+    update  = momentum * momenta + pg          if use_nesterov, else momenta
+    row -= learning_rate * update
+
+  The momentum accumulates the preconditioned gradient ``pg``, as TF's TPU correctness test checks it
+  (the proto's comment, ``mom = momentum * mom + (acc + epsilon)**(-1/exponent)`` then
+  ``row -= lr * g * update``, differs from it after the first step unless ``momentum == 0``). Untouched
+  rows keep their values and slots (no momentum step without a gradient, as TF's sparse update). The
+  TPU-only options `use_gradient_accumulation` (always True here), `clip_weight_min`/`max`,
+  `weight_decay_factor`, `multiply_weight_decay_factor_by_learning_rate`, `slot_variable_creation_fn`,
+  `clipvalue` and `low_dimensional_packing_status` accept only their defaults (anything else raises).
+  """
+
+  learning_rate: float = 0.001
+  momentum: float = 0.0
+  use_nesterov: bool = False
+  exponent: float = 2
+  beta2: float = 1
+  epsilon: float = 1e-10
+  use_gradient_accumulation: bool = True
+  clip_weight_min: Any = None
+  clip_weight_max: Any = None
+  weight_decay_factor: Any = None
+  multiply_weight_decay_factor_by_learning_rate: Any = None
+  slot_variable_creation_fn: Any = None
+  clipvalue: Any = None
+  low_dimensional_packing_status: bool = False
+
+  def __post_init__(self) -> None:
+    where = "AdagradMomentum"
+    set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+    set_("learning_rate", _check_rate(self.learning_rate, where))
+    set_("momentum", _check_number(self.momentum, where, "momentum", lambda v: 0 <= v <= 1, "in [0, 1]"))
+    set_("use_nesterov", _check_flag(self.use_nesterov, where, "use_nesterov"))
+    set_("exponent", _check_number(self.exponent, where, "exponent", lambda v: v > 0, "a positive number"))
+    set_("beta2", _check_number(self.beta2, where, "beta2", lambda v: 0 <= v <= 1, "in [0, 1]"))
+    set_("epsilon", _check_number(self.epsilon, where, "epsilon", lambda v: _F32_TINY <= v <= _F32_MAX,
+                                  "a positive number within float32's normal range"))
+    _reject_unsupported_tf_options(self)
+
+  slots = ("accumulators", "momenta")
+
+  def slot_initial_values(self) -> dict[str, float]:
+    return {"accumulators": 0.0, "momenta": 0.0}
+
+  def update(self, rows, slots, g, touched, step):
+    del step
+    acc, mom = slots["accumulators"], slots["momenta"]
+    if self.beta2 == 1:
+      new_acc = acc + g * g
+    else:
+      new_acc = self.beta2 * acc + (1 - self.beta2) * (g * g)
+    if self.exponent == 2:
+      pg = g * lax.rsqrt(new_acc + self.epsilon)
+    else:
+      pg = g * jnp.power(new_acc + self.epsilon, -1.0 / self.exponent)
+    new_mom = self.momentum * mom + pg
+    step_ = self.momentum * new_mom + pg if self.use_nesterov else new_mom
+    keep = touched[:, None]
+    return (jnp.where(keep, rows - self.learning_rate * step_, rows),
+            {"accumulators": jnp.where(keep, new_acc, acc), "momenta": jnp.where(keep, new_mom, mom)})
+
+
+_OPTIMIZERS = (SGD, Adagrad, Adam, FTRL, AdagradMomentum)
 
 
 # -- configuration ------------------------------------------------------------------------------------
@@ -197,10 +406,19 @@ class TableConfig:
     combiner: how the ids of one example combine: ``"sum"``, ``"mean"`` (weighted mean) or ``"sqrtn"``
       (weighted sum over the square root of the sum of squared weights).
     name: the table's name (the key of `TPUEmbedding.embedding_tables`); default ``table_<i>``.
+    max_ids_per_partition: None (the default), or the most ids (duplicates counted) one replica may
+      send one owner of this table's rows in one step, all features of the table together: Keras RS's
+      and SparseCore's bound of the same name. It sizes the exchange buckets (see below).
+    max_unique_ids_per_partition: None, or the most distinct ids one replica may send one owner per step
+      (duplicates travel once). The buckets hold ``min(M, ceil(V / N), max_ids_per_partition,
+      max_unique_ids_per_partition)`` ids (``M``: the table's ids per replica and step), so without
+      bounds nothing can overflow; with them fewer bytes travel, and a step that exceeds a bound fails
+      with a ValueError naming the table and the bound (ids are never dropped).
   """
 
   def __init__(self, vocabulary_size: int, dim: int, initializer: Callable[..., Any] | None = None,
-               optimizer: Any = None, combiner: str = "mean", name: str | None = None) -> None:
+               optimizer: Any = None, combiner: str = "mean", name: str | None = None,
+               max_ids_per_partition: int | None = None, max_unique_ids_per_partition: int | None = None) -> None:
     for arg, value in (("vocabulary_size", vocabulary_size), ("dim", dim)):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"TableConfig: {arg} must be a positive int, got {value!r}.")
@@ -210,7 +428,14 @@ class TableConfig:
       raise TypeError(f"TableConfig: initializer must be callable (shape, dtype) -> array, got {initializer!r:.100}.")
     if optimizer is not None and not isinstance(optimizer, _OPTIMIZERS):
       raise TypeError(f"TableConfig: optimizer must be tpustrat.embedding.SGD, Adagrad or Adam, got {optimizer!r:.100}.")
+    for arg, value in (("max_ids_per_partition", max_ids_per_partition),
+                       ("max_unique_ids_per_partition", max_unique_ids_per_partition)):
+      if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+        raise ValueError(f"TableConfig: {arg} must be None or a positive int, got {value!r}.")
     self.vocabulary_size, self.dim = int(vocabulary_size), int(dim)
+    self.max_ids_per_partition = None if max_ids_per_partition is None else int(max_ids_per_partition)
+    self.max_unique_ids_per_partition = (None if max_unique_ids_per_partition is None
+                                         else int(max_unique_ids_per_partition))
     self.initializer, self.optimizer, self.combiner, self.name = initializer, optimizer, combiner, name
 
   def __repr__(self) -> str:
@@ -223,22 +448,25 @@ class FeatureConfig:
 
   Args:
     table: its `TableConfig` (several features may share one table).
-    max_sequence_length: accepted for TF compatibility; 0 (the default) combines a feature's ids into
-      one activation per example, as TF does; sequence features are not supported yet (ValueError).
+    max_sequence_length: 0 (the default): the feature's ids of an example are combined into one
+      activation, ``[b, dim]``, by the table's combiner. ``L > 0``: a sequence feature, as in TF: one
+      activation per position, ``[b, L, dim]``, no combiner; ids ``[b, L_in]`` are truncated to ``L``
+      or padded with ``-1``, and a ``-1`` position gives a zero row (and gets no update).
     name: the feature's name (for messages).
   """
 
   def __init__(self, table: TableConfig, max_sequence_length: int = 0, name: str | None = None) -> None:
     if not isinstance(table, TableConfig):
       raise TypeError(f"FeatureConfig: table must be a tpustrat.embedding.TableConfig, got {table!r:.100}.")
-    if max_sequence_length != 0:
-      raise ValueError(
-          f"FeatureConfig: max_sequence_length={max_sequence_length!r}: sequence features (one activation "
-          "per id) are not supported yet; give 0 to combine a feature's ids per example.")
-    self.table, self.max_sequence_length, self.name = table, max_sequence_length, name
+    if (isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer))
+        or max_sequence_length < 0):
+      raise ValueError(f"FeatureConfig: max_sequence_length must be an int >= 0 (0: not a sequence feature), "
+                       f"got {max_sequence_length!r}.")
+    self.table, self.max_sequence_length, self.name = table, int(max_sequence_length), name
 
   def __repr__(self) -> str:
-    return f"FeatureConfig(table={self.table.name!r}, name={self.name!r})"
+    seq = f", max_sequence_length={self.max_sequence_length}" if self.max_sequence_length else ""
+    return f"FeatureConfig(table={self.table.name!r}{seq}, name={self.name!r})"
 
 
 # -- the embedding ------------------------------------------------------------------------------------
@@ -352,7 +580,8 @@ class TPUEmbedding:
     ``[0, vocabulary_size)`` other than ``-1``. `lookup` calls it on concrete inputs; inside
     `strategy.run` the ids are traced and cannot be checked (an out-of-range id then looks up zeros and
     receives no update): check them in the input pipeline."""
-    for f, ids in zip(self._features, self._flatten_features(features, "check_ids")):
+    leaves = self._flatten_features(features, "check_ids")
+    for f, ids in zip(self._features, leaves):
       if isinstance(ids, jax.core.Tracer):
         continue
       values = np.asarray(jax.device_get(ids.tree if is_distributed(ids) else ids))
@@ -361,6 +590,39 @@ class TPUEmbedding:
         raise ValueError(
             f"TPUEmbedding: feature {f.name or self._table_name(f.table)!r} holds id {int(values[bad][0])}, outside "
             f"[0, {f.table.vocabulary_size}) of table {self._table_name(f.table)!r} (-1 is padding).")
+    self._check_bounds_on_host(leaves)
+
+  def _check_bounds_on_host(self, leaves: list[Any]) -> None:
+    """The `TableConfig` bounds (``max_ids_per_partition``, ``max_unique_ids_per_partition``) checked on
+    concrete features: per replica (a distributed feature's components; a host array is what every
+    replica sees), the ids of all features of a table that each owner would receive."""
+    for t, name in zip(self._tables, self._names):
+      bounds = [(b, what) for b, what in ((t.max_ids_per_partition, "max_ids_per_partition"),
+                                          (t.max_unique_ids_per_partition, "max_unique_ids_per_partition"))
+                if b is not None]
+      mine = [(f, ids) for f, ids in zip(self._features, leaves) if f.table is t]
+      if not bounds or any(isinstance(ids, jax.core.Tracer) for _, ids in mine):
+        continue
+      parts = [[np.asarray(jax.device_get(x)) for x in self._strategy.experimental_local_results(ids)]
+               if is_distributed(ids) else [np.asarray(ids)] for _, ids in mine]
+      rows = -(-t.vocabulary_size // self._n)
+      for r in range(max(len(p) for p in parts)):
+        flat = []
+        for (f, _), p in zip(mine, parts):
+          x = p[min(r, len(p) - 1)]
+          x = x.reshape(len(x), -1)
+          flat.append((x[:, :f.max_sequence_length] if f.max_sequence_length else x).reshape(-1))
+        ids = np.concatenate(flat)
+        ids = ids[(ids >= 0) & (ids < t.vocabulary_size)]
+        for bound, what in bounds:
+          counts = np.bincount((ids if what == "max_ids_per_partition" else np.unique(ids)) // rows,
+                               minlength=self._n)
+          if counts.max(initial=0) > bound:
+            o = int(np.argmax(counts))
+            raise ValueError(
+                f"TPUEmbedding: table {name!r}: a replica's features send {int(counts[o])} "
+                f"{'ids' if what == 'max_ids_per_partition' else 'distinct ids'} to replica {o}, more than its "
+                f"{what}={bound} (component {r} of the batch). Raise TableConfig({what}=...) or spread the ids.")
 
   # -- inside run ---------------------------------------------------------------------------------
 
@@ -368,29 +630,29 @@ class TPUEmbedding:
     leaves = self._treedef.flatten_up_to(features)
     return leaves
 
-  def _route(self, ids: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(owner [M], slot [M], valid [M], send [N, M]) for flat ids [M]: `send[o]` holds the local rows
-    this replica asks replica `o` for (-1: empty)."""
-    n = self._n
-    valid = (ids >= 0) & (ids < n * rows)
-    owner = jnp.where(valid, ids // rows, n)  # n: nowhere
-    onehot = owner[:, None] == jnp.arange(n)[None, :]
-    slot = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # rank among the ids of the same owner
-    local = jnp.where(valid, ids % rows, -1)
-    m = ids.shape[0]
-    send = jnp.full((n, m), -1, jnp.int32).at[owner, slot].set(local.astype(jnp.int32), mode="drop")
-    return owner, slot, valid, send
-
   def _exchange(self, x: jax.Array) -> jax.Array:
     """`x` [N, ...]: block `o` to replica `o`; returns [N, ...], block `s` from replica `s`."""
     if self._n == 1:
       return x
     return lax.all_to_all(x, REPLICA_AXIS, 0, 0, tiled=True)
 
-  def _weights(self, ids: jax.Array, weights: Any, combiner: str) -> jax.Array:
-    """The coefficient of each id in its example's activation ([b, L]), zero for padding."""
+  def _exchange_stacked(self, parts: list[jax.Array]) -> list[jax.Array]:
+    """One `all_to_all` for every table: each ``[N, C_t, ...]`` part flattened to ``[N, C_t * ...]``,
+    concatenated along axis 1, exchanged once, and split back into the parts' shapes."""
+    flat = [p.reshape(self._n, -1) for p in parts]
+    sizes = [f.shape[1] for f in flat]
+    got = self._exchange(flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1))
+    out, start = [], 0
+    for p, size in zip(parts, sizes):
+      out.append(got[:, start:start + size].reshape(p.shape))
+      start += size
+    return out
+
+  def _weights(self, ids: jax.Array, weights: Any, combiner: str | None) -> jax.Array:
+    """The coefficient of each id in its example's activation ([b, L]), zero for padding. `combiner`
+    None (a sequence feature): each id's own weight (1 unweighted), no combining."""
     w = jnp.where(ids >= 0, 1.0 if weights is None else jnp.asarray(weights, jnp.float32), 0.0)
-    if combiner == "sum":
+    if combiner in (None, "sum"):
       return w
     if combiner == "mean":
       total = jnp.sum(w, axis=1, keepdims=True)
@@ -398,7 +660,9 @@ class TPUEmbedding:
     norm = jnp.sqrt(jnp.sum(w * w, axis=1, keepdims=True))
     return w / jnp.where(norm == 0, 1.0, norm)
 
-  def _prepare(self, state: Any, features: Any, weights: Any, where: str):
+  def _prepare(self, state: Any, features: Any, weights: Any, where: str) -> list[tuple[Any, str, jax.Array, jax.Array]]:
+    """(feature, table name, ids [b, L], coefficients [b, L]) per feature: ids outside the table are -1;
+    a sequence feature's ids truncated or padded (-1) to its `max_sequence_length`."""
     if not context_lib.in_replica_context_of_a_run():
       raise RuntimeError(f"TPUEmbedding.{where} runs inside strategy.run (a replica context).")
     self.check_ids(features)
@@ -412,87 +676,249 @@ class TPUEmbedding:
                          f"{ids.dtype}{list(ids.shape)}.")
       ids2 = ids[:, None] if ids.ndim == 1 else ids
       # An id outside [0, V) cannot be checked while traced: it counts as padding (no row, no weight).
-      ids2 = jnp.where((ids2 >= 0) & (ids2 < f.table.vocabulary_size), ids2, -1)
+      ids2 = jnp.where((ids2 >= 0) & (ids2 < f.table.vocabulary_size), ids2, -1).astype(jnp.int32)
       if w is not None:
         w = jnp.asarray(w, jnp.float32)
         w = w[:, None] if w.ndim == 1 else w
         if w.shape != ids2.shape:
           raise ValueError(f"TPUEmbedding.{where}: the weights of feature {f.name!r} have shape {w.shape}, the "
                            f"ids {ids.shape}.")
-      name = self._table_name(f.table)
-      coef = self._weights(ids2, w, f.table.combiner)
-      out.append((f, name, ids2, coef))
+      seq = f.max_sequence_length
+      if seq:  # TF: longer sequences are truncated, shorter ones padded
+        ids2, w = _to_length(ids2, seq, -1), None if w is None else _to_length(w, seq, 0.0)
+      coef = self._weights(ids2, w, None if seq else f.table.combiner)
+      out.append((f, self._table_name(f.table), ids2, coef))
+    return out
+
+  def _capacity(self, table: TableConfig, ids: int, rows: int) -> int:
+    """The bucket size: the most distinct ids one replica may send one owner per step. Without bounds,
+    ``min(M, Vp/N)`` (all `M` ids of the table, or every row the owner holds): nothing can overflow."""
+    cap = min(ids, rows)
+    for bound in (table.max_ids_per_partition, table.max_unique_ids_per_partition):
+      if bound is not None:
+        cap = min(cap, bound)
+    return max(cap, 1)
+
+  def _routes(self, state: Any, prepared: list[Any], where: str) -> list[_Route]:
+    """One `_Route` per table that `prepared` looks up (in the order of `table_names`): the ids of all
+    its features, concatenated, deduplicated and placed in one bucket per owner."""
+    routes = []
+    for t, name in zip(self._tables, self._names):
+      members = [i for i, (f, _, _, _) in enumerate(prepared) if f.table is t]
+      if not members:
+        continue
+      block = _block(state["tables"][name], f"table {name!r}", where)
+      rows = block.shape[0]
+      flat = [prepared[i][2].reshape(-1) for i in members]
+      ids = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+      cap = self._capacity(t, ids.shape[0], rows)
+      owner, slot, send = self._route(ids, rows, cap, t, name)
+      routes.append(_Route(t, name, block, members, [x.shape[0] for x in flat], owner, slot, send))
+    return routes
+
+  def _route(self, ids: jax.Array, rows: int, cap: int, table: TableConfig, name: str
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(owner [M], slot [M], send [N, cap]) for a table's flat ids [M] (-1: padding): `send[o]` holds the
+    distinct local rows this replica asks replica `o` for (-1: empty), id `i` finds its row at
+    ``[owner[i], slot[i]]`` of what comes back (owner N: padding). Duplicates travel once."""
+    n, m = self._n, ids.shape[0]
+    sentinel = n * rows  # sorts after every id
+    uniq, inverse = _unique(jnp.where(ids >= 0, ids, sentinel), sentinel, m)
+    u_owner = jnp.minimum(uniq // rows, n)  # n: padding
+    per_owner = jnp.zeros((n + 1,), jnp.int32).at[u_owner].add(1)
+    # uniq is sorted, so the distinct ids of each owner are consecutive: a slot is the rank among them
+    u_slot = jnp.arange(m, dtype=jnp.int32) - (jnp.cumsum(per_owner) - per_owner)[u_owner]
+    send = jnp.full((n, cap), -1, jnp.int32).at[u_owner, u_slot].set(uniq % rows, mode="drop")
+    owner = u_owner[inverse]
+    bounds = [(b, what) for b, what in ((table.max_ids_per_partition, "max_ids_per_partition"),
+                                        (table.max_unique_ids_per_partition, "max_unique_ids_per_partition"))
+              if b is not None]
+    if bounds:  # without bounds the buckets hold every id: nothing to check
+      raw = jnp.zeros((n + 1,), jnp.int32).at[owner].add(1)[:n]
+      send = send + _check_bounds(name, bounds, raw, per_owner[:n], cap)
+    return owner, u_slot[inverse], send
+
+  def _rows_back(self, routes: list[_Route]) -> list[jax.Array]:
+    """Each table's rows for its flat ids, ``[M, D]`` (zeros for padding): ids out and rows back, one
+    `all_to_all` each way for all tables."""
+    asked = self._exchange_stacked([r.send for r in routes])  # [N, C]: the rows each replica asks this one for
+    found = [jnp.where((a >= 0)[..., None], r.block[jnp.maximum(a, 0)], 0.0) for r, a in zip(routes, asked)]
+    back = self._exchange_stacked(found)  # [N, C, D]: the rows this replica asked for, by owner
+    out = []
+    for r, b in zip(routes, back):
+      valid = (r.owner < self._n) & (r.slot < b.shape[1])
+      got = b[jnp.minimum(r.owner, self._n - 1), jnp.clip(r.slot, 0, b.shape[1] - 1)]
+      out.append(jnp.where(valid[:, None], got, 0.0))
     return out
 
   def lookup(self, state: dict[str, Any], features: Any, weights: Any = None) -> Any:
-    """This replica's activations, ``[b, dim]`` per feature, with the structure of the feature config.
+    """This replica's activations, with the structure of the feature config: ``[b, dim]`` per feature,
+    ``[b, max_sequence_length, dim]`` per sequence feature.
 
     Call inside `strategy.run`. Each feature is this replica's int ids, ``[b]`` (one id per example) or
     ``[b, L]`` (several, ``-1`` as padding); `weights` (optional, same structure, float ``[b]`` /
-    ``[b, L]``) weigh the ids as in TF. An example with no ids gets zeros.
+    ``[b, L]``) weigh the ids as in TF. An example with no ids gets zeros. A sequence feature
+    (``max_sequence_length > 0``) is not combined: position ``j`` of example ``i`` is the row of
+    ``ids[i, j]`` (times its weight, if weighted), zeros for ``-1``; ids beyond ``max_sequence_length``
+    are dropped and shorter sequences padded, as in TF.
 
     A partial batch from a distributed dataset is padded with zeros, so its padding examples carry id 0:
     mask them, ``jnp.where(tpustrat.valid_mask(ids)[:, None], ids, -1)``, in `lookup` and
     `apply_gradients` alike, or lazy Adam and Adagrad would count row 0 as touched (their gradient is
     zero when the loss masks them too).
     """
-    activations = []
-    for f, name, ids, coef in self._prepare(state, features, weights, "lookup"):
-      block = _block(state["tables"][name], f"table {name!r}", "lookup")
-      rows = block.shape[0]
-      flat = ids.reshape(-1)
-      owner, slot, valid, send = self._route(flat, rows)
-      asked = self._exchange(send)  # [N, M]: the rows each replica asks this one for
-      found = jnp.where((asked >= 0)[..., None], block[jnp.maximum(asked, 0)], 0.0)
-      back = self._exchange(found)  # [N, M, D]: the rows this replica asked for, by owner
-      got = back[jnp.minimum(owner, self._n - 1), jnp.maximum(slot, 0)]
-      got = jnp.where(valid[:, None], got, 0.0).reshape(ids.shape + (f.table.dim,))
-      # The rows went to their owners and came back in order: example i's activation is row i of ids.
-      activations.append(same_rows(lax.stop_gradient(jnp.einsum("bl,bld->bd", coef, got)), ids))
+    prepared = self._prepare(state, features, weights, "lookup")
+    routes = self._routes(state, prepared, "lookup")
+    activations: list[Any] = [None] * len(prepared)
+    for r, rows in zip(routes, self._rows_back(routes)):
+      start = 0
+      for i, size in zip(r.members, r.sizes):
+        f, _, ids, coef = prepared[i]
+        got = rows[start:start + size].reshape(ids.shape + (r.table.dim,))
+        start += size
+        act = coef[..., None] * got if f.max_sequence_length else jnp.einsum("bl,bld->bd", coef, got)
+        # The rows went to their owners and came back in order: example i's activation is row i of ids.
+        activations[i] = same_rows(lax.stop_gradient(act), ids)
     return self._treedef.unflatten(activations)
 
   def apply_gradients(self, state: dict[str, Any], features: Any, gradients: Any, weights: Any = None) -> dict[str, Any]:
     """The state after one optimizer step on the rows `features` touched (call inside `strategy.run`).
 
     `gradients` are d(loss)/d(activations) of this replica, with the activations' structure; each is
-    spread over its example's ids as the combiner weighted them, sent to the rows' owners over
-    `all_to_all` and summed per row (duplicates add up, across replicas too). Only the touched rows and
-    their slots change (non-lazy Adam: all rows).
+    spread over its example's ids as the combiner weighted them (a sequence feature's: position by
+    position), summed per distinct id on this replica, sent to the rows' owners over one `all_to_all`
+    for all tables and summed per row there (duplicates add up, across replicas too). Only the touched
+    rows and their slots are read and written, scattered into the blocks in place when `run` donates
+    the state (``RunOptions(donate_argnums=...)``); non-lazy Adam updates every row, as TF defines it.
     """
+    prepared = self._prepare(state, features, weights, "apply_gradients")
     grad_list = self._treedef.flatten_up_to(gradients)
-    per_table: dict[str, tuple[jax.Array, jax.Array]] = {}
-    for (f, name, ids, coef), g in zip(self._prepare(state, features, weights, "apply_gradients"), grad_list):
-      block = _block(state["tables"][name], f"table {name!r}", "apply_gradients")
-      rows, dim = block.shape
-      g = jnp.asarray(g, jnp.float32)
-      if g.shape != (ids.shape[0], dim):
-        raise ValueError(f"TPUEmbedding.apply_gradients: the gradient of feature {f.name!r} has shape {g.shape}, "
-                         f"expected {(ids.shape[0], dim)} (its activation's).")
-      flat = ids.reshape(-1)
-      owner, slot, valid, send = self._route(flat, rows)
-      per_id = (coef[:, :, None] * g[:, None, :]).reshape(-1, dim)
-      out = jnp.zeros((self._n, flat.shape[0], dim), jnp.float32).at[owner, slot].set(per_id, mode="drop")
-      asked = self._exchange(send)
-      received = self._exchange(out)  # [N, M, D]: gradients for the rows in `asked`
-      target = jnp.where(asked >= 0, asked, rows).reshape(-1)
-      summed = jnp.zeros((rows, dim), jnp.float32).at[target].add(received.reshape(-1, dim), mode="drop")
-      touched = jnp.zeros((rows,), bool).at[target].set(True, mode="drop")
-      if name in per_table:
-        prev_g, prev_t = per_table[name]
-        summed, touched = prev_g + summed, prev_t | touched
-      per_table[name] = (summed, touched)
+    routes = self._routes(state, prepared, "apply_gradients")
+    sent = []
+    for r in routes:
+      dim = r.table.dim
+      per_id = []
+      for i in r.members:
+        f, _, ids, coef = prepared[i]
+        g = jnp.asarray(grad_list[i], jnp.float32)
+        expected = ids.shape + (dim,) if f.max_sequence_length else (ids.shape[0], dim)
+        if g.shape != expected:
+          raise ValueError(f"TPUEmbedding.apply_gradients: the gradient of feature {f.name!r} has shape {g.shape}, "
+                           f"expected {expected} (its activation's).")
+        per_id.append((coef[..., None] * g if f.max_sequence_length else coef[:, :, None] * g[:, None, :]
+                       ).reshape(-1, dim))
+      per_id = per_id[0] if len(per_id) == 1 else jnp.concatenate(per_id)
+      cap = r.send.shape[1]
+      # duplicates of an id on this replica add up here, in the slot they share
+      sent.append(jnp.zeros((self._n, cap, dim), jnp.float32).at[r.owner, r.slot].add(per_id, mode="drop"))
+    asked = self._exchange_stacked([r.send for r in routes])  # the lookup's exchange: XLA merges the two
+    received = self._exchange_stacked(sent)  # [N, C, D]: the gradients of the rows in `asked`
     step = state["step"] + 1
     tables, slots = dict(state["tables"]), dict(state["slots"])
-    for t, name in zip(self._tables, self._names):
-      if name not in per_table:
-        continue
-      summed, touched = per_table[name]
-      table = state["tables"][name]
+    for r, a, g in zip(routes, asked, received):
+      name, table = r.name, state["tables"][r.name]
       old_slots = {k: _block(v, f"slot {k!r} of table {name!r}", "apply_gradients")
                    for k, v in state["slots"][name].items()}
-      new_rows, new_slots = self._opt(t).update(_block(table, f"table {name!r}", "apply_gradients"), old_slots,
-                                                summed, touched, step)
+      new_rows, new_slots = _update(self._opt(r.table), r.block, old_slots, a.reshape(-1),
+                                    g.reshape(-1, r.table.dim), step)
       # Blocks again, so that run returns them as ShardedVariables of the same [V, D] along axis 0.
       tables[name] = LocalShard(new_rows, table.shape, 0)
       slots[name] = {k: LocalShard(v, table.shape, 0) for k, v in new_slots.items()}
     return {"tables": tables, "slots": slots, "step": step}
+
+
+@dataclasses.dataclass
+class _Route:
+  """A table's share of one exchange: its features (`members`, indexes into `_prepare`'s list) and
+  their flat id counts (`sizes`), and where each of its flat ids went (`owner`, `slot`, `send`)."""
+
+  table: TableConfig
+  name: str
+  block: jax.Array
+  members: list[int]
+  sizes: list[int]
+  owner: jax.Array
+  slot: jax.Array
+  send: jax.Array
+
+
+def _to_length(x: jax.Array, length: int, fill: Any) -> jax.Array:
+  """`x` [b, L] truncated or padded with `fill` to [b, length]."""
+  if x.shape[1] >= length:
+    return x[:, :length]
+  return jnp.pad(x, ((0, 0), (0, length - x.shape[1])), constant_values=fill)
+
+
+def _unique(keys: jax.Array, sentinel: int, size: int) -> tuple[jax.Array, jax.Array]:
+  """(uniq [size], inverse [len(keys)]): the distinct `keys` sorted (then `sentinel`), and each key's
+  index in them: ``uniq[inverse] == keys``. Static shapes (`jnp.unique(size=...)` by a sort); `size`
+  must be at least the number of distinct keys."""
+  order = jnp.argsort(keys)
+  ordered = keys[order]
+  first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
+  rank = (jnp.cumsum(first) - 1).astype(jnp.int32)
+  inverse = jnp.zeros(keys.shape, jnp.int32).at[order].set(rank)
+  uniq = jnp.full((size,), sentinel, keys.dtype).at[rank].set(ordered, mode="drop")
+  return uniq, inverse
+
+
+def _updates_untouched_rows(opt: Any) -> bool:
+  """Whether `opt` changes rows no id touched (non-lazy Adam): it then updates the whole block."""
+  return bool(getattr(opt, "updates_untouched_rows", isinstance(opt, Adam) and not opt.lazy_adam))
+
+
+_DENSE_BLOCKS_UP_TO = 1  # dense updates of blocks of at most this many times the received slots (tests: 0)
+
+
+def _update(opt: Any, block: jax.Array, slots: dict[str, jax.Array], asked: jax.Array, grads: jax.Array,
+            step: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The owner's update of its block from the gradients it received: `asked` [K] local rows (-1: empty
+  slot; a row asked by several replicas appears several times), `grads` [K, D].
+
+  Sparse (every optimizer but non-lazy Adam): the distinct touched rows are found by a sort, their
+  gradients summed, their rows and slots gathered, updated by `opt.update` on ``[K', D]`` and scattered
+  back with ``.at[rows].set(mode="drop")``: XLA writes them into the (donated) block in place, and
+  nothing of the size of the block is built. Dense (non-lazy Adam: TF's rule on every row; or a block
+  of no more rows than the `K` received slots, where the sort costs more than the block): a ``[rows, D]``
+  gradient and touched mask, and `opt.update` on the whole block."""
+  rows, dim = block.shape
+  if _updates_untouched_rows(opt) or rows <= asked.shape[0] * _DENSE_BLOCKS_UP_TO:
+    target = jnp.where(asked >= 0, asked, rows)
+    summed = jnp.zeros((rows, dim), jnp.float32).at[target].add(grads, mode="drop")
+    touched = jnp.zeros((rows,), bool).at[target].set(True, mode="drop")
+    return opt.update(block, slots, summed, touched, step)
+  size = min(asked.shape[0], rows + 1)  # distinct rows, plus the empty slots' key
+  uniq, inverse = _unique(jnp.where(asked >= 0, asked, rows), rows, size)
+  summed = jnp.zeros((size, dim), jnp.float32).at[inverse].add(grads)
+  touched = uniq < rows  # the rest is the empty slots' key `rows`: out of bounds, dropped below
+  at = jnp.minimum(uniq, rows - 1)
+  new_rows, new_slots = opt.update(block[at], {k: v[at] for k, v in slots.items()}, summed, touched, step)
+  return (block.at[uniq].set(new_rows, mode="drop"),
+          {k: slots[k].at[uniq].set(v, mode="drop") for k, v in new_slots.items()})
+
+
+def _check_bounds(name: str, bounds: list[tuple[int, str]], raw: jax.Array, unique: jax.Array,
+                  cap: int) -> jax.Array:
+  """An int32 zero to add to the bucket tensor, computed by a host callback that raises a ValueError
+  naming the table and the bound when this replica sends one owner more ids than a bound allows (the
+  bucket would drop some: the step fails instead). Evaluated only when a bound is exceeded."""
+  counts = {"max_ids_per_partition": raw, "max_unique_ids_per_partition": unique}
+  bad = functools.reduce(jnp.logical_or, [jnp.any(counts[what] > bound) for bound, what in bounds])
+  bad = bad | jnp.any(unique > cap)
+
+  def fail(replica, raw, unique):
+    for bound, what in bounds + [(cap, "bucket size")]:
+      values = raw if what == "max_ids_per_partition" else unique
+      over = np.flatnonzero(np.asarray(values) > bound)
+      if over.size:
+        o = int(over[0])
+        kind = "ids" if what == "max_ids_per_partition" else "distinct ids"
+        raise ValueError(
+            f"TPUEmbedding: table {name!r}: replica {int(replica)} sends {int(values[o])} {kind} to replica {o} "
+            f"in one step, more than its {what}={bound}. No id is dropped: the step fails. Raise "
+            f"TableConfig({what}=...) or spread the ids (check batches on the host with TPUEmbedding.check_ids).")
+    return np.zeros((), np.int32)
+
+  zero = jax.ShapeDtypeStruct((), jnp.int32)
+  return lax.cond(bad, lambda: jax.pure_callback(fail, zero, lax.axis_index(REPLICA_AXIS), raw, unique),
+                  lambda: jnp.zeros((), jnp.int32))

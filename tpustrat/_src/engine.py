@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 import types
 import warnings
 import weakref
@@ -70,8 +71,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
-from tpustrat._src import host_memory, watchdog
+from tpustrat._src import host_memory, profiler, watchdog
 from tpustrat._src import numerics as numerics_lib
+from tpustrat._src import step_stats as step_stats_lib
 from tpustrat._src.batch_rows import BatchRowsWarning, Rows, leading_rows
 from tpustrat._src.jax_compat import eval_closed_jaxpr, open_jaxpr, to_varying, varying_axes
 from tpustrat._src.logical import LayoutMap, check_layout_map, layout_spec
@@ -270,16 +272,25 @@ class InFlight:
   """Bounds the number of dispatched-but-unfinished programs: before a dispatch, waits for the oldest
   until fewer than `limit` are pending; after it, records the output to wait on (the token).
 
-  `Engine.dispatch` uses the engine's own; the module-level `dispatch` a process-wide one.
+  `Engine.dispatch` uses the engine's own; the module-level `dispatch` a process-wide one. With `stats`
+  (the engine's `step_stats.StepCounters`), the time spent waiting is added to its device wait, and the
+  steps dispatched are noted (two clock reads per dispatch that waits, one per dispatch that does not).
   """
 
-  def __init__(self) -> None:
+  def __init__(self, stats: step_stats_lib.StepCounters | None = None) -> None:
     self._pending: collections.deque[jax.Array] = collections.deque()
     # id(token) -> the check to run once it is ready (`RunOptions.check_numerics`; empty without it)
     self._checks: dict[int, Callable[..., None]] = {}
+    self.stats = stats
 
-  def before_dispatch(self, limit: int) -> None:
+  def before_dispatch(self, limit: int, steps: int = 0) -> float | None:
+    """Waits until fewer than `limit` programs are pending. A program of `steps` training steps follows:
+    with `stats`, returns the time (`time.perf_counter`) to note its steps at (`after_dispatch`)."""
     pending = self._pending
+    stats = self.stats
+    if len(pending) < limit:
+      return time.perf_counter() if stats is not None and steps else None
+    start = time.perf_counter()
     while len(pending) >= limit:
       try:
         oldest = pending.popleft()
@@ -288,6 +299,11 @@ class InFlight:
       _wait(oldest)
       if self._checks:
         self._check(oldest)
+    if stats is None:
+      return None
+    now = time.perf_counter()
+    stats.device_seconds += now - start
+    return now if steps else None
 
   def _check(self, token: Any) -> None:
     """Runs the check of `token`'s program (it has finished). When it raises, the checks of the programs
@@ -304,7 +320,8 @@ class InFlight:
         check(dropped)  # the same error, saying how many later steps are not checked
       raise
 
-  def after_dispatch(self, token: Any, check: Callable[..., None] | None = None) -> None:
+  def after_dispatch(self, token: Any, check: Callable[..., None] | None = None, steps: int = 0,
+                     now: float | None = None) -> None:
     # The token is a small output of the step's program (at most 64 KiB, often a scalar loss), ready when
     # the program has finished. Holding large outputs alive would stop XLA from reusing their buffers
     # (measured: +340 us per 1 MiB step on XLA:CPU); an extra output costs every step (measured: +6.5 us
@@ -314,16 +331,25 @@ class InFlight:
       self._pending.append(token)
       if check is not None:
         self._checks[id(token)] = check
+    elif token is not None:
+      return  # a `run` traced inside another program (`experimental_run_steps`, a user's jit): not a step
+    if now is not None:  # `steps` training steps dispatched at `now` (`before_dispatch`'s clock reading)
+      self.stats.note_steps(steps, now)
 
   def drain(self) -> None:
-    while self._pending:
-      try:
-        oldest = self._pending.popleft()
-      except IndexError:
-        break
-      _wait(oldest)
-      if self._checks:
-        self._check(oldest)
+    start = time.perf_counter()
+    try:
+      while self._pending:
+        try:
+          oldest = self._pending.popleft()
+        except IndexError:
+          break
+        _wait(oldest)
+        if self._checks:
+          self._check(oldest)
+    finally:
+      if self.stats is not None:
+        self.stats.device_seconds += time.perf_counter() - start
 
 
   def forget(self, arrays: list[Any]) -> None:
@@ -356,9 +382,15 @@ def dispatch(program: Callable[..., tuple[Any, Any]], *args: Any, in_flight: InF
   `numerics` (`RunOptions.check_numerics`): the token is the program's numerics flags, and
   ``numerics(token)`` the check to run once the program has finished (`numerics.make_check`)."""
   bound = _PROCESS_IN_FLIGHT if in_flight is None else in_flight
-  bound.before_dispatch(DEFAULT_STEPS_IN_FLIGHT if limit is None else limit)
-  result, token = program(*args)
-  bound.after_dispatch(token, None if numerics is None else numerics(token))
+  mark = profiler.step_begin(program, steps) if steps else None  # the step's trace mark (`profiler.py`)
+  token = None
+  try:
+    noted = bound.before_dispatch(DEFAULT_STEPS_IN_FLIGHT if limit is None else limit, steps)
+    result, token = program(*args)
+  finally:
+    if mark is not None:
+      profiler.step_end(mark, steps, token)
+  bound.after_dispatch(token, None if numerics is None else numerics(token), steps, noted)
   watchdog.note(token, steps)
   return result
 
@@ -377,7 +409,11 @@ class Engine:
     self._mesh = mesh
     self._axis = axis_name
     self._programs: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
-    self._in_flight = InFlight()
+    # Where the loop's time goes (`strategy.experimental_step_stats()`): the in-flight waits and the steps
+    # noted here, the input waits by the strategy's iterators.
+    self.step_stats = step_stats_lib.StepCounters()
+    self._in_flight = InFlight(self.step_stats)
+    self._retraces = step_stats_lib.Retraces()  # programs compiled per function (`RetracingWarning`)
     self._donations: dict[Any, tuple[int, ...]] = {}  # (run key, donate_argnums) -> donated leaf positions
     self._entries: collections.OrderedDict[Any, tuple[_FlatProgram, list[NamedSharding]]] = (
         collections.OrderedDict())
@@ -504,11 +540,23 @@ class Engine:
 
   def _flat_program(self, fn: Callable[..., Any], groups: tuple[int, ...], layout_map: LayoutMap | None,
                     seen_tree: Any, checked: bool) -> _FlatProgram:
+    traced = self._on_trace(weak_key(fn), getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "fn"))
     if not checked:
-      return _FlatProgram(self._make_program(fn, groups, layout_map), seen_tree)
+      return _FlatProgram(self._make_program(fn, groups, layout_map), seen_tree, on_trace=traced)
     outputs = numerics_lib.Outputs([], [], numerics_lib.replica_processes(self._mesh, self._axis),
                                    f"strategy.run({getattr(fn, '__name__', 'fn')})")
-    return _FlatProgram(self._make_program(fn, groups, layout_map, outputs), seen_tree, checked=outputs)
+    return _FlatProgram(self._make_program(fn, groups, layout_map, outputs), seen_tree, checked=outputs,
+                        on_trace=traced)
+
+  def _on_trace(self, key: Any, name: str) -> Callable[[Any, list[Any]], None]:
+    """What a program of `fn` (`key`: its `weak_key`) calls each time JAX traces it, that is, compiles a new
+    program: counted per function (`step_stats.Retraces`), the compile after the fifth warns."""
+    retraces = self._retraces
+
+    def traced(seen_tree: Any, leaves: list[Any]) -> None:
+      retraces.traced(key, name, lambda: _signature(seen_tree, leaves))
+
+    return traced
 
   def _place(self, x: Any, target: NamedSharding) -> Any:
     """Puts an argument leaf on the sharding the program expects, so that each step sees the same input
@@ -798,9 +846,13 @@ class _FlatProgram:
   """
 
   def __init__(self, structured: Callable[..., Any], seen_tree: Any, donate: tuple[int, ...] = (),
-               checked: numerics_lib.Outputs | None = None) -> None:
+               checked: numerics_lib.Outputs | None = None,
+               on_trace: Callable[[Any, list[Any]], None] | None = None) -> None:
     """`checked` (`RunOptions.check_numerics`): `structured` returns ``(result, flags)``; the flags are the
-    output to wait on, and `numerics_check` makes the check of a call's flags."""
+    output to wait on, and `numerics_check` makes the check of a call's flags. `on_trace(seen_tree,
+    leaves)` is called each time JAX traces the program (a new program is compiled), with the traced
+    argument leaves."""
+    self._on_trace = on_trace
     # What the latest trace recorded, and the (result treedef, index of the leaf to wait on) kept.
     self._record: dict[str, tuple[Any, int] | None] = {"traced": None, "out": None}
     self._fallback: Callable[..., Any] | None = None
@@ -808,6 +860,8 @@ class _FlatProgram:
     self.numerics_check = None if checked is None else numerics_lib.make_check(checked)
 
     def flat(*leaves: Any) -> tuple[list[Any], Any, int]:
+      if on_trace is not None:
+        on_trace(seen_tree, list(leaves))
       args, kwargs = jax.tree.unflatten(seen_tree, leaves)
       if checked is not None:  # the flags: the last output, and the one to wait on
         result, flags = structured(args, kwargs)
@@ -844,7 +898,8 @@ class _FlatProgram:
       return self
     variant = self._donating.get(leaves)
     if variant is None:
-      variant = self._donating[leaves] = _FlatProgram(self._structured, self._seen_tree, leaves, self._checked)
+      variant = self._donating[leaves] = _FlatProgram(self._structured, self._seen_tree, leaves, self._checked,
+                                                      self._on_trace)
     return variant
 
   def __call__(self, leaves: list[Any]) -> tuple[Any, Any]:
@@ -1073,6 +1128,21 @@ def _check_padded(leaves: list[Any], path: str) -> None:
         f"strategy.run: the padded PerReplica batch at {path} must have the batch on the leading axis "
         f"of every component, with one size for all leaves; got component shapes "
         f"{[tuple(jnp.shape(x)[1:]) for x in leaves]}.")
+
+
+def _signature(seen_tree: Any, leaves: list[Any]) -> step_stats_lib.Signature:
+  """The argument signature of a traced `run` program (`step_stats.Signature`): each leaf's path (as
+  `_run_arg_path` writes it) and type, and the structure of each top-level argument."""
+  dummy = jax.tree.unflatten(seen_tree, list(range(seen_tree.num_leaves)))
+  flat = jax.tree_util.tree_flatten_with_path(dummy)[0]
+  paths = tuple(("args" if p[0].idx == 0 else "kwargs") + tree_path(p[1:]) for p, _ in flat)
+  types_ = []
+  for x in leaves:
+    t = jax.typeof(x)
+    types_.append((tuple(t.shape), str(t.dtype), bool(getattr(t, "weak_type", False))))
+  args, kwargs = dummy
+  tops = tuple(str(jax.tree.structure(a)) for a in args) + tuple(str(jax.tree.structure(kwargs[k])) for k in kwargs)
+  return paths, tuple(types_), tops, len(args), tuple(kwargs)
 
 
 def _leaf_paths(treedef: Any) -> list[str]:

@@ -292,7 +292,9 @@ def _evaluate(closed: Any, args: Sequence[Any], core_axes: tuple[str, ...], num_
       else:
         # A nested jit / checkpoint / custom-derivative call with a placement inside: evaluated inline,
         # its body placed like the step's own (a checkpoint's rematerialisation is not kept).
-        body, consts = compat.call_body(eqn)
+        call = compat.call_body(eqn)
+        assert call is not None  # the branch's condition
+        body, consts = call
         outs = _evaluate(compat.close_jaxpr(body, consts), args, core_axes, num_replicas)
       env.update(zip(eqn.outvars, outs))
     elif num_replicas == 1 and _is_replica_collective(eqn):

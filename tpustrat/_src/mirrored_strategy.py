@@ -93,6 +93,8 @@ class MirroredStrategy(Strategy):
   2
   """
 
+  _extended: MirroredExtended
+
   def __init__(self, devices: Sequence[Any] | None = None, cross_device_ops: CrossDeviceOps | None = None) -> None:
     if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
       raise TypeError(

@@ -40,7 +40,7 @@ import optax
 from tpustrat._src.context import get_replica_context, replica_axis
 from tpustrat._src.jax_compat import varying_axes
 from tpustrat._src.names import REPLICA_AXIS
-from tpustrat._src.validation import check_int
+from tpustrat._src.validation import check_int, x64_enabled
 from tpustrat._src.values import LocalShard
 
 __all__ = ["LossScaleOptimizer", "LossScaleState", "Policy", "all_finite", "all_reduce_gradients"]
@@ -118,7 +118,7 @@ class Policy:
     if name not in _POLICIES:
       raise ValueError(f"Policy: unknown policy name {name!r}; the known names are {_KNOWN}.")
     compute, variable = _POLICIES[name]
-    if name == "float64" and not jax.config.jax_enable_x64:
+    if name == "float64" and not x64_enabled():
       raise ValueError("Policy: 'float64' needs jax_enable_x64 (jax.config.update('jax_enable_x64', True)); "
                        "without it JAX computes in float32, and the policy would claim a precision it does not "
                        "have.")
@@ -131,7 +131,7 @@ class Policy:
     if not jnp.issubdtype(reduce, jnp.floating):
       raise ValueError(f"Policy: `reduce_dtype` must be a floating-point dtype (float32, bfloat16, ...), got "
                        f"{reduce}.")
-    if reduce == np.dtype(np.float64) and not jax.config.jax_enable_x64:
+    if reduce == np.dtype(np.float64) and not x64_enabled():
       raise ValueError("Policy: reduce_dtype float64 needs jax_enable_x64.")
     self._name = name
     self._compute = np.dtype(jnp.dtype(compute))
@@ -341,7 +341,8 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   Raises:
     TypeError: `tx` is not an optax transformation; `initial_scale` not a real number; growth steps not
       an int.
-    ValueError: ``initial_scale <= 0`` or not finite; ``dynamic_growth_steps < 1``.
+    ValueError: ``initial_scale <= 0``, not finite, or outside float32's normal range (the scale is a
+      float32: 2**200 would be inf there); ``dynamic_growth_steps < 1``.
 
   >>> import optax
   >>> lso = LossScaleOptimizer(optax.sgd(0.5), initial_scale=1024.0, dynamic_growth_steps=2)
@@ -375,6 +376,11 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     if not (math.isfinite(float(initial_scale)) and float(initial_scale) > 0):
       raise ValueError(f"LossScaleOptimizer: `initial_scale` must be a finite number > 0, got {initial_scale!r}; "
                        "the loss is multiplied by it (2**15 is Keras's and TF's default).")
+    f32 = np.finfo(np.float32)
+    if not float(f32.tiny) <= float(initial_scale) <= float(f32.max):
+      raise ValueError(f"LossScaleOptimizer: `initial_scale` {initial_scale!r} is outside float32's normal range "
+                       f"[{float(f32.tiny):.3g}, {float(f32.max):.3g}]; the scale is kept in float32, where it would "
+                       "be inf (every step skipped, the halved scale still inf) or 0.")
     growth = check_int(dynamic_growth_steps, "LossScaleOptimizer", "dynamic_growth_steps", minimum=1)
     if not isinstance(dynamic, bool):
       raise TypeError(f"LossScaleOptimizer: `dynamic` must be a bool, got {type(dynamic).__name__}.")

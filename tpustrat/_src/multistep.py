@@ -352,6 +352,7 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
       c, outs, flags = program.program(c, b)
       return (c, outs), flags
 
+    dispatched.__name__ = getattr(program.program, "__name__", "run_steps")  # the step's mark in a profile
     carry, outputs = engine.dispatch(dispatched, carry, batches, limit=limit, steps=k,
                                      numerics=numerics_lib.make_check(program.outputs, k, stacked=True))
   else:
@@ -375,4 +376,5 @@ def _with_token(program: Callable[..., Any]) -> Callable[..., tuple[Any, Any]]:
       i = min(range(len(leaves)), key=lambda j: leaves[j].size * getattr(leaves[j].dtype, "itemsize", 8))
     return result, None if i is None else leaves[i]
 
+  dispatched.__name__ = getattr(program, "__name__", "run_steps")  # the step's mark in a profile (`profiler`)
   return dispatched

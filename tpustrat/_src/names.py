@@ -21,6 +21,9 @@ ENV_STEP_TIMEOUT = "TPUSTRAT_STEP_TIMEOUT"  # seconds; the step watchdog (`watch
 ENV_COMPILE_TIMEOUT = "TPUSTRAT_COMPILE_TIMEOUT"  # seconds; the step watchdog's compile bound (`watchdog.py`)
 ENV_RESTART_COUNT = "TPUSTRAT_RESTART_COUNT"  # set by the launcher: 0 on the first start, then 1, 2, ...
 ENV_JOB_ID = "TPUSTRAT_JOB_ID"  # the job's identity, checked before joining its coordinator (`distributed.py`)
+ENV_PROFILE_DIR = "TPUSTRAT_PROFILE_DIR"  # a trace of each process into <dir>/process_<i> (`profiler.py`)
+ENV_PROFILE_STEPS = "TPUSTRAT_PROFILE_STEPS"  # with ENV_PROFILE_DIR: stop the trace after this many steps
+ENV_COMPILATION_CACHE_DIR = "TPUSTRAT_COMPILATION_CACHE_DIR"  # JAX's persistent cache (`compilation_cache.py`)
 
 # The job check (`distributed.py`): process 0 of a job with an identity serves it on this TCP port offset
 # from the coordinator's port (coordinator port + 1), and every other process reads it there before it

@@ -185,7 +185,9 @@ class Check:
       flags = flags[inner]
     step = self._step + (inner if inner is not None else 0)
     n = flags.shape[0]
-    bad, replicas, processes = [], set(), set()
+    bad: list[tuple[str, str, tuple[int, ...], bool, bool]] = []
+    replicas: set[int] = set()
+    processes: set[int] = set()
     lines = []
     for j, (path, kind) in enumerate(zip(out.paths, out.kinds)):
       column = flags[:, j]

@@ -326,7 +326,9 @@ class PreemptionCheckpointHandler:
       state, step = init_state, 0
     else:  # the newest intact checkpoint: a damaged newest one is moved aside, with a warning
       state = self._manager.restore(target=init_state, iterator=iterator)
-      step = int(self._manager.last_restored_step)
+      restored = self._manager.last_restored_step
+      assert restored is not None  # set by the restore just made
+      step = int(restored)
     with self._lock:
       self._calls = step
       self._counting = True

@@ -374,17 +374,18 @@ class SlurmClusterResolver(ClusterResolver):
     """(the step's hosts in Slurm's order, the tasks on each)."""
     nodelist = _env("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     hosts = None if nodelist is None else expand_hostlist(nodelist[1], nodelist[0])
+    nodes = "" if nodelist is None else f"{nodelist[0]}={nodelist[1]!r}"  # for messages
     if hosts is not None and len(set(hosts)) != len(hosts):
       twice = sorted({h for h in hosts if hosts.count(h) > 1})
-      raise ValueError(f"{_WHERE}: the node list {nodelist[0]}={nodelist[1]!r} names {twice} more than once.")
+      raise ValueError(f"{_WHERE}: the node list {nodes} names {twice} more than once.")
     if isinstance(tasks_per_node, dict):
       config = _check_counts(tasks_per_node, "tasks_per_node", minimum=1)
       if hosts is None:
         return list(config), list(config.values())
       if set(config) != set(hosts):
         raise ValueError(
-            f"{_WHERE}: tasks_per_node names the hosts {sorted(config)}, but the step runs on {nodelist[0]}="
-            f"{nodelist[1]!r} ({hosts}).")
+            f"{_WHERE}: tasks_per_node names the hosts {sorted(config)}, but the step runs on {nodes} "
+            f"({hosts}).")
       return hosts, [config[h] for h in hosts]
     if hosts is None:
       raise RuntimeError(f"{_WHERE}: SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST) is not set: not running "
@@ -398,8 +399,8 @@ class SlurmClusterResolver(ClusterResolver):
     counts = expand_tasks_per_node(found[1], found[0])
     if len(counts) != len(hosts):
       raise ValueError(
-          f"{_WHERE}: {found[0]}={found[1]!r} gives task counts for {len(counts)} nodes, but {nodelist[0]}="
-          f"{nodelist[1]!r} names {len(hosts)}.")
+          f"{_WHERE}: {found[0]}={found[1]!r} gives task counts for {len(counts)} nodes, but {nodes} "
+          f"names {len(hosts)}.")
     return hosts, counts
 
   def _choose_gpus(self, gpus_per_node: int | None, gpus_per_task: int | None, auto_set_gpu: bool,

@@ -50,8 +50,10 @@ def named_leaves(tree: Any) -> list[tuple[str, Any]]:
 def num_steps(stacked: Any, what: str) -> int:
   """The common leading (steps) size of every array of `stacked`, or a clear error."""
   sizes0 = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(stacked)}
-  if len(sizes0) == 1 and None not in sizes0:
-    return sizes0.pop()
+  if len(sizes0) == 1:
+    (size0,) = sizes0
+    if size0 is not None:
+      return size0
   named = named_leaves(stacked)
   if not named:
     raise ValueError(f"{what}: the stacked batches hold no arrays ({stacked!r:.100}).")

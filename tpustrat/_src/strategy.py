@@ -9,6 +9,7 @@ that hold distributed values (`tpustrat._src.reduce`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -18,12 +19,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import cluster_resolver as cluster_resolver_lib
-from tpustrat._src import collectives, host_memory, multistep
+from tpustrat._src import collectives, gradient_semantics, host_memory, multistep, profiler
 from tpustrat._src import context as context_lib
 from tpustrat._src import input as input_lib
 from tpustrat._src import logical as logical_lib
 from tpustrat._src import reduce as reduce_lib
 from tpustrat._src import sharding as sharding_lib
+from tpustrat._src import step_stats as step_stats_lib
 from tpustrat._src.cluster_resolver import ClusterResolver, experimental_connect_to_cluster
 from tpustrat._src.cross_device import CrossDeviceExtendedMixin
 from tpustrat._src.engine import DEFAULT_STEPS_IN_FLIGHT, Engine, RunOptions, check_run_call
@@ -45,6 +47,8 @@ class StrategyExtended(CrossDeviceExtendedMixin):
     self._devices = tuple(devices)
     self._engine = engine  # the strategy's `run` engine; None for the default strategy
     self._max_steps_in_flight = DEFAULT_STEPS_IN_FLIGHT  # used only without an engine (default strategy)
+    # The engine's step counters (`experimental_step_stats`); the default strategy keeps its own.
+    self._step_counters = step_stats_lib.StepCounters() if engine is None else engine.step_stats
 
   @property
   def engine(self) -> Engine | None:
@@ -97,6 +101,38 @@ class StrategyExtended(CrossDeviceExtendedMixin):
     else:
       engine.max_steps_in_flight = value
 
+  @property
+  def step_counters(self) -> step_stats_lib.StepCounters:
+    """The counters behind `strategy.experimental_step_stats()` (internal API): the strategy's `run` and
+    `experimental_run_steps` and its distributed datasets' iterators add to them."""
+    return self._step_counters
+
+  @property
+  def experimental_input_bound_threshold(self) -> float | None:
+    """Above which share of a window's time spent waiting for input `tpustrat.InputBoundWarning` is given
+    (once per strategy); 0.5 unless set. A float in ``(0, 1]``, or None: no warning."""
+    return self._step_counters.threshold
+
+  @experimental_input_bound_threshold.setter
+  def experimental_input_bound_threshold(self, value: float | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 < value <= 1):
+      raise ValueError(f"strategy.extended.experimental_input_bound_threshold must be a number in (0, 1] or None, "
+                       f"got {value!r:.100}.")
+    self._step_counters.threshold = None if value is None else float(value)
+
+  @property
+  def experimental_input_bound_window(self) -> int:
+    """How many steps make one window of the input-bound check (`experimental_input_bound_threshold`); 50
+    unless set. An int >= 1; a window also needs half a second of wall time to be judged."""
+    return self._step_counters.window
+
+  @experimental_input_bound_window.setter
+  def experimental_input_bound_window(self, value: int) -> None:
+    counters = self._step_counters
+    counters.window = check_int(value, "strategy.extended", "experimental_input_bound_window", minimum=1)
+    counters.reset_window()
+
   # -- the collectives of `ReplicaContext` (TF's `extended._replica_ctx_all_reduce`, ...) ----------------
 
   def replica_all_reduce(self, reduce_op: ReduceOp, value: Any, options: Any, axis_name: str | None,
@@ -116,7 +152,7 @@ class StrategyExtended(CrossDeviceExtendedMixin):
       return value  # the default strategy has one replica
     # The strategy's CrossDeviceOps (a plain psum when none is configured and no options); they warn under
     # the name the user called.
-    with collectives.reported_as("ReplicaContext.all_reduce"):
+    with gradient_semantics.reported_as("ReplicaContext.all_reduce"):
       return self._replica_all_reduce(reduce_op, value, options, axis_name)
 
   def replica_all_gather(self, value: Any, axis: int, options: Any, axis_name: str | None,
@@ -150,6 +186,7 @@ class Strategy:
     self._mesh = logical_lib.replica_core_mesh(grid)
     self._engine = Engine(self._mesh, self._mesh.shape[REPLICA_AXIS], make_context=self._replica_context)
     self._extended = StrategyExtended(self, list(grid[:, 0]), self._engine)  # replicas' logical core 0, as TF
+    profiler.start_from_environment()  # `launch --profile DIR`: the first strategy starts the process's profile
 
   def _replica_context(self, real_rows: Sequence[tuple[int, Any]]) -> context_lib.ReplicaContext:
     """The context `fn` sees while `run` traces it (`real_rows`: see `ReplicaContext.real_rows`)."""
@@ -223,6 +260,39 @@ class Strategy:
   def experimental_run_wait(self) -> None:
     """Blocks until every step dispatched with `run` (or `experimental_run_steps`) has finished."""
     self._engine.wait()
+
+  def experimental_step_stats(self, reset: bool = False) -> step_stats_lib.StepStats:
+    """Where this process's training loop spent its time, since the first step (or the last reset).
+
+    Counted always, at the cost of two clock reads per step: the time the host waited in this strategy's
+    distributed iterators for the next batch (`input_seconds`), the time it waited on the devices for an
+    older step to finish, because of the steps-in-flight bound or in `experimental_run_wait`
+    (`device_seconds`), the steps that `run` and `experimental_run_steps` dispatched, and the wall time;
+    the rest is the host's own work (the step's Python, dispatch, compiling, reading results). The last
+    4096 dispatches are kept one by one (`history`). When the input share of a window of 50 steps exceeds
+    one half, `tpustrat.InputBoundWarning` says so, once (`strategy.extended.experimental_input_bound_threshold`).
+
+    >>> strategy = tpustrat.TPUStrategy()
+    >>> dist = strategy.experimental_distribute_dataset([np.ones(8, np.float32)] * 3)
+    >>> _ = strategy.experimental_step_stats(reset=True)
+    >>> for batch in dist:
+    ...   out = strategy.run(lambda x: x * 2, args=(batch,))
+    >>> stats = strategy.experimental_step_stats()
+    >>> stats.steps, len(stats.history), stats.wall_seconds >= stats.input_seconds + stats.device_seconds
+    (3, 3, True)
+
+    Args:
+      reset: start counting again from zero after taking the summary.
+
+    Returns:
+      A `tpustrat.StepStats`; `print` it for a one-line summary.
+    """
+    counters = self._extended.step_counters
+    now = time.perf_counter()
+    stats = counters.summary(now)
+    if reset:
+      counters.reset(now)
+    return stats
 
   def experimental_run_steps(self, fn: Callable[..., Any], iterator: Any, steps: int | None = None,
                              init: Any = None, options: RunOptions | None = None) -> tuple[Any, Any]:
@@ -301,7 +371,7 @@ class Strategy:
     others `Mirrored`: parameters and, through them, optimizer state at 1/N per device (ZeRO / FSDP).
 
     Args:
-      value: a pytree of arrays (host or device), `Mirrored` values or `ShardedVariable`s.
+      value: a pytree of arrays (host or device), `Mirrored` values or `ShardedVariable` values.
       partitioner: ``(path, shape, dtype) -> axis or None`` for each leaf (None: keep it `Mirrored`), or a
         `tpustrat.MinSizePartitioner` (the default: leaves of at least 256 KiB, along axis 0).
       layout_map: a `tpustrat.LayoutMap` (needs logical cores: a `DeviceAssignment` with
@@ -315,7 +385,7 @@ class Strategy:
     Inside `run` a step sees each `ShardedVariable` as its block (`tpustrat.LocalShard`): read it whole with
     ``v.read_value()`` or ``tpustrat.read_values(tree)``; gradients w.r.t. the blocks are blocks of the
     gradient summed over replicas, optax works on the blocks, and `run` returns the new blocks as
-    `ShardedVariable`s.
+    `ShardedVariable` values.
 
     >>> strategy = tpustrat.TPUStrategy()
     >>> state = strategy.experimental_shard({"w": np.zeros((10, 4), np.float32), "b": np.zeros(4)},
@@ -697,6 +767,7 @@ class _DefaultStrategy(Strategy):
 
   def run(self, fn, args=(), kwargs=None, options=None):  # noqa: D102
     kwargs = check_run_call(fn, args, kwargs)
+    self._extended.step_counters.note_steps(1, time.perf_counter())
     return fn(*args, **kwargs)
 
   def experimental_run_wait(self) -> None:

@@ -177,7 +177,7 @@ class TFConfigClusterResolver(ClusterResolver):
       if job in spec.jobs and spec.num_tasks(job) > 1:
         raise _bad(f"{_ENV}['cluster'][{job!r}]", f"has {spec.num_tasks(job)} tasks; there is at most one {job} "
                    "(as in TF).")
-    order = []
+    order: list[tuple[str, int]] = []
     for job in _TRAINING:
       if job in spec.jobs:
         tasks = spec.job_tasks(job)
@@ -245,6 +245,8 @@ class TFConfigClusterResolver(ClusterResolver):
       return ""
     task_type = self._task_type if task_type is None else task_type
     task_id = self._task_id if task_id is None else task_id
+    if task_type is None or task_id is None:  # no task given, and TF_CONFIG names none
+      raise ValueError(f"No task with index {task_id!r} in job {task_type!r}")
     address = spec.task_address(task_type, task_id)
     layer = self._rpc_layer if rpc_layer is None else rpc_layer
     return f"{layer}://{address}" if layer else address

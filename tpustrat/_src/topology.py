@@ -51,7 +51,7 @@ def _is_3d_generation(device: Any) -> bool:
   ``'TPU v5'``; later ones unless ``lite``), so that its topology has a ``z`` axis even when a slice is
   one chip deep (a v4-8). v2, v3 and the "lite" generations (v5e, v6e) are 2-D."""
   match = re.search(r"v?(\d+)\s*(\w*)", str(getattr(device, "device_kind", "")).lower().removeprefix("tpu"))
-  return bool(match) and int(match.group(1)) >= 4 and match.group(2) not in ("lite", "e")
+  return match is not None and int(match.group(1)) >= 4 and match.group(2) not in ("lite", "e")
 
 
 def synthetic_layout(num_devices: int) -> tuple[list[int], list[tuple[int, ...]]]:
@@ -71,7 +71,7 @@ def synthetic_layout(num_devices: int) -> tuple[list[int], list[tuple[int, ...]]
   chips = num_devices // cores
   y = max(d for d in range(1, math.isqrt(chips) + 1) if chips % d == 0)
   x = chips // y
-  coords = [((i // cores) % x, (i // cores) // x, i % cores) for i in range(num_devices)]
+  coords: list[tuple[int, ...]] = [((i // cores) % x, (i // cores) // x, i % cores) for i in range(num_devices)]
   return [x, y, cores], coords
 
 

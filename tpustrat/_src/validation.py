@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["check_fits_32_bits", "check_int", "check_seconds", "check_tree_fits_32_bits", "is_int",
-           "normalize_axis", "tree_path"]
+           "normalize_axis", "tree_path", "x64_enabled"]
 
 
 def is_int(value: Any) -> bool:
@@ -78,12 +78,14 @@ def normalize_axis(axis: Any, rank: int, where: str) -> int:
 # complex128 become float32 and complex64, as in JAX: that loses precision, not the integers' identity,
 # and is not checked.
 
-_NARROWED = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32)}
+_NARROWED: dict[np.dtype[Any], np.dtype[Any]] = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32)}
 
 
-def _x64_enabled() -> bool:
+def x64_enabled() -> bool:
+  """Whether JAX keeps 64-bit values (``jax_enable_x64``, also within its context managers)."""
   import jax  # pylint: disable=import-outside-toplevel  # loaded by every caller; the launcher never calls this
-  return bool(jax.config.jax_enable_x64)
+  # The flag read through its effect: `jax.config.jax_enable_x64` is a dynamic attribute JAX's types lack.
+  return jax.dtypes.canonicalize_dtype(np.int64) == np.dtype(np.int64)
 
 
 def check_fits_32_bits(x: Any, where: str | Callable[[], str]) -> None:
@@ -106,7 +108,7 @@ def check_fits_32_bits(x: Any, where: str | Callable[[], str]) -> None:
   if not isinstance(x, (np.ndarray, np.generic)):
     return
   target = _NARROWED.get(x.dtype)
-  if target is None or x.size == 0 or _x64_enabled():
+  if target is None or x.size == 0 or x64_enabled():
     return
   info = np.iinfo(target)
   if x.min() >= info.min and x.max() <= info.max:
@@ -152,7 +154,10 @@ def check_tree_fits_32_bits(tree: Any, describe: Callable[[str], str]) -> None:
   if not any(isinstance(x, (np.ndarray, np.generic)) and x.dtype in _NARROWED for x in leaves):
     return
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    check_fits_32_bits(x, lambda path=path: describe(tree_path(path)))
+    def where(path: Any = path) -> str:
+      return describe(tree_path(path))
+
+    check_fits_32_bits(x, where)
 
 
 # -- timeouts ----------------------------------------------------------------------------------------------

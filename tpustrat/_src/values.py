@@ -29,7 +29,7 @@ mean one of two things, and nothing else decides which:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,7 @@ class DistributedValues:
   """Base class of values that hold one component per replica (TF's `tf.distribute.DistributedValues`)."""
 
   __slots__ = ("_value",)
+  _value: Any
 
   def __init__(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - abstract
     raise TypeError("DistributedValues is abstract: use PerReplica or Mirrored.")
@@ -103,6 +104,10 @@ class PerReplica(DistributedValues):
   """
 
   __slots__ = ("_valid", "_host_valid", "_per_example", "_tag")
+  _valid: Any
+  _host_valid: np.ndarray | None
+  _per_example: bool
+  _tag: Any
 
   @classmethod
   def _wrap(cls, value: Any, valid: Any = None, host_valid: np.ndarray | None = None, *,
@@ -251,12 +256,12 @@ class ElementTag(NamedTuple):
   a new dataset of the same kind (a new epoch's) share compiled programs."""
 
   paths: tuple[tuple[Any, ...], ...]
-  index: int
+  position: int  # of this leaf in `paths`
 
   def element_root(self, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The path of the element this leaf belongs to, given the leaf's own `path` in a larger tree (the
     arguments of `run`); None when the leaf is no longer where its element put it."""
-    own = self.paths[self.index]
+    own = self.paths[self.position]
     if len(own) > len(path) or tuple(path[len(path) - len(own):]) != tuple(own):
       return None
     return tuple(path[:len(path) - len(own)])
@@ -266,11 +271,19 @@ _PADDED = "padded"  # the counts are the value's own: its rows are examples
 _BATCH_ROWS = "batch_rows"  # the counts are its step's batch's: used where axis 0 is said to be the batch
 
 
+def _mesh(x: jax.Array) -> jax.sharding.Mesh | jax.sharding.AbstractMesh:
+  """The mesh of an array laid out over a strategy's mesh (by a `NamedSharding`, as every such array is)."""
+  sharding = x.sharding
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    raise TypeError(f"expected an array laid out by a NamedSharding over a mesh, got one laid out by {sharding}.")
+  return sharding.mesh
+
+
 def host_counts(valid: Any) -> np.ndarray:
   """The per-replica real-row counts of a padded `PerReplica` as a host numpy int array."""
   if isinstance(valid, jax.Array) and not valid.is_fully_addressable:
     valid = jax.jit(lambda v: v, out_shardings=jax.sharding.NamedSharding(
-        valid.sharding.mesh, jax.sharding.PartitionSpec()))(valid)
+        _mesh(valid), jax.sharding.PartitionSpec()))(valid)
   return np.asarray(valid).astype(np.int64).reshape(-1)
 
 
@@ -403,7 +416,10 @@ def _check_component_dtypes(parts: Sequence[Any], i: int, first: Any) -> None:
         "to one dtype first.")
   for r, p in enumerate(parts):
     if isinstance(p, (np.ndarray, np.generic)):
-      check_fits_32_bits(p, lambda r=r: f"PerReplica: component {r}, the leaf at {_leaf_path(first, i)},")
+      def where(r: int = r) -> str:
+        return f"PerReplica: component {r}, the leaf at {_leaf_path(first, i)},"
+
+      check_fits_32_bits(p, where)
 
 
 def _leaf_path(tree: Any, i: int) -> str:
@@ -471,11 +487,10 @@ def check_components(x: Any, num_replicas: int, what: str) -> None:
 
 
 
-def _lone_replica(sharding: Any) -> bool:
+def _lone_replica(sharding: Any) -> TypeGuard[jax.sharding.NamedSharding]:
   """Whether `sharding` lies on a strategy mesh whose ``'replica'`` axis has a single device."""
-  mesh = getattr(sharding, "mesh", None)
-  return (isinstance(sharding, jax.sharding.NamedSharding) and REPLICA_AXIS in mesh.axis_names
-          and mesh.shape[REPLICA_AXIS] == 1)
+  return (isinstance(sharding, jax.sharding.NamedSharding) and REPLICA_AXIS in sharding.mesh.axis_names
+          and sharding.mesh.shape[REPLICA_AXIS] == 1)
 
 
 def _without_replica(entry: Any) -> Any:
@@ -552,9 +567,11 @@ class ShardedVariable(DistributedValues):
   """
 
   __slots__ = ("_shape", "_axis")
+  _shape: tuple[int, ...]
+  _axis: int
 
   @classmethod
-  def _wrap(cls, value: Any, shape: tuple[int, ...] = (), axis: int = 0) -> ShardedVariable:  # type: ignore[override]
+  def _wrap(cls, value: Any, shape: tuple[int, ...] = (), axis: int = 0) -> ShardedVariable:
     obj = object.__new__(cls)
     obj._value = value
     obj._shape = tuple(shape)
@@ -622,7 +639,7 @@ def _replica_count(x: Any) -> int:
 
 def _fully_replicated(x: Any) -> Any:
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    mesh = x.sharding.mesh
+    mesh = _mesh(x)
     return jax.jit(lambda v: v, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(x)
   return x
 

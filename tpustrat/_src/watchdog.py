@@ -215,9 +215,9 @@ class Watchdog:
         self._published = steps
       message = _try_get(client, _ABORT_KEY)
       if message is not None:
-        busy = _describe(self._status(now), with_steps=False)
+        doing = _describe(self._status(now), with_steps=False)
         self._end(f"{message}\ntpustrat: step watchdog: process {self.process_index} (last step reached: "
-                  f"{self.steps}{'; ' + busy if busy else ''}) stops too.")
+                  f"{self.steps}{'; ' + doing if doing else ''}) stops too.")
         return
     since = self._compiling_since
     if since is not None and now - since > self.compile_timeout:

@@ -30,7 +30,9 @@ def device_from_string(spec: str, what: str = "destinations") -> Any:
 
   `what` names the argument in error messages.
   """
-  task, kind, index = None, None, None
+  task: int | None = None
+  kind: str | None = None
+  index = 0  # set with `kind`
   for part in filter(None, spec.strip().split("/")):
     key, _, rest = part.partition(":")
     key = key.lower()

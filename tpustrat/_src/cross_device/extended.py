@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tpustrat._src import collectives
+from tpustrat._src import gradient_semantics
 from tpustrat._src.cross_device.ops import CrossDeviceOps, check_cross_replica, default_cross_device_ops
 from tpustrat._src.cross_device.options import CommunicationOptions, check_options
 from tpustrat._src.reduce_op import ReduceOp
@@ -30,6 +30,7 @@ class CrossDeviceExtendedMixin:
   """
 
   _cross_device_ops: CrossDeviceOps | None = None
+  _strategy: Any  # the `Strategy` that owns the extended object (set by `StrategyExtended`)
 
   def _get_cross_device_ops(self) -> CrossDeviceOps:
     ops = self._cross_device_ops
@@ -111,7 +112,7 @@ class CrossDeviceExtendedMixin:
     """
     op = ReduceOp.from_value(reduce_op)
     if self._cross_device_ops is None and options is None:
-      collectives.warn_if_already_replicated("ReplicaContext.all_reduce", jax.tree.leaves(value), axis_name,
+      gradient_semantics.warn_if_already_replicated("ReplicaContext.all_reduce", jax.tree.leaves(value), axis_name,
                                              lax.axis_size(axis_name), "num_replicas_in_sync", op.name)
       reducer = lax.psum if op is ReduceOp.SUM else lax.pmean
       return jax.tree.map(lambda x: reducer(jnp.asarray(x), axis_name), value)

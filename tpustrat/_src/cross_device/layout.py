@@ -92,6 +92,8 @@ def _mesh_axis(x: Any, kind: str) -> tuple[Mesh, str] | None:
   if not isinstance(sharding, NamedSharding):
     return None
   mesh, spec = sharding.mesh, tuple(sharding.spec)
+  if not isinstance(mesh, Mesh):  # an abstract mesh: no devices (a concrete array never has one)
+    return None
   if kind == "stacked":
     if (x.ndim >= 1 and spec and isinstance(spec[0], str) and all(s is None for s in spec[1:])
         and mesh.shape[spec[0]] == x.shape[0]):
@@ -126,14 +128,16 @@ def layout_of(value: DistributedValues, what: str = "per_replica_value") -> Layo
   kind = "stacked" if isinstance(value, PerReplica) else "mirrored"
   leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]
   found = {_mesh_axis(x, kind) for x in leaves}
-  if len(found) == 1 and None not in found:
-    mesh, axis = found.pop()
-    return Layout(mesh, axis, kind, leaves, treedef)
+  if len(found) == 1:
+    (only,) = found
+    if only is not None:
+      return Layout(only[0], only[1], kind, leaves, treedef)
   if kind == "stacked":
     counts = {x.shape[0] if x.ndim else None for x in leaves}
-    if len(counts) != 1 or None in counts:
+    count = counts.pop() if len(counts) == 1 else None
+    if count is None:
       raise ValueError(f"{what}: the leaves of {value!r} disagree on the number of components.")
-    mesh, axis = _default_mesh(counts.pop(), what)
+    mesh, axis = _default_mesh(count, what)
     target = NamedSharding(mesh, P(axis))
   else:
     devices = {d for x in leaves if isinstance(x, jax.Array) for d in x.devices()}

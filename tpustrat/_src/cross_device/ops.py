@@ -52,7 +52,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tpustrat._src import all_reduce, collectives, engine
+from tpustrat._src import all_reduce, engine, gradient_semantics
 from tpustrat._src import context as context_lib
 from tpustrat._src.cross_device.devices import device_from_string
 from tpustrat._src.cross_device.layout import (
@@ -122,7 +122,7 @@ def _with_wait_token(program: Callable[[list[jax.Array]], list[jax.Array]]) -> C
 
   def with_token(xs: list[jax.Array]) -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
     out = list(program(xs))
-    return out, (() if engine.wait_leaf(out, xs) is not None else (jnp.zeros((), jnp.int8),))
+    return out, (() if engine.wait_leaf(out, tuple(xs)) is not None else (jnp.zeros((), jnp.int8),))
 
   return with_token
 
@@ -133,7 +133,7 @@ def _wait_on(out: list[jax.Array], token: tuple[jax.Array, ...], inputs: list[ja
   the token. Waiting on a large output would keep its buffer alive two reductions longer."""
   if token:
     return token[0]
-  i = engine.wait_leaf(out, inputs)
+  i = engine.wait_leaf(out, tuple(inputs))
   return None if i is None else out[i]
 
 
@@ -291,7 +291,7 @@ class CrossDeviceOps:
     root = self._root_in_run(axis_name)  # validates the configuration before anything is traced
     leaves, treedef = jax.tree.flatten(value)
     n = lax.axis_size(axis_name)
-    collectives.warn_if_already_replicated(f"{type(self).__name__}.all_reduce_in_replica_context", leaves,
+    gradient_semantics.warn_if_already_replicated(f"{type(self).__name__}.all_reduce_in_replica_context", leaves,
                                            axis_name, n, "num_replicas_in_sync", op.name)
     leaves = [all_reduce.to_varying(all_reduce.summable(jnp.asarray(x)), axis_name) for x in leaves]
     out = self._all_reduce_local(op, leaves, axis_name, n, options, root=root)

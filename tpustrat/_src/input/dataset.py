@@ -121,6 +121,8 @@ class DistributedDataset:
       # One batch [N, ...] split over its leading axis; stacked steps [steps, N, ...] over the second.
       self._splits = (NamedSharding(mesh, P(REPLICA_AXIS)), NamedSharding(mesh, P(None, REPLICA_AXIS)))
     self._multi_process = len(self._local) != self._num_replicas
+    # The strategy's step statistics: its iterators add the time they wait for batches (`step_stats`).
+    self._stats = getattr(getattr(strategy, "extended", None), "step_counters", None)
     # Batches read ahead by a prefetch thread: the option, or the default of the devices' platform.
     platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
     self._buffer_size = buffer_size(options, platform)
@@ -186,7 +188,7 @@ class DistributedDataset:
   def _feed(self) -> Feed:
     """What an iterator of this dataset needs of it."""
     return Feed(produce=self._produce, spec_known=lambda: self._spec is not None, one_shot=self._one_shot,
-                opened=self._opened, reopen=self._reopen, buffer_size=self._buffer_size)
+                opened=self._opened, reopen=self._reopen, buffer_size=self._buffer_size, stats=self._stats)
 
   def _opened(self, live: Live) -> None:
     self._live = live

@@ -15,12 +15,14 @@ from __future__ import annotations
 import collections
 import collections.abc
 import functools
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from tpustrat._src import profiler
 from tpustrat._src import steps as steps_lib
 from tpustrat._src.input.encoding import bytes_to_text, text_to_bytes
 from tpustrat._src.input.prefetch import ERROR, ITEM, Prefetcher
@@ -42,6 +44,8 @@ class Feed(NamedTuple):
   # Elements a prefetch thread keeps ready (the options' buffer size, or the platform's default); 0: no
   # thread, each element is produced when it is asked for. Unused without fetch_to_device (no thread).
   buffer_size: int
+  # The strategy's `step_stats.StepCounters`: the time `next` / `take_steps` wait for a batch is added.
+  stats: Any = None
 
 
 class Live(NamedTuple):
@@ -121,7 +125,13 @@ class DistributedIterator:
 
   def __next__(self) -> Any:
     self._state.grid = (1, 0)
-    batch, n = self._next_chunk()
+    start = time.perf_counter()  # the wait is counted in the strategy's step statistics (`step_stats`)
+    try:
+      with profiler.input_wait():  # the host's wait for input, marked in a profile (`profiler.py`)
+        batch, n = self._next_chunk()
+    finally:
+      if self._feed.stats is not None:
+        self._feed.stats.note_input(start)
     if n is not None:  # after take_steps: a group read ahead
       batch, *rest = steps_lib.unstack_steps(batch)
       self._chunks.extendleft((b, None) for b in reversed(rest))
@@ -177,8 +187,10 @@ class DistributedIterator:
     parts: list[tuple[Any, int | None]] = []
     have = 0
     while have < k:
+      start = time.perf_counter()
       try:
-        chunk = self._next_chunk()
+        with profiler.input_wait():
+          chunk = self._next_chunk()
       except StopIteration:
         break
       except Exception as e:  # pylint: disable=broad-except
@@ -186,6 +198,9 @@ class DistributedIterator:
           raise
         self._error = e  # hand out the steps read so far; raise on the next call
         break
+      finally:
+        if self._feed.stats is not None:
+          self._feed.stats.note_input(start)
       steps = 1 if chunk[1] is None else chunk[1]
       if parts and not _same_step(parts[0], chunk):
         self._chunks.appendleft(chunk)

@@ -68,9 +68,21 @@ def batch_of(ctx: Any, x: Any, fn: str) -> int | None:
   return candidates[0] if candidates else None
 
 
+def _replica_context(fn: str) -> context_lib.ReplicaContext:
+  """The current replica context (the default strategy's with no strategy); raises in the cross-replica
+  context, where there is no replica and no batch."""
+  ctx = context_lib.get_replica_context()
+  if ctx is None:
+    raise RuntimeError(
+        f"tpustrat.{fn} was called in the cross-replica context of {context_lib.get_strategy()!r} (inside "
+        "strategy.scope(), outside strategy.run), where there is no replica's batch. Call it inside the "
+        "function given to strategy.run.")
+  return ctx
+
+
 def _real_rows(x: Any, fn: str) -> tuple[int, Any]:
   """(padded batch size, this replica's number of real rows) for batch `x` in the current replica."""
-  ctx = context_lib.get_replica_context()
+  ctx = _replica_context(fn)
   known = ctx.real_rows
   if x is None:
     if len(known) != 1:
@@ -165,14 +177,14 @@ def per_example(tree: Any, *, batch: Any = None) -> Any:
   >>> tpustrat.per_example(tree) is tree   # outside run: nothing to mark
   True
   """
-  ctx = context_lib.get_replica_context()
+  ctx = _replica_context("per_example")
   known = ctx.real_rows
   if not known:
     return tree
   sizes = [k for k, _ in known]
   given = None
   if batch is not None:
-    found = {ctx.batch_index(leaf) for leaf in jax.tree.leaves(batch)} - {None}
+    found = {i for leaf in jax.tree.leaves(batch) if (i := ctx.batch_index(leaf)) is not None}
     if len(found) > 1:
       raise ValueError("tpustrat.per_example(tree, batch=...): `batch` holds arrays of several padded batches "
                        f"({', '.join(ctx.batch_names[i] for i in sorted(found))}); pass one.")

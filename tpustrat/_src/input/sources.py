@@ -119,7 +119,10 @@ def _check_narrowing(leaves: list[np.ndarray], batch: Any, index: int, what: str
   A dtype test per leaf; a min and max only over int64 / uint64 leaves."""
   for i, x in enumerate(leaves):
     if x.dtype in _WIDE_INTS:
-      check_fits_32_bits(x, lambda i=i: f"{what} {index}: the leaf at {_leaf_path(batch, i)}")
+      def where(i: int = i) -> str:
+        return f"{what} {index}: the leaf at {_leaf_path(batch, i)}"
+
+      check_fits_32_bits(x, where)
 
 
 def _leaf_path(batch: Any, i: int) -> str:
@@ -248,9 +251,11 @@ def batched_examples(dataset: Any) -> BatchedExamples | None:
     return None
   if type(dataset) is not getattr(grain_batch, "BatchMapDataset", None):
     return None
-  size, drop, stack = (getattr(dataset, name, None) for name in ("_batch_size", "_drop_remainder", "_batch_fn"))
-  parents = getattr(dataset, "parents", ())
-  if (stack is None or stack is not getattr(grain_batch, "make_batch", None) or type(size) is not int
+  size = getattr(dataset, "_batch_size", None)
+  drop = getattr(dataset, "_drop_remainder", None)
+  stack: Callable[[Sequence[Any]], Any] | None = getattr(dataset, "_batch_fn", None)
+  parents: Sequence[Any] = getattr(dataset, "parents", ())
+  if (stack is not getattr(grain_batch, "make_batch", None) or stack is None or type(size) is not int
       or size < 1 or not isinstance(drop, bool) or len(parents) != 1):
     return None
   try:

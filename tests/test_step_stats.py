@@ -1,0 +1,255 @@
+"""Step statistics (`strategy.experimental_step_stats()`), the input-bound warning and the retracing warning.
+
+The slow sources sleep per element: the data source is the thing under test (a pipeline slower than the
+step). Nothing here sleeps to make a test pass; the counters are compared with what was measured around
+the sleeps, not with hard-coded times.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tpustrat
+from tpustrat._src import step_stats
+
+SLEEP = 0.01  # seconds per element of the slow source
+STEPS = 120  # > 2 windows of 50 steps, > 0.5 s each with SLEEP
+
+
+class SlowSource:
+  """`n` batches of 16 rows; each element takes `SLEEP` seconds to make (a slow decoder), measured."""
+
+  def __init__(self, n: int = STEPS, sleep: float = SLEEP) -> None:
+    self.n, self.sleep, self.slept = n, sleep, 0.0
+
+  def __iter__(self):
+    for i in range(self.n):
+      start = time.perf_counter()
+      time.sleep(self.sleep)
+      self.slept += time.perf_counter() - start
+      yield np.full((16, 4), i, np.float32)
+
+
+def step(x):
+  return tpustrat.get_replica_context().all_reduce("sum", jnp.sum(x))
+
+
+def heavy_step(w, x):
+  h = x
+  for _ in range(6):
+    h = jnp.tanh(h @ w)
+  return tpustrat.get_replica_context().all_reduce("sum", jnp.sum(h))
+
+
+def _loop(strategy, source, fn=step, extra=()):
+  for batch in strategy.experimental_distribute_dataset(source):
+    strategy.run(fn, args=(*extra, batch))
+  strategy.experimental_run_wait()
+
+
+@pytest.fixture
+def fresh():
+  """A strategy of its own: the warnings are given once per strategy, and its counters start at zero."""
+  return tpustrat.TPUStrategy()
+
+
+def _check_counts(stats, source, steps):
+  assert stats.steps == steps
+  assert sum(r.steps for r in stats.history) == steps
+  # The iterator's wait contains each element's making, so at least what the source measured around its
+  # sleeps; the parts add up to at most the wall time.
+  assert stats.input_seconds >= source.slept
+  assert stats.input_seconds + stats.device_seconds <= stats.wall_seconds
+  assert 0 <= stats.input_share <= 1 and abs(stats.input_share + stats.device_share + stats.host_share - 1) < 1e-9
+  # The history holds the waits before each dispatch: all but the last call, which found the end of the data.
+  assert sum(r.input_seconds for r in stats.history) <= stats.input_seconds + 1e-9
+  assert sum(r.input_seconds for r in stats.history) >= source.slept
+  assert all(r.seconds >= r.input_seconds + r.device_seconds for r in stats.history)
+
+
+def test_a_slow_source_warns_once_naming_the_share_and_the_remedies(fresh):
+  source = SlowSource()
+  with pytest.warns(tpustrat.InputBoundWarning) as record:
+    _loop(fresh, source)
+  assert len(record) == 1  # once, although both windows are input-bound
+  message = str(record[0].message)
+  assert "waited for input" in message and "%" in message
+  for remedy in ("experimental_per_replica_buffer_size", "experimental_run_steps",
+                 "experimental_distribute_datasets_from_function", "experimental_step_stats"):
+    assert remedy in message
+  assert record[0].filename == __file__  # points at the user's loop
+  stats = fresh.experimental_step_stats()
+  _check_counts(stats, source, STEPS)
+  assert len(stats.history) == STEPS
+  assert stats.input_share > 0.5
+  assert str(stats).startswith(f"{STEPS} steps in ")
+  with warnings.catch_warnings():  # given once per strategy: a second slow loop is quiet
+    warnings.simplefilter("error", tpustrat.InputBoundWarning)
+    _loop(fresh, SlowSource(60))
+
+
+def test_a_fast_source_does_not_warn(fresh):
+  rng = np.random.default_rng(0)
+  data = [rng.standard_normal((64, 128)).astype(np.float32) for _ in range(150)]
+  w = rng.standard_normal((128, 128)).astype(np.float32) / 12
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _loop(fresh, data, heavy_step, (w,))
+  stats = fresh.experimental_step_stats()
+  assert stats.steps == 150 and len(stats.history) == 150
+  assert stats.input_share < 0.5
+
+
+def test_reset_and_the_warning_settings(fresh):
+  source = SlowSource(60)
+  fresh.extended.experimental_input_bound_threshold = None  # no warning
+  assert fresh.extended.experimental_input_bound_threshold is None
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _loop(fresh, source)
+  stats = fresh.experimental_step_stats(reset=True)
+  _check_counts(stats, source, 60)
+  after = fresh.experimental_step_stats()
+  assert after.steps == 0 and after.input_seconds == 0 and after.history == ()
+  # A smaller window and threshold: the warning names the window's steps.
+  fresh.extended.experimental_input_bound_threshold = 0.3
+  fresh.extended.experimental_input_bound_window = 55
+  assert fresh.extended.experimental_input_bound_window == 55
+  with pytest.warns(tpustrat.InputBoundWarning, match="over its last 55 steps"):
+    _loop(fresh, SlowSource(60))
+  with pytest.raises(ValueError, match="experimental_input_bound_threshold"):
+    fresh.extended.experimental_input_bound_threshold = 1.5
+  with pytest.raises(ValueError, match="experimental_input_bound_window"):
+    fresh.extended.experimental_input_bound_window = 0
+
+
+def test_run_steps_counts_k_steps_per_program_and_warns(fresh):
+  source = SlowSource()
+  it = iter(fresh.experimental_distribute_dataset(source))
+
+  def scan_step(total, x):
+    return total + step(x), step(x)
+
+  total = 0.0
+  with pytest.warns(tpustrat.InputBoundWarning):
+    while True:
+      try:
+        total, _ = fresh.experimental_run_steps(scan_step, it, 10, init=total)
+      except StopIteration:
+        break
+  fresh.experimental_run_wait()
+  stats = fresh.experimental_step_stats()
+  _check_counts(stats, source, STEPS)
+  assert [r.steps for r in stats.history] == [10] * (STEPS // 10)
+
+
+def test_mirrored_strategy():
+  strategy = tpustrat.MirroredStrategy()
+  source = SlowSource()
+  with pytest.warns(tpustrat.InputBoundWarning):
+    _loop(strategy, source)
+  _check_counts(strategy.experimental_step_stats(), source, STEPS)
+
+
+def test_device_waits_are_counted(fresh):
+  """A step that keeps the devices busy: the host waits on the in-flight bound, and for the last steps in
+  experimental_run_wait."""
+  w = np.eye(512, dtype=np.float32)
+  x = fresh.experimental_distribute_values_from_function(lambda ctx: np.ones((256, 512), np.float32))
+  fresh.run(heavy_step, args=(w, x))
+  fresh.experimental_run_wait()
+  fresh.experimental_step_stats(reset=True)
+  for _ in range(10):
+    fresh.run(heavy_step, args=(w, x))
+  fresh.experimental_run_wait()
+  stats = fresh.experimental_step_stats()
+  assert stats.steps == 10 and stats.input_seconds == 0
+  assert stats.device_seconds > 0 and stats.device_seconds <= stats.wall_seconds
+
+
+def test_the_summary_keeps_the_last_dispatches_only():
+  counters = step_stats.StepCounters(threshold=None)
+  t = 100.0
+  counters.reset(t)
+  for _ in range(step_stats.HISTORY + 10):
+    t += 1.0
+    counters.input_seconds += 0.25
+    counters.note_steps(1, t)
+  stats = counters.summary(t + 1.0)
+  assert stats.steps == step_stats.HISTORY + 10
+  assert len(stats.history) == step_stats.HISTORY
+  assert all(r.seconds == 1.0 and r.input_seconds == 0.25 and r.steps == 1 for r in stats.history)
+  assert stats.wall_seconds == step_stats.HISTORY + 11
+
+
+# -- retracing ------------------------------------------------------------------------------------------
+
+
+def test_the_sixth_compile_of_a_function_warns_naming_the_argument(fresh):
+  def double(state, batch):
+    return state * 2, batch["x"] + 1
+
+  state = np.float32(1.0)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for n in range(1, 6):  # five programs: quiet
+      fresh.run(double, args=(state, {"x": np.ones((8, n), np.float32)}))
+    fresh.run(double, args=(state, {"x": np.ones((8, 5), np.float32)}))  # no new program
+  with pytest.warns(tpustrat.RetracingWarning) as record:
+    fresh.run(double, args=(state, {"x": np.ones((8, 6), np.float32)}))
+  assert len(record) == 1
+  message = str(record[0].message)
+  assert "`test_the_sixth_compile_of_a_function_warns_naming_the_argument.<locals>.double` for the 6th time" in message
+  assert "the argument at args[1]['x'] changed from float32[8,5] to float32[8,6]" in message
+  assert record[0].filename == __file__
+  with warnings.catch_warnings():  # once per function
+    warnings.simplefilter("error")
+    fresh.run(double, args=(state, {"x": np.ones((8, 7), np.float32)}))
+
+
+def test_the_retracing_warning_names_a_changed_structure_or_python_number(fresh):
+  def add(a, b=None):
+    return a + (0 if b is None else b["y"])
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for n in range(1, 6):
+      fresh.run(add, args=(np.ones(n, np.float32),))
+  with pytest.warns(tpustrat.RetracingWarning, match=r"the arguments changed from 1 positional and keywords \[\] "
+                    r"to 1 positional and keywords \['b'\]"):
+    fresh.run(add, args=(np.ones(5, np.float32),), kwargs={"b": {"y": np.float32(1)}})
+
+  def scale(a, s):
+    return a * s
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for n in range(1, 6):
+      fresh.run(scale, args=(np.ones(n, np.float32), np.float32(2.0)))
+  with pytest.warns(tpustrat.RetracingWarning, match=r"args\[1\] changed from float32\[\] to float32\[\] "
+                    r"\(weakly typed: a Python number\)"):
+    fresh.run(scale, args=(np.ones(5, np.float32), 2.0))
+
+
+def test_retracing_warning_on_mirrored_strategy():
+  strategy = tpustrat.MirroredStrategy()
+
+  def f(x):
+    return x * 2
+
+  with pytest.warns(tpustrat.RetracingWarning, match=r"args\[0\] changed from float32\[5\] to float32\[6\]"):
+    for n in range(1, 7):
+      strategy.run(f, args=(np.ones(n, np.float32),))
+
+
+def test_describe_change_of_structures():
+  a = (("args[0]['x']",), (((2,), "float32", False),), ("PyTreeDef({'x': *})",), 1, ())
+  b = (("args[0]['x']", "args[0]['y']"), (((2,), "float32", False),) * 2, ("PyTreeDef({'x': *, 'y': *})",), 1, ())
+  assert step_stats.describe_change(a, b) == (
+      "the structure of the argument args[0] changed from PyTreeDef({'x': *}) to PyTreeDef({'x': *, 'y': *})")
+  assert "no argument's structure" in step_stats.describe_change(a, a)
