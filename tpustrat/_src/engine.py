@@ -61,7 +61,7 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -91,7 +91,7 @@ from tpustrat._src.values import (
 )
 
 __all__ = ["RunOptions", "Engine", "InFlight", "check_not_deleted", "dispatch", "donated_leaves", "donation_used", "wait_leaf",
-           "DEFAULT_STEPS_IN_FLIGHT"]
+           "donate_argnums_of", "DEFAULT_STEPS_IN_FLIGHT"]
 
 DEFAULT_STEPS_IN_FLIGHT = 2
 _MAX_WAIT_BYTES = 64 * 1024  # waiting on an output keeps it alive two steps longer: only small ones
@@ -160,6 +160,16 @@ class RunOptions:
     if len(set(checked)) != len(checked):
       raise ValueError(f"RunOptions: donate_argnums {tuple(checked)} names an argument twice.")
     object.__setattr__(self, "donate_argnums", tuple(sorted(checked)))
+
+
+def donate_argnums_of(options: RunOptions | None) -> tuple[int, ...]:
+  """`options.donate_argnums` as `RunOptions.__post_init__` leaves it (a sorted tuple; an int given is
+  made a one-element tuple), or () without options."""
+  if options is None:
+    return ()
+  donate = options.donate_argnums
+  assert isinstance(donate, tuple)  # __post_init__ always stores a tuple
+  return donate
 
 
 _DONATION_USED = [False]  # set once a program donates: from then on, arguments are checked (`check_not_deleted`)
@@ -334,6 +344,7 @@ class InFlight:
     elif token is not None:
       return  # a `run` traced inside another program (`experimental_run_steps`, a user's jit): not a step
     if now is not None:  # `steps` training steps dispatched at `now` (`before_dispatch`'s clock reading)
+      assert self.stats is not None  # `before_dispatch` returns a clock reading only with `stats`
       self.stats.note_steps(steps, now)
 
   def drain(self) -> None:
@@ -408,7 +419,7 @@ class Engine:
     self._make_context = make_context
     self._mesh = mesh
     self._axis = axis_name
-    self._programs: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
+    self._programs: collections.OrderedDict[Any, _FlatProgram] = collections.OrderedDict()
     # Where the loop's time goes (`strategy.experimental_step_stats()`): the in-flight waits and the steps
     # noted here, the input waits by the strategy's iterators.
     self.step_stats = step_stats_lib.StepCounters()
@@ -461,20 +472,21 @@ class Engine:
       if type(x) not in array_types or x.sharding != targets[i]:
         _check_host_integers(x, in_tree, i)
         leaves[i] = self._place(x, targets[i])
-    if options is not None and options.donate_argnums:
+    donate_argnums = donate_argnums_of(options)
+    if donate_argnums:
       # What depends on the argument structure alone is worked out once per structure.
       try:
-        donate = self._donations.get((key, options.donate_argnums))
+        donate = self._donations.get((key, donate_argnums))
       except TypeError:  # an unhashable callable: nothing is cached for it
         donate = None
       if donate is None:
-        donate = donated_leaves(options.donate_argnums, [jax.tree.structure(a).num_leaves for a in args],
+        donate = donated_leaves(donate_argnums, [jax.tree.structure(a).num_leaves for a in args],
                                 "strategy.run")
-        check_donatable(args, options.donate_argnums, None, (), str)
+        check_donatable(args, donate_argnums, None, (), str)
         if len(self._donations) > _CACHE_SIZE:
           self._donations.clear()
         try:
-          self._donations[(key, options.donate_argnums)] = donate
+          self._donations[(key, donate_argnums)] = donate
         except TypeError:
           pass
       check_donatable(None, (), leaves, donate, lambda i: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}")
@@ -508,7 +520,9 @@ class Engine:
     top, outer = jax.tree.flatten(dummy, is_leaf=is_distributed)
     paths = [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy, is_leaf=is_distributed)[0]]
     targets = [self._replicated] * in_tree.num_leaves
-    nodes, groups, roots = [], [], {}
+    nodes: list[Any] = []
+    groups: list[int] = []
+    roots: dict[Any, int] = {}
     for path, node in zip(paths, top):
       if isinstance(node, PerReplica):
         for i in jax.tree.leaves((node.tree, node.real_rows_array)):
@@ -540,7 +554,7 @@ class Engine:
 
   def _flat_program(self, fn: Callable[..., Any], groups: tuple[int, ...], layout_map: LayoutMap | None,
                     seen_tree: Any, checked: bool) -> _FlatProgram:
-    traced = self._on_trace(weak_key(fn), getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "fn"))
+    traced = self._on_trace(weak_key(fn), getattr(fn, "__qualname__", "") or getattr(fn, "__name__", "fn"))
     if not checked:
       return _FlatProgram(self._make_program(fn, groups, layout_map), seen_tree, on_trace=traced)
     outputs = numerics_lib.Outputs([], [], numerics_lib.replica_processes(self._mesh, self._axis),
@@ -656,7 +670,9 @@ class Engine:
     def program(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
       # Runs once per input signature, at trace time: validate, then build the SPMD body.
       top, outer = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
-      flat, specs, rebuild = [], [], []
+      flat: list[Any] = []
+      specs: list[P] = []
+      rebuild: list[tuple[str, Any, int]] = []
       padded: list[int] = []  # positions in `flat` of the real-row counts of padded batches
       padded_paths: list[str] = []
       for path, node in zip(_leaf_paths(outer), top):
@@ -698,7 +714,9 @@ class Engine:
         # `tpustrat.per_example` marks arrays by identity; resolved to output positions here, where `fn`'s
         # own results are seen (before a logical-core re-evaluation makes new ones).
         out = fn(*args, **kwargs)
-        marks = context_lib.get_replica_context().per_example_marks  # (array, batch or None)
+        ctx = context_lib.get_replica_context()
+        assert ctx is not None  # `body` calls this inside `enter_replica_context`
+        marks = ctx.per_example_marks  # (array, batch or None)
         leaves = jax.tree.leaves(out, is_leaf=is_distributed)
         record["marked"] = {i: j for i, x in enumerate(leaves) for m, j in marks if x is m}
         return out
@@ -707,9 +725,9 @@ class Engine:
       call = place_on_logical_devices(marking, core_axes, n) if core_axes else marking
 
       def body(*flat_in: Any) -> Any:
-        nodes, row_leaves, sizes = _unpack(flat_in, rebuild, batch_of_arg)
+        nodes, row_leaves, size_of = _unpack(flat_in, rebuild, batch_of_arg)
         batch_leaves = [(batches.index(batch_of_arg[arg]), leaves) for arg, leaves in row_leaves]
-        sizes = [sizes[b] for b in batches]  # per padded batch
+        sizes = [size_of[b] for b in batches]  # per padded batch
         counts = [flat_in[padded[b]].reshape(()).astype(jnp.int32) for b in batches]  # this replica's real rows
         names = tuple(f"the argument at {padded_paths[b]}" for b in batches)
         if batches and not core_axes:
@@ -718,7 +736,7 @@ class Engine:
           step = _StepJaxpr(fn, nodes, outer, batch_leaves, sizes, counts, names, make_context)
           out_leaves = step.evaluate()
           out_tree, paths, marked = step.tree, step.paths, step.marked
-          rows = step.rows
+          rows: list[Rows] | Callable[[], list[Rows]] = step.rows
         else:
           call_args, call_kwargs = jax.tree.unflatten(outer, nodes)
           ctx = make_context(list(zip(sizes, counts)))
@@ -914,11 +932,13 @@ class _FlatProgram:
       self._fallback = self._tree  # two result structures: let jax.jit keep them apart from now on
     elif traced is not None and known is None:
       self._record["out"] = traced
-    out_tree, wait = traced or self._record["out"]
+    kept = traced or self._record["out"]
+    assert kept is not None  # a new program's first call traces it, and every trace records its result
+    out_tree, wait = kept
     return out_tree.unflatten(out[:out_tree.num_leaves]), out[wait]
 
 
-def wait_leaf(out: list[Any], inputs: tuple[Any, ...]) -> int | None:
+def wait_leaf(out: list[Any], inputs: Sequence[Any]) -> int | None:
   """Index of the smallest output (at most `_MAX_WAIT_BYTES`) the program computes, or None.
 
   `out` are the outputs of the `shard_map` of the step, so an argument `fn` returns unchanged is a new
@@ -977,7 +997,9 @@ def batch_group(node: PerReplica, path: tuple[Any, ...], roots: dict[Any, int], 
   one element's leaves are separate tracers; two elements of one dataset are two batches.
   """
   tag = node.batch_tag
-  root = None if tag is None else tag.element_root(path)
+  if tag is None:
+    return index
+  root = tag.element_root(path)
   if root is None:
     return index
   return roots.setdefault((root, tag.paths), index)
@@ -988,7 +1010,9 @@ def _unpack(flat_in: Any, rebuild: list[tuple[str, Any, int]],
   """The arguments `fn` sees, from the shard_map body's inputs: (nodes, the per-replica leaves of each
   padded batch argument, the per-replica size of each batch)."""
   it = iter(flat_in)
-  nodes, row_leaves, sizes = [], [], {}
+  nodes: list[Any] = []
+  row_leaves: list[tuple[int, list[Any]]] = []
+  sizes: dict[int, int] = {}
   arg = 0
   for kind, inner, count in rebuild:
     leaves = [next(it) for _ in range(count)]
@@ -1066,11 +1090,11 @@ def _output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[bo
   """For each output leaf: None (whole), ``(batch, True)`` (marked per-example: its padding skipped
   everywhere) or ``(batch, False)`` (axis 0 holds that batch's rows: skipped along ``axis=0``).
   `rows`: the `Rows` of every output, or a function that traces them when first needed."""
-  traced: list[list[Rows]] = [] if callable(rows) else [rows]
+  traced: list[list[Rows]] = []  # the rows, once known
 
   def rows_of(i: int) -> Rows:
     if not traced:
-      traced.append(rows())
+      traced.append(rows() if callable(rows) else rows)
     return traced[0][i]
 
   def describe(r: Rows) -> str:
@@ -1099,18 +1123,18 @@ def _output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[bo
       result.append(None)
       continue
     r = rows_of(i)
-    candidates = [j for j, size in enumerate(sizes) if size == k]
+    matching = [j for j, size in enumerate(sizes) if size == k]
     if not r.is_unknown and r.batches and r.axis != 0:
       result.append(None)  # the rows are on another axis: axis 0 is something else, kept whole
     elif not r.is_unknown and len(r.batches) == 1 and sizes[next(iter(r.batches))] == k:
       result.append((next(iter(r.batches)), False))
     elif r.carries_rows:
-      chosen = candidates[0] if r.is_unknown and len(candidates) == 1 else None
+      chosen = matching[0] if r.is_unknown and len(matching) == 1 else None
       effect = (f"skip the padding of {names[chosen]}" if chosen is not None
                 else "keep every row, padding included")
       warnings.warn(
           f"strategy.run: the output at {paths[i]} ({x.dtype}{list(x.shape)}) has the per-replica size of "
-          f"the padded batch {' / '.join(names[j] for j in candidates)} on axis 0, but its rows cannot be "
+          f"the padded batch {' / '.join(names[j] for j in matching)} on axis 0, but its rows cannot be "
           f"traced to one batch: {describe(r)}. strategy.reduce(..., axis=0) and gather(..., axis=0) "
           f"will {effect}. Mark it with tpustrat.per_example(x, batch=...) to say whose rows it holds.",
           BatchRowsWarning, stacklevel=2)

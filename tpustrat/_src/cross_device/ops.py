@@ -695,9 +695,9 @@ def default_cross_device_ops() -> CrossDeviceOps:
   `AllReduceCrossDeviceOps("nccl", num_packs=0, agg_small_grads_max_bytes=32 KiB,
   agg_small_grads_max_group=10)`: tensors of up to 32 KiB are concatenated in groups of up to 10, larger
   ones get an all-reduce each. On a ResNet-50-like gradient list
-  (`benchmarks/bench_cross_device_ops.py`; figures in the README) it was the only setting never slower than
-  one all-reduce per tensor, and the fastest or tied for fastest at every model size measured, while
-  concatenating everything (TF's default ``num_packs=1``) ranged from 0.56x (2.4 MiB of gradients) to 2x
+  (`benchmarks/bench_cross_device_ops.py`; figures in docs/benchmarks.md) it was the only setting never
+  slower than one all-reduce per tensor, and the fastest or tied for fastest at every model size measured,
+  while concatenating everything (TF's default ``num_packs=1``) ranged from 0.56x (2.4 MiB of gradients) to 2x
   slower (26 MiB and up): copying every gradient twice costs more than the collectives it saves once the
   model is large.
 
