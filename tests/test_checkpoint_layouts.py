@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -219,7 +220,7 @@ def test_values_read_on_the_host_are_checked_against_their_checksums(strategy, t
     manager.save(1, {"w": strategy.experimental_shard(w, lambda *_: 0)})
   path = tmp_path / "1" / "checksums" / "checksums.json"
   sums = json.loads(path.read_text())
-  assert set(sums["arrays"]) == {"w/blocks"}
+  assert set(sums["arrays"]) == {"w/blocks", "w/shape"}  # the blocks and the logical shape
   sums["arrays"]["w/blocks"]["sums"][0] ^= 1
   path.write_text(json.dumps(sums))
   four = make_strategy(strategy, 4)
@@ -355,3 +356,23 @@ def test_sharded_state_between_one_process_and_two(strategy, tmp_path):
     restored = manager.restore(4, target=target)
   assert_placed_like(restored, target)
   assert_equal_values(common.to_numpy(restored), after)
+
+
+def test_a_target_of_another_logical_shape_is_an_error_even_when_its_blocks_fit(strategy, tmp_path):
+  # [3, 2] on 8 replicas is 8 blocks of 1 row; targets of 5 or 2 rows (Mirrored), or 7 rows on 4 replicas,
+  # would take those blocks (padded or cut) without the saved logical shape: each is an error naming both.
+  w = np.arange(6, dtype=np.float32).reshape(3, 2) + 1
+  with CheckpointManager(tmp_path, strategy) as manager:
+    manager.save(1, {"a": strategy.experimental_shard(w, lambda *_: 0)})
+  four = make_strategy(strategy, 4)
+  targets = [(strategy, strategy.experimental_mirror(np.zeros((5, 2), np.float32)), [5, 2]),
+             (strategy, strategy.experimental_mirror(np.zeros((2, 2), np.float32)), [2, 2]),
+             (strategy, strategy.experimental_shard(np.zeros((8, 2), np.float32), lambda *_: 0), [8, 2]),
+             (four, four.experimental_shard(np.zeros((7, 2), np.float32), lambda *_: 0), [7, 2])]
+  for loader, target, shape in targets:
+    with CheckpointManager(tmp_path, loader) as manager:
+      with pytest.raises(ValueError, match=re.escape(f"['a'] was saved with shape [3, 2], but the target's is {shape}")):
+        manager.restore(1, target={"a": target})
+  with CheckpointManager(tmp_path, four) as manager:  # the right shape restores, bit for bit
+    got = manager.restore(1, target={"a": four.experimental_shard(np.zeros((3, 2), np.float32), lambda *_: 0)})
+  np.testing.assert_array_equal(np.asarray(got["a"]), w)

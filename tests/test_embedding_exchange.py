@@ -291,6 +291,20 @@ def test_a_step_over_a_bound_fails_naming_table_and_bound_and_drops_nothing(stra
     np.asarray(act.values[0]), np.asarray(new["tables"]["clicks"])
 
 
+def test_one_replica_over_a_bound_fails_every_replica_naming_it():
+  # Replica 5 alone sends 4 ids to owner 0 (bound 3): every replica fails the step together, with the
+  # error naming replica 5 (none is left waiting in the exchange, which would abort the process).
+  s = tpustrat.MirroredStrategy(jax.devices()[:8])  # its own engine: the failed step stays there
+  table = E.TableConfig(16, 2, name="t1", combiner="sum", max_ids_per_partition=3)
+  emb = E.TPUEmbedding({"a": E.FeatureConfig(table)}, E.SGD(0.1), s)
+  ok, over = np.array([[0, 5], [9, 12]], np.int32), np.array([[0, 1], [0, 1]], np.int32)
+  ids = s.experimental_distribute_values_from_function(
+      lambda ctx: {"a": over if ctx.replica_id_in_sync_group == 5 else ok})
+  with pytest.raises(Exception, match=r"table 't1': replica 5 sends 4 ids to replica 0.*max_ids_per_partition=3"):
+    out = s.run(lambda st, f: emb.lookup(st, f), args=(emb.build(), ids))
+    np.asarray(out["a"].values[0])
+
+
 # -- sparse in-place updates --------------------------------------------------------------------------
 
 

@@ -128,6 +128,21 @@ def test_a_sharded_variable_output_names_the_replica_of_the_bad_block(strategy):
   assert "['w']: NaN in a ShardedVariable value, on replica 6 (process 0)" in str(info.value)
 
 
+def test_a_sharded_variables_padding_rows_are_not_checked(strategy):
+  # [3, 2] on 8 replicas: replicas 3..7 hold only padding rows (zeros as placed); log() makes them -inf,
+  # but the value (log 2 everywhere) is finite: no error. A real Inf in the value is still found.
+  state = strategy.experimental_shard({"w": np.full((3, 2), 2.0, np.float32)}, lambda *_: 0)
+  out = strategy.run(lambda s: jax.tree.map(jnp.log, s), args=(state,), options=CHECK)
+  strategy.experimental_run_wait()
+  np.testing.assert_allclose(np.asarray(out["w"]), np.log(np.full((3, 2), 2.0)), rtol=1e-6)
+  zero = strategy.experimental_shard({"w": np.array([[2.0, 0.0], [2.0, 2.0], [2.0, 2.0]], np.float32)},
+                                     lambda *_: 0)
+  strategy.run(lambda s: jax.tree.map(jnp.log, s), args=(zero,), options=CHECK)
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.experimental_run_wait()
+  assert info.value.outputs == [("['w']", "ShardedVariable", (0,), False, True)]
+
+
 def test_experimental_run_steps_names_the_inner_step(strategy):
   def step(total, x):
     y = jnp.log(x)

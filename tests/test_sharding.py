@@ -455,3 +455,17 @@ def test_bfloat16_sharded_parameters_with_adam(n):
   # of the value (2^-7 of it at most) where the float32 gradient sums round differently.
   assert np.abs(want - w0.astype(np.float32)).max() > 2e-2
   np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3)
+
+
+def test_global_norm_and_clipping_leave_out_padding_whatever_it_holds(strategy):
+  # [3, 2] on 8 replicas: 5 blocks of padding only. An elementwise update (+1) also changes the padding;
+  # the norm is still the value's: sqrt(6) for ones, and clipping to 1 gives a value of norm 1.
+  v = strategy.experimental_shard({"w": np.zeros((3, 2), np.float32)}, lambda *_: 0)
+  v = strategy.run(lambda p: jax.tree.map(lambda b: b + 1.0, p), args=(v,))
+  padding = np.asarray(strategy.experimental_local_results(v["w"])[5])
+  assert np.all(padding == 1.0)  # the padding rows were changed too
+  norm = strategy.run(tpustrat.global_norm, args=(v,))
+  assert_close(norm.values[0], np.sqrt(6.0))
+  tx = tpustrat.clip_by_global_norm(1.0)
+  clipped = strategy.run(lambda p: tx.update(p, tx.init(p))[0], args=(v,))
+  assert_close(np.linalg.norm(np.asarray(clipped["w"])), 1.0)

@@ -115,7 +115,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from tpustrat._src import names, validation
@@ -305,7 +305,7 @@ def _with_device_count(xla_flags: str, count: int) -> str:
   return " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
 
 
-def process_env(base: dict[str, str], *, process_id: int, num_processes: int, devices_per_process: int,
+def process_env(base: Mapping[str, str], *, process_id: int, num_processes: int, devices_per_process: int,
                 address: str, heartbeat_timeout: int, initialization_timeout: int, shutdown_timeout: int,
                 step_timeout: float | None = None, restart_count: int = 0,
                 job_id: str | None = None, profile_dir: str | None = None, profile_steps: int | None = None,
@@ -362,6 +362,18 @@ class _Proc:
   killed: bool = False  # by the launcher
   unhealthy: set = dataclasses.field(default_factory=set)  # processes JAX's errors say are dead
   _reading_unhealthy: bool = False
+
+  @property
+  def code(self) -> int:
+    """`returncode`, for a process that has ended."""
+    assert self.returncode is not None, f"process {self.index} is still running"
+    return self.returncode
+
+  @property
+  def end_time(self) -> float:
+    """`ended`, for a process that has ended."""
+    assert self.ended is not None, f"process {self.index} is still running"
+    return self.ended
 
   def note(self, line: str) -> None:
     """Remembers the processes that JAX's errors report as dead: those listed on the lines after "The
@@ -558,7 +570,7 @@ def _ended_after(p: _Proc, q: _Proc) -> bool:
   """Whether `p` ended after `q` (both ended): by the order of their ends when known, else by time."""
   if p.order is not None and q.order is not None:
     return p.order > q.order
-  return p.ended > q.ended
+  return p.end_time > q.end_time
 
 
 def _ending(p: _Proc, reference: float, grace_period: float, after: str = "the failure") -> str:
@@ -566,7 +578,7 @@ def _ending(p: _Proc, reference: float, grace_period: float, after: str = "the f
     return f"was still running {grace_period:g} s after {after} and was killed by the launcher"
   if p.returncode == 0:
     return "exited normally"
-  return f"stopped on its own: it {_describe(p.returncode)} {p.ended - reference:+.1f} s after {after}"
+  return f"stopped on its own: it {_describe(p.code)} {p.end_time - reference:+.1f} s after {after}"
 
 
 def _culprit(procs: Sequence[_Proc], first: _Proc) -> _Proc:
@@ -584,8 +596,8 @@ def _cause(procs: Sequence[_Proc], first: _Proc) -> str:
   culprit = _culprit(procs, first)
   if culprit is not first:
     return (f"process {culprit.index} stopped responding to heartbeats (JAX declared it dead; process "
-            f"{first.index} then {_describe(first.returncode)})")
-  return f"process {first.index} {_describe(first.returncode)}"
+            f"{first.index} then {_describe(first.code)})")
+  return f"process {first.index} {_describe(first.code)}"
 
 
 def _report(procs: Sequence[_Proc], first: _Proc, start: float, grace_period: float) -> str:
@@ -594,14 +606,14 @@ def _report(procs: Sequence[_Proc], first: _Proc, start: float, grace_period: fl
   if culprit is not first:
     lines = [f"process {culprit.index} failed first: it stopped responding to heartbeats (it hangs, or was "
              f"stopped), so JAX's distributed runtime declared it dead; process {first.index} then "
-             f"{_describe(first.returncode)} after {first.ended - start:.1f} s. Process {culprit.index} "
-             f"{_ending(culprit, first.ended, grace_period)}."]
+             f"{_describe(first.code)} after {first.end_time - start:.1f} s. Process {culprit.index} "
+             f"{_ending(culprit, first.end_time, grace_period)}."]
   else:
-    lines = [f"process {first.index} failed first: it {_describe(first.returncode)} after "
-             f"{first.ended - start:.1f} s."]
+    lines = [f"process {first.index} failed first: it {_describe(first.code)} after "
+             f"{first.end_time - start:.1f} s."]
   for p in procs:
     if p is not first and p is not culprit:
-      lines.append(f"process {p.index} {_ending(p, first.ended, grace_period)}.")
+      lines.append(f"process {p.index} {_ending(p, first.end_time, grace_period)}.")
   if first.tail:
     lines.append(f"last output of process {first.index}:")
     lines.extend(f"  {line}" for line in first.tail)
@@ -769,6 +781,7 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
         taken, address = address, f"127.0.0.1:{_fresh_port(used_ports)}"
         output.say(f"the coordinator port {taken} was taken before process 0 could bind it; starting again "
                    f"on {address} (attempt {attempt + 1} of {attempts}).")
+      assert ending is not None  # the last attempt does not retry a taken port: `_run` returned its ending
       status, cause = ending
       if cause is None:  # success, --timeout, or stopped
         return status
@@ -853,7 +866,7 @@ def _run(argv: list[str], envs: list[dict[str, str]], output: _Output, *, grace_
       if forwarded is not None:
         kill_at: float | None = forwarded + termination_grace_period
       else:
-        kill_at = None if first is None else first.ended + grace_period
+        kill_at = None if first is None else first.end_time + grace_period
       if kill_at is not None and now > kill_at:
         for p in procs:
           if p.returncode is None and not p.killed:
@@ -878,7 +891,7 @@ def _run(argv: list[str], envs: list[dict[str, str]], output: _Output, *, grace_
     return 124, None
   if forwarded is not None:
     if first is not None:
-      status = _exit_status(first.returncode)
+      status = _exit_status(first.code)
     elif any(p.killed for p in procs) or len(procs) < len(envs):
       status = 128 + signal.SIGTERM
     else:
@@ -888,7 +901,7 @@ def _run(argv: list[str], envs: list[dict[str, str]], output: _Output, *, grace_
   if first is None:
     return 0, None
   output.say(_report(procs, first, start, grace_period))
-  return _exit_status(first.returncode), None if timed_out else _cause(procs, first)
+  return _exit_status(first.code), None if timed_out else _cause(procs, first)
 
 
 def _stop(procs: Sequence[_Proc]) -> None:

@@ -58,7 +58,8 @@ def enable_compilation_cache(directory: str | os.PathLike, *, min_compile_time_s
 
 def compilation_cache_dir() -> str | None:
   """The persistent compilation cache's directory JAX uses now, or None when it is off."""
-  return jax.config.jax_compilation_cache_dir or None
+  # A dynamic attribute of jax.config, which JAX's types lack (`jax.config.read` refuses this flag).
+  return jax.config.jax_compilation_cache_dir or None  # type: ignore[attr-defined]
 
 
 def enable_from_environment() -> str | None:

@@ -388,8 +388,8 @@ _OPTIMIZERS = (SGD, Adagrad, Adam, FTRL, AdagradMomentum)
 # -- configuration ------------------------------------------------------------------------------------
 
 
-def _truncated_normal(stddev: float) -> Callable[[tuple[int, ...], Any], jax.Array]:
-  def init(shape, dtype, key):
+def _truncated_normal(stddev: float) -> Callable[[tuple[int, ...], Any, jax.Array], jax.Array]:
+  def init(shape: tuple[int, ...], dtype: Any, key: jax.Array) -> jax.Array:
     return stddev * jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)
   return init
 
@@ -427,11 +427,11 @@ class TableConfig:
     if initializer is not None and not callable(initializer):
       raise TypeError(f"TableConfig: initializer must be callable (shape, dtype) -> array, got {initializer!r:.100}.")
     if optimizer is not None and not isinstance(optimizer, _OPTIMIZERS):
-      raise TypeError(f"TableConfig: optimizer must be tpustrat.embedding.SGD, Adagrad or Adam, got {optimizer!r:.100}.")
-    for arg, value in (("max_ids_per_partition", max_ids_per_partition),
+      raise TypeError(f"TableConfig: optimizer must be tpustrat.embedding.SGD, Adagrad, Adam, FTRL or AdagradMomentum, got {optimizer!r:.100}.")
+    for arg, bound in (("max_ids_per_partition", max_ids_per_partition),
                        ("max_unique_ids_per_partition", max_unique_ids_per_partition)):
-      if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
-        raise ValueError(f"TableConfig: {arg} must be None or a positive int, got {value!r}.")
+      if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, np.integer)) or bound < 1):
+        raise ValueError(f"TableConfig: {arg} must be None or a positive int, got {bound!r}.")
     self.vocabulary_size, self.dim = int(vocabulary_size), int(dim)
     self.max_ids_per_partition = None if max_ids_per_partition is None else int(max_ids_per_partition)
     self.max_unique_ids_per_partition = (None if max_unique_ids_per_partition is None
@@ -506,7 +506,7 @@ class TPUEmbedding:
       raise TypeError("TPUEmbedding: feature_config must be a nested structure of "
                       f"tpustrat.embedding.FeatureConfig, got {feature_config!r:.200}.")
     if optimizer is not None and not isinstance(optimizer, _OPTIMIZERS):
-      raise TypeError(f"TPUEmbedding: optimizer must be tpustrat.embedding.SGD, Adagrad or Adam, got {optimizer!r:.100}.")
+      raise TypeError(f"TPUEmbedding: optimizer must be tpustrat.embedding.SGD, Adagrad, Adam, FTRL or AdagradMomentum, got {optimizer!r:.100}.")
     self._features = leaves
     self._tables: list[TableConfig] = []
     for f in leaves:
@@ -627,8 +627,13 @@ class TPUEmbedding:
   # -- inside run ---------------------------------------------------------------------------------
 
   def _flatten_features(self, features: Any, where: str) -> list[Any]:
-    leaves = self._treedef.flatten_up_to(features)
-    return leaves
+    try:
+      return self._treedef.flatten_up_to(features)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          f"TPUEmbedding.{where}: the features must have the structure of the feature config, "
+          f"{jax.tree.unflatten(self._treedef, ['ids'] * self._treedef.num_leaves)!r:.300} (one array of ids "
+          f"per feature), got {type(features).__name__} {features!r:.120} ({e}).") from None
 
   def _exchange(self, x: jax.Array) -> jax.Array:
     """`x` [N, ...]: block `o` to replica `o`; returns [N, ...], block `s` from replica `s`."""
@@ -665,8 +670,8 @@ class TPUEmbedding:
     a sequence feature's ids truncated or padded (-1) to its `max_sequence_length`."""
     if not context_lib.in_replica_context_of_a_run():
       raise RuntimeError(f"TPUEmbedding.{where} runs inside strategy.run (a replica context).")
+    ids_list = self._flatten_features(features, where)  # the structure first, named for the caller
     self.check_ids(features)
-    ids_list = self._flatten_features(features, where)
     weight_list = [None] * len(ids_list) if weights is None else self._treedef.flatten_up_to(weights)
     out = []
     for f, ids, w in zip(self._features, ids_list, weight_list):
@@ -807,10 +812,10 @@ class TPUEmbedding:
                            f"expected {expected} (its activation's).")
         per_id.append((coef[..., None] * g if f.max_sequence_length else coef[:, :, None] * g[:, None, :]
                        ).reshape(-1, dim))
-      per_id = per_id[0] if len(per_id) == 1 else jnp.concatenate(per_id)
+      grads = per_id[0] if len(per_id) == 1 else jnp.concatenate(per_id)
       cap = r.send.shape[1]
       # duplicates of an id on this replica add up here, in the slot they share
-      sent.append(jnp.zeros((self._n, cap, dim), jnp.float32).at[r.owner, r.slot].add(per_id, mode="drop"))
+      sent.append(jnp.zeros((self._n, cap, dim), jnp.float32).at[r.owner, r.slot].add(grads, mode="drop"))
     asked = self._exchange_stacked([r.send for r in routes])  # the lookup's exchange: XLA merges the two
     received = self._exchange_stacked(sent)  # [N, C, D]: the gradients of the rows in `asked`
     step = state["step"] + 1
@@ -900,25 +905,29 @@ def _update(opt: Any, block: jax.Array, slots: dict[str, jax.Array], asked: jax.
 def _check_bounds(name: str, bounds: list[tuple[int, str]], raw: jax.Array, unique: jax.Array,
                   cap: int) -> jax.Array:
   """An int32 zero to add to the bucket tensor, computed by a host callback that raises a ValueError
-  naming the table and the bound when this replica sends one owner more ids than a bound allows (the
-  bucket would drop some: the step fails instead). Evaluated only when a bound is exceeded."""
-  counts = {"max_ids_per_partition": raw, "max_unique_ids_per_partition": unique}
+  naming the table, the bound and the replica when a replica sends one owner more ids than a bound allows
+  (the bucket would drop some: the step fails instead). Every replica's counts are all-gathered first, so
+  every replica sees the same excess and fails together (one replica failing alone would leave the others
+  waiting in the exchange). Evaluated only when a bound is exceeded."""
+  everyone_raw = lax.all_gather(raw, REPLICA_AXIS)  # [N, N]: sender x owner
+  everyone_unique = lax.all_gather(unique, REPLICA_AXIS)
+  counts = {"max_ids_per_partition": everyone_raw, "max_unique_ids_per_partition": everyone_unique}
   bad = functools.reduce(jnp.logical_or, [jnp.any(counts[what] > bound) for bound, what in bounds])
-  bad = bad | jnp.any(unique > cap)
+  bad = bad | jnp.any(everyone_unique > cap)
 
-  def fail(replica, raw, unique):
+  def fail(raw, unique):
     for bound, what in bounds + [(cap, "bucket size")]:
-      values = raw if what == "max_ids_per_partition" else unique
-      over = np.flatnonzero(np.asarray(values) > bound)
+      values = np.asarray(raw if what == "max_ids_per_partition" else unique)
+      over = np.argwhere(values > bound)
       if over.size:
-        o = int(over[0])
+        sender, o = (int(v) for v in over[0])
         kind = "ids" if what == "max_ids_per_partition" else "distinct ids"
         raise ValueError(
-            f"TPUEmbedding: table {name!r}: replica {int(replica)} sends {int(values[o])} {kind} to replica {o} "
-            f"in one step, more than its {what}={bound}. No id is dropped: the step fails. Raise "
+            f"TPUEmbedding: table {name!r}: replica {sender} sends {int(values[sender, o])} {kind} to replica "
+            f"{o} in one step, more than its {what}={bound}. No id is dropped: the step fails. Raise "
             f"TableConfig({what}=...) or spread the ids (check batches on the host with TPUEmbedding.check_ids).")
     return np.zeros((), np.int32)
 
   zero = jax.ShapeDtypeStruct((), jnp.int32)
-  return lax.cond(bad, lambda: jax.pure_callback(fail, zero, lax.axis_index(REPLICA_AXIS), raw, unique),
+  return lax.cond(bad, lambda: jax.pure_callback(fail, zero, everyone_raw, everyone_unique),
                   lambda: jnp.zeros((), jnp.int32))

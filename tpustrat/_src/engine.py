@@ -471,7 +471,11 @@ class Engine:
     for i, x in enumerate(leaves):  # arrays already where the program wants them pass untouched
       if type(x) not in array_types or x.sharding != targets[i]:
         _check_host_integers(x, in_tree, i)
-        leaves[i] = self._place(x, targets[i])
+        try:
+          leaves[i] = self._place(x, targets[i])
+        except ValueError:
+          _check_sharded_replicas((args, kwargs), self._num_replicas)  # the clearer error, if that is the cause
+          raise
     donate_argnums = donate_argnums_of(options)
     if donate_argnums:
       # What depends on the argument structure alone is worked out once per structure.
@@ -775,7 +779,9 @@ class Engine:
           return invariant, varying
         row_counts = [counts[p[0]] if p is not None and v and sh is None else None
                       for p, v, sh in zip(record["padded"], is_varying, shards)]
-        flags, checked = numerics_lib.replica_flags(out_leaves, is_varying, row_counts, axis, n)
+        # A block's padding rows (past the logical size) are not data: checked without them.
+        checked_leaves = [LocalShard(x, *sh).real_block() if sh is not None else x for x, sh in zip(out_leaves, shards)]
+        flags, checked = numerics_lib.replica_flags(checked_leaves, is_varying, row_counts, axis, n)
         numerics.paths = [paths[i] for i in checked]
         numerics.kinds = ["ShardedVariable" if shards[i] is not None else "PerReplica" if is_varying[i]
                           else "Mirrored" for i in checked]
@@ -972,6 +978,18 @@ def _same_over_replicas(sharding: Any, target: NamedSharding, axis: str) -> bool
   if replica_dims(tuple(target.spec)):  # per replica: 'replica' alone on the leading dimension
     return bool(spec) and spec[0] in (axis, (axis,)) and replica_dims(spec) == [0]
   return not replica_dims(spec)
+
+
+def _check_sharded_replicas(tree: Any, n: int) -> None:
+  """Raises a `ValueError` naming the first `ShardedVariable` in `tree` split over another number of
+  replicas than `n` (only on the failing path of placing `run`'s arguments: nothing per step)."""
+  nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda v: isinstance(v, ShardedVariable))[0]
+  for path, v in nodes:
+    if isinstance(v, ShardedVariable) and v.num_replicas != n:
+      raise ValueError(
+          f"strategy.run: the ShardedVariable at {tree_path(path[1:]) or '<root>'} ({v!r}) is split over "
+          f"{v.num_replicas} replicas, but this strategy has {n}: re-split it first with "
+          "strategy.experimental_shard(value) (or restore it from a checkpoint onto this strategy).")
 
 
 def _check_block(x: LocalShard, path: str, n: int) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from tpustrat._src.cross_device import (
     CrossDeviceExtendedMixin,
@@ -108,4 +109,9 @@ class MirroredStrategy(Strategy):
   def extended(self) -> MirroredExtended:
     """`MirroredExtended`: `reduce_to`, `batch_reduce_to`, `broadcast_to`, `cross_device_ops`, ..."""
     return self._extended
+
+  @property
+  def mesh(self) -> Mesh:
+    """The `jax.sharding.Mesh` the strategy runs on: axis ``'replica'``, then the logical-core axes."""
+    return self._mesh
 

@@ -207,11 +207,16 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
   strategy_ref = weakref.ref(strategy)  # the cache entry must not keep its strategy alive
   outputs = None
   if checked:
-    outputs = numerics_lib.Outputs([], [], numerics_lib.replica_processes(strategy.mesh, REPLICA_AXIS),
+    mesh = strategy.mesh
+    assert mesh is not None  # numerics are checked only with an engine, which only a strategy with a mesh has
+    outputs = numerics_lib.Outputs([], [], numerics_lib.replica_processes(mesh, REPLICA_AXIS),
                                    f"experimental_run_steps({step.__name__})")
 
   def run_steps_program(carry: Any, batches: Any) -> Any:
-    run = strategy_ref().run
+    owner = strategy_ref()
+    if owner is None:
+      raise RuntimeError("experimental_run_steps: the strategy this program was compiled for has been deleted.")
+    run = owner.run
 
     def body(c: Any, batch: Any) -> Any:
       if outputs is None:
@@ -241,7 +246,7 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
 def _program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int, ...] = (),
              checked: bool = False) -> Any:
   cache = _PROGRAMS.setdefault(strategy, collections.OrderedDict())
-  key = (fn, donate) if donate else fn
+  key: Any = (fn, donate) if donate else fn
   if checked:
     key = (key, "check_numerics")
   try:
@@ -306,7 +311,7 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
     raise TypeError(f"{what} expects `options` to be a tpustrat.RunOptions or None, got {options!r:.100}.")
   if steps is not None:
     steps = check_int(steps, what, "steps", minimum=1)
-  donate = options.donate_argnums if options is not None else ()
+  donate = engine_lib.donate_argnums_of(options)
   if any(i != 0 for i in donate):
     raise ValueError(
         f"{what}: RunOptions(donate_argnums={donate}) names argument {max(donate)}, but only argument 0 "

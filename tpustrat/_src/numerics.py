@@ -4,8 +4,9 @@ In the program (at trace time, inside the `shard_map` body of `run`): `replica_f
 one `uint8` per floating output leaf (bit 1: a NaN, bit 2: an Inf), and `gather_flags` all-gathers them into
 one invariant ``[num_replicas, L]`` array: every device, so every process, holds every replica's flags. A
 `Mirrored` (invariant) output is the same on every replica, so each replica checks only its ``1/N`` slice of
-it (the host ORs the slices); a per-replica output, a `ShardedVariable`'s block, is checked whole by its
-replica, without the padding rows of a padded batch it holds (they are not data).
+it (the host ORs the slices); a per-replica output is checked whole by its replica, without the padding
+rows of a padded batch it holds, and a `ShardedVariable`'s block without its padding rows past the logical
+size (neither is data).
 
 On the host: the flags array is the step's wait token (`engine.InFlight`): when the steps-in-flight bound
 waits on step ``t`` (before dispatching step ``t + k``), or `experimental_run_wait` drains it, `Check` reads

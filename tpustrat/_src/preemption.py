@@ -237,8 +237,10 @@ class PreemptionCheckpointHandler:
             f"PreemptionCheckpointHandler: checkpoint_dir={os.fspath(checkpoint_dir)!r} differs from the "
             f"directory of checkpoint_manager ({checkpoint_manager.directory!r}); give one of them.")
       manager = checkpoint_manager
-    elif isinstance(checkpoint_manager, (str, os.PathLike)) or (checkpoint_manager is None and checkpoint_dir is not None):
-      manager = CheckpointManager(checkpoint_manager if checkpoint_manager is not None else checkpoint_dir)
+    elif isinstance(checkpoint_manager, (str, os.PathLike)):
+      manager = CheckpointManager(checkpoint_manager)
+    elif checkpoint_manager is None and checkpoint_dir is not None:
+      manager = CheckpointManager(checkpoint_dir)
     else:
       raise TypeError(
           "PreemptionCheckpointHandler: checkpoint_manager must be a tpustrat.checkpoint.CheckpointManager or a "

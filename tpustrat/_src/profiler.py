@@ -114,10 +114,10 @@ def stop() -> str | None:
 def profile(logdir: str | os.PathLike, *, steps: int | None = None,
             create_perfetto_trace: bool = False) -> Iterator[str]:
   """`start` on entry (yields the process's directory), `stop` on exit unless `steps` stopped it before."""
-  start(logdir, steps=steps, create_perfetto_trace=create_perfetto_trace)
+  directory = start(logdir, steps=steps, create_perfetto_trace=create_perfetto_trace)
   session = _SESSION[0]
   try:
-    yield session.directory
+    yield directory
   finally:
     if _SESSION[0] is session:
       stop()

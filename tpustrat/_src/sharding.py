@@ -179,7 +179,8 @@ def place_blocks(value: np.ndarray, axis: int, n: int, split: NamedSharding) -> 
   block_shape = list(value.shape)
   block_shape[axis] = b
 
-  def blocks(index: tuple[slice, ...]) -> np.ndarray:
+  def blocks(index: tuple[slice, ...] | None) -> np.ndarray:
+    assert index is not None  # JAX's type allows None, but it never passes None (it asserts so itself)
     rows = range(n)[index[0]]
     return np.stack([np.take(padded, np.arange(r * b, (r + 1) * b), axis=axis) for r in rows])
 
@@ -188,14 +189,14 @@ def place_blocks(value: np.ndarray, axis: int, n: int, split: NamedSharding) -> 
 
 def global_norm(tree: Any) -> jax.Array:
   """The L2 norm of a whole pytree whose sharded leaves are blocks (`LocalShard`, inside `strategy.run`):
-  the blocks' squares are summed over the replicas (their padding is zero), the other leaves' counted once.
+  the blocks' squares are summed over the replicas (without their padding rows, whatever they hold), the other leaves' counted once.
   Outside `run`, or without blocks, it is `optax.tree.norm`.
 
   >>> float(global_norm({"a": np.array([3.0]), "b": np.array([4.0])}))
   5.0
   """
   leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LocalShard))
-  blocks = [x.block for x in leaves if isinstance(x, LocalShard)]
+  blocks = [x.real_block() for x in leaves if isinstance(x, LocalShard)]  # padding counts for nothing
   whole = [x for x in leaves if not isinstance(x, LocalShard)]
   total = sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in whole), jnp.float32(0))
   if blocks:

@@ -205,8 +205,9 @@ class Strategy:
     return self._extended
 
   @property
-  def mesh(self) -> Mesh:
-    """The `jax.sharding.Mesh` the strategy runs on: axis ``'replica'``, then the logical-core axes."""
+  def mesh(self) -> Mesh | None:
+    """The `jax.sharding.Mesh` the strategy runs on: axis ``'replica'``, then the logical-core axes; None
+    for the default strategy (one replica on JAX's default device, no mesh)."""
     return self._mesh
 
   # -- context --------------------------------------------------------------------------------------
@@ -476,9 +477,11 @@ class Strategy:
       return self._values_from_function_elsewhere(value_fn, n)
     components = {r: value_fn(context_lib.ValueContext(r, n)) for r in mine}
     for r in mine:  # before any transfer: a 64-bit integer JAX would wrap into 32 bits raises
-      check_tree_fits_32_bits(components[r], lambda path, r=r: (
-          f"experimental_distribute_values_from_function: value_fn's value for replica {r}"
-          + (f" at {path}" if path else "")))
+      def describe(path: str, r: int = r) -> str:
+        return (f"experimental_distribute_values_from_function: value_fn's value for replica {r}"
+                + (f" at {path}" if path else ""))
+
+      check_tree_fits_32_bits(components[r], describe)
     treedef = jax.tree.structure(components[mine[0]])
     leaves0 = [jax.numpy.asarray(x) for x in jax.tree.leaves(components[mine[0]])]
     per_leaf: list[list[Any]] = [[] for _ in leaves0]
@@ -660,6 +663,7 @@ class TPUStrategy(Strategy):
       experimental_connect_to_cluster(tpu_cluster_resolver)
     else:
       cluster_resolver_lib.connect_from_environment()  # the launcher's job
+    devices: Sequence[Any] | np.ndarray  # one device per replica, or the [replica, logical core] grid
     if device_assignment is None:
       devices = jax.devices()
     elif isinstance(device_assignment, DeviceAssignment):
@@ -680,6 +684,11 @@ class TPUStrategy(Strategy):
   def cluster_resolver(self) -> Any:
     """The cluster resolver given to the constructor (None if there was none)."""
     return self._cluster_resolver
+
+  @property
+  def mesh(self) -> Mesh:
+    """The `jax.sharding.Mesh` the strategy runs on: axis ``'replica'``, then the logical-core axes."""
+    return self._mesh
 
   # -- logical devices (model parallelism inside a replica) -----------------------------------------
 
@@ -757,9 +766,12 @@ class _DefaultStrategy(Strategy):
   """The strategy in effect when none is: one replica on JAX's default device, `run` calls `fn`."""
 
   def __init__(self) -> None:
-    self._mesh = None
-    self._engine = None
+    # No mesh and no engine: every method that would use them is overridden below.
     self._extended = StrategyExtended(self, jax.devices()[:1])
+
+  @property
+  def mesh(self) -> None:  # noqa: D102
+    return None
 
   @property
   def num_replicas_in_sync(self) -> int:

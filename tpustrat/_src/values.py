@@ -561,7 +561,7 @@ class ShardedVariable(DistributedValues):
   `strategy.run` for every sharded value a step returns (a block, as `LocalShard`).
 
   * ``strategy.experimental_local_results(v)`` / ``v.values``: the blocks, one per replica of this process
-    (the last ones padded with zeros, or empty where ``d < N``).
+    (the last ones padded with zeros; where ``d < N`` the blocks past row ``d`` are all padding).
   * ``np.asarray(v)``: the whole value, padding stripped (TF's conversion to the concatenated tensor).
   * Inside `strategy.run` a step sees its block as a `LocalShard`; ``read_value()`` all-gathers the value.
   """
@@ -673,6 +673,27 @@ class LocalShard:
   def dtype(self) -> Any:
     return self.block.dtype
 
+  def _slice_axis(self) -> tuple[int, tuple[int, ...]]:
+    """(the split axis of `block`, the logical shape of what `block` is a block of): `block` may be a slice
+    of its leading axes (a scan over stacked layers); the split axis must not be one of them."""
+    lead = len(self.shape) - jnp.ndim(self.block)
+    if lead < 0 or (lead and self.axis < lead):
+      raise ValueError(
+          f"{self!r}: a block of rank {jnp.ndim(self.block)} is not a block of a value of shape {list(self.shape)} "
+          f"split along axis {self.axis}; only leading axes before the split axis may be indexed away (a scan "
+          "over stacked layers), not the split axis itself.")
+    return self.axis - lead, self.shape[lead:]
+
+  def real_block(self) -> jax.Array:
+    """The block with its padding (the rows past the logical size, zeros as placed, but whatever an
+    elementwise update made of them since) set to zero: for statistics over the whole value
+    (`tpustrat.global_norm`, the numerics check)."""
+    axis, shape = self._slice_axis()
+    rows = jnp.shape(self.block)[axis]
+    index = jax.lax.broadcasted_iota(jnp.int32, tuple(rows if i == axis else 1 for i in range(jnp.ndim(self.block))),
+                                     axis) + jax.lax.axis_index(REPLICA_AXIS) * rows
+    return jnp.where(index < shape[axis], self.block, jnp.zeros((), self.block.dtype))
+
   def read_value(self) -> jax.Array:
     """The whole value (logical shape), all-gathered from every replica's block.
 
@@ -684,13 +705,7 @@ class LocalShard:
     of keeping every gathered layer alive.
     """
     block = self.block
-    lead = len(self.shape) - jnp.ndim(block)
-    if lead < 0 or (lead and self.axis < lead):
-      raise ValueError(
-          f"{self!r}: a block of rank {jnp.ndim(block)} is not a block of a value of shape {list(self.shape)} "
-          f"split along axis {self.axis}; only leading axes before the split axis may be indexed away (a scan "
-          "over stacked layers), not the split axis itself.")
-    axis, shape = self.axis - lead, self.shape[lead:]
+    axis, shape = self._slice_axis()
     n = jax.lax.axis_size(REPLICA_AXIS)
     want = list(shape)
     want[axis] = block_size(shape[axis], n)

@@ -13,7 +13,8 @@ ZeRO stage 1; with the gradient reduce-scattered rather than all-reduced, stage 
   (``1/N`` per device) and, for the leaves left whole, `Mirrored` values.
 * ``update`` (inside the step): per-replica gradients (w.r.t. `tpustrat.local_copy(params)`, TF's) are
   summed and scattered in one `lax.psum_scatter` per dtype for every split leaf together (a reduce-scatter;
-  SUM, like TF's optimizers' all-reduce), the others summed by one `psum`; gradients already summed over
+  SUM, like TF's optimizers' all-reduce; 16-bit gradients are added in float32 and rounded back once), the
+  others summed by one `psum`; gradients already summed over
   the replicas (w.r.t. the `Mirrored` parameters themselves, JAX's) need no communication here: each
   replica takes its block. (JAX's backward pass has all-reduced those whole already: that is ZeRO-1, the
   state split but not the gradient; differentiate w.r.t. `local_copy(params)` for stage 2's
@@ -146,6 +147,12 @@ def _by_dtype(indices: list[int], values: list[Any]) -> dict[Any, list[int]]:
   return groups
 
 
+def _widened(x: Any) -> Any:
+  """`x` in float32 if it is a 16-bit float (bfloat16, float16): what a sum over replicas adds in."""
+  dtype = jnp.result_type(x)
+  return x.astype(jnp.float32) if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32 else x
+
+
 def _scatter_sum(grads: list[Any], plan: list[_Leaf], indices: list[int], n: int) -> dict[int, LocalShard]:
   """This replica's block of the sum over replicas of each per-replica gradient in `indices`: one
   reduce-scatter per dtype, over the leaves' padded rows laid side by side (``[n, sum b_i]``)."""
@@ -153,7 +160,11 @@ def _scatter_sum(grads: list[Any], plan: list[_Leaf], indices: list[int], n: int
   for group in _by_dtype(indices, grads).values():
     widths = [block_size(plan[i].size, n) for i in group]
     rows = jnp.concatenate([_rows(grads[i], plan[i], n) for i in group], axis=1)  # [n, B], replica-major
-    blocks = jax.lax.psum_scatter(rows.reshape(-1), REPLICA_AXIS, scatter_dimension=0, tiled=True)  # [B]
+    dtype = rows.dtype
+    # 16-bit gradients are summed in float32 (as `mixed_precision.all_reduce_gradients` and
+    # `accumulate_gradients` do), then their blocks rounded back once.
+    blocks = jax.lax.psum_scatter(_widened(rows).reshape(-1), REPLICA_AXIS, scatter_dimension=0,
+                                  tiled=True).astype(dtype)  # [B]
     for i, start, width in zip(group, np.cumsum([0] + widths[:-1]), widths):
       out[i] = LocalShard(jax.lax.slice_in_dim(blocks, int(start), int(start) + width), (plan[i].size,), 0)
   return out
@@ -332,8 +343,8 @@ def sharded_optimizer(tx: optax.GradientTransformation,
       g_blocks[i] = scattered[i] if i in scattered else _local_block(g_leaves[i], plan[i], n, r)
     small = [i for i in per_replica if not plan[i].split]
     if small:
-      for i, s in zip(small, jax.lax.psum([g_leaves[i] for i in small], REPLICA_AXIS)):
-        g_blocks[i] = s
+      for i, s in zip(small, jax.lax.psum([_widened(g_leaves[i]) for i in small], REPLICA_AXIS)):
+        g_blocks[i] = s.astype(jnp.result_type(g_leaves[i]))
     g_tree = jax.tree.unflatten(treedef, g_blocks)
     p_tree = None if params is None else blocks_of(params, plan, treedef, n, r)
     # The state must be init's for these blocks (a LocalShard's node holds its logical shape): a state made

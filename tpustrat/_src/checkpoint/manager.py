@@ -73,11 +73,13 @@ def _is_node(v: Any) -> bool:
 
 def _unwrap(tree: Any) -> Any:
   """`tree` with every `Mirrored` / `PerReplica` replaced by the pytree of global arrays it holds, and every
-  `ShardedVariable` (an embedding table among them) by ``{"blocks": [N, ...block] array}``."""
+  `ShardedVariable` (an embedding table among them) by ``{"blocks": [N, ...block] array, "shape": its
+  logical shape}``."""
 
   def unwrap(v: Any) -> Any:
     if isinstance(v, ShardedVariable):
-      return {"blocks": v.tree}  # [N, ...block]: re-split on restore when N differs
+      # [N, ...block]: re-split on restore when N differs; the logical shape, to check the target's against
+      return {"blocks": v.tree, "shape": np.asarray(v.shape, np.int32)}
     if is_distributed(v):
       _check_saveable(v, "save")
       return v.tree
@@ -110,10 +112,27 @@ def _saved_at(saved: Any, path: tuple[Any, ...]) -> Any:
 
 
 def _blocks_meta(node: Any) -> Any:
-  """The metadata of the saved blocks when the saved node is a sharded value (``{"blocks": array}``)."""
-  if isinstance(node, dict) and set(node) == {"blocks"} and hasattr(node["blocks"], "shape"):
+  """The metadata of the saved blocks when the saved node is a sharded value (``{"blocks": array, "shape":
+  its logical shape}``; checkpoints written before the shape was saved have ``{"blocks": array}`` only)."""
+  if isinstance(node, dict) and set(node) in ({"blocks"}, {"blocks", "shape"}) and hasattr(node["blocks"], "shape"):
     return node["blocks"]
   return None
+
+
+def _with_shape(item: dict[str, Any], node: Any) -> dict[str, Any]:
+  """`item` (a sharded value's restore item) with the saved logical shape read too, where it was saved."""
+  if isinstance(node, dict) and "shape" in node and hasattr(node["shape"], "shape"):
+    return {**item, "shape": _host_item(node["shape"])}
+  return item
+
+
+def _check_logical_shape(took: dict[str, Any], where: str, shape: tuple[int, ...]) -> None:
+  """Raises unless the saved logical shape (where saved) is `shape`, the target's: blocks alone cannot tell
+  a value of 15 rows from one of 16 on 8 replicas (both blocks of 2)."""
+  if "shape" in took and tuple(int(d) for d in np.asarray(took["shape"])) != tuple(shape):
+    raise ValueError(
+        f"CheckpointManager.restore: the sharded value at {where} was saved with shape "
+        f"{[int(d) for d in np.asarray(took['shape'])]}, but the target's is {list(shape)}: another shape.")
 
 
 def _split_axis(blocks_shape: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
@@ -211,10 +230,12 @@ class _Plan:
           f"CheckpointManager.restore: the value at {jax.tree_util.keystr(path)} was saved as a sharded value "
           f"of {meta.shape[0] if meta.shape else 0} blocks of shape {list(meta.shape[1:])}, which are not "
           f"blocks of the target's {list(item.shape)} along any axis: another shape.")
-    host = {"blocks": _host_item(meta)}
+    host = _with_shape({"blocks": _host_item(meta)}, node)
 
     def finish(take: Any) -> Any:
-      whole = _whole_from_blocks(np.asarray(take(host)["blocks"]), axis, item.shape[axis])
+      took = take(host)
+      _check_logical_shape(took, jax.tree_util.keystr(path), tuple(item.shape))
+      whole = _whole_from_blocks(np.asarray(took["blocks"]), axis, item.shape[axis])
       return _place_whole(whole.astype(item.dtype, copy=False), item.sharding)
 
     return host, finish
@@ -228,8 +249,8 @@ class _Plan:
           raise ValueError(
               f"CheckpointManager.restore: the value at {where} was saved whole with shape {list(node.shape)}, "
               f"but the target is a sharded variable of shape {list(v.shape)}.")
-        item = _host_item(node)
-        return item, lambda take: self._place_sharded(np.asarray(take(item)), v)
+        whole = _host_item(node)
+        return whole, lambda take: self._place_sharded(np.asarray(take(whole)), v)
       raise ValueError(f"CheckpointManager.restore: the checkpoint has no sharded variable blocks at {where} "
                        "(it was saved from another structure).")
     shape = tuple(meta.shape)
@@ -241,11 +262,23 @@ class _Plan:
           f"{shape[0] if shape else 0} blocks of shape {list(shape[1:])}, which are not blocks of the target's "
           f"{list(v.shape)} split along axis {v.axis} ({want} each): another shape or axis.")
     if shape[0] == self._n:  # as many replicas: each device reads its own block
-      item = {"blocks": jax.ShapeDtypeStruct(shape, v.dtype, sharding=self._split)}
-      return item, lambda take: ShardedVariable._wrap(take(item)["blocks"], v.shape, v.axis)  # pylint: disable=protected-access
-    item = {"blocks": _host_item(meta)}  # another replica count: the whole value on the host, re-split
-    return item, lambda take: self._place_sharded(
-        _whole_from_blocks(np.asarray(take(item)["blocks"]), v.axis, v.shape[v.axis]), v)
+      own = _with_shape({"blocks": jax.ShapeDtypeStruct(shape, v.dtype, sharding=self._split)}, node)
+
+      def finish_own(take: Any) -> ShardedVariable:
+        took = take(own)
+        _check_logical_shape(took, where, v.shape)
+        return ShardedVariable._wrap(took["blocks"], v.shape, v.axis)  # pylint: disable=protected-access
+
+      return own, finish_own
+    # Another replica count: the whole value on the host, re-split.
+    on_host = _with_shape({"blocks": _host_item(meta)}, node)
+
+    def finish_host(take: Any) -> ShardedVariable:
+      took = take(on_host)
+      _check_logical_shape(took, where, v.shape)
+      return self._place_sharded(_whole_from_blocks(np.asarray(took["blocks"]), v.axis, v.shape[v.axis]), v)
+
+    return on_host, finish_host
 
   def _place_sharded(self, whole: np.ndarray, v: ShardedVariable) -> ShardedVariable:
     blocks = place_blocks(whole.astype(v.dtype, copy=False), v.axis, self._n, self._split)
@@ -519,7 +552,7 @@ class CheckpointManager:
         `_Plan`). Shapes must be the saved ones (logical shapes for sharded values); dtypes are the
         target's (an array restored with another dtype than it was saved with is not compared with its
         checksum). With no target, the saved tree comes back as nested dicts and lists of replicated
-        arrays (a sharded value as ``{"blocks": [N, ...block]}``).
+        arrays (a sharded value as ``{"blocks": [N, ...block], "shape": its logical shape}``).
       iterator: a `DistributedIterator` (or grain iterator) to move to the saved position.
 
     Returns:

@@ -271,6 +271,7 @@ class DistributedDataset:
     A batch of fewer than `drop_below` rows (dropped by `drop_remainder`) is not read. Runs in grain's
     reader threads."""
     examples = self._examples
+    assert examples is not None  # only a batched grain MapDataset read per process is read in parts
     rows = examples.rows(index)
     if rows < drop_below:
       return LocalRows(index, rows, k, None)
@@ -294,6 +295,7 @@ class DistributedDataset:
       return None
     if part.parts is None or part.k != k:  # read with another per-replica size (another iterator grew it)
       part = self._read_local(part.index, k=k)
+    assert part.parts is not None  # read without `drop_below`: never left unread
     what = f"{self._what}: batch"
     parts = [flatten_batch(b, part.index, what) for b in part.parts]
     if parts:
@@ -307,6 +309,7 @@ class DistributedDataset:
     elif self._layout is not None:  # no real rows here: the layout of earlier batches
       treedef, first = self._layout
     else:  # nothing read yet: one example of the batch says its layout (read by another process too)
+      assert self._examples is not None  # local parts come from `_read_local`, which needs it
       first, treedef, _ = flatten_batch(self._examples.read(part.index, 0, 1), part.index, what)
       self._layout = (treedef, [np.zeros((0,) + x.shape[1:], x.dtype) for x in first])
     with self._lock:
@@ -474,11 +477,12 @@ class DistributedDataset:
 
   def _set_spec(self, treedef: Any, leaves: list[np.ndarray], k: int) -> None:
     self._spec_tree = treedef
-    if self._mesh is None:
+    splits = self._splits
+    if splits is None:  # the default strategy (no mesh)
       self._spec = jax.tree.unflatten(
           treedef, [jax.ShapeDtypeStruct(x.shape, device_dtype(x)) for x in leaves])
       return
-    n, split = self._num_replicas, self._splits[0]
+    n, split = self._num_replicas, splits[0]
     valid = jax.ShapeDtypeStruct((n,), np.int32, sharding=split)
     self._spec = jax.tree.unflatten(treedef, [
         PerReplica.from_stacked(
@@ -565,9 +569,13 @@ class DistributedDataset:
     a transfer out of the source's memory is left in `state.pending`."""
     steps = stacks is not None
     treedef = prepared[0].treedef
-    leaves, owned = (stacks, True) if steps else (prepared[0].leaves, prepared[0].owned)
+    if stacks is not None:
+      leaves, owned = stacks, True
+    else:
+      leaves, owned = prepared[0].leaves, prepared[0].owned
     fetch = self._options.experimental_fetch_to_device
-    if self._mesh is None:  # default strategy: the batches as they came, without padding
+    splits = self._splits
+    if splits is None:  # default strategy (no mesh): the batches as they came, without padding
       rows = int(prepared[0].counts[0])
       leaves = [x[:, 0, :rows] if steps else x[0, :rows] for x in leaves]
       if not fetch:
@@ -577,11 +585,12 @@ class DistributedDataset:
         state.pending = arrays
       return jax.tree.unflatten(treedef, arrays)
     counts = np.stack([p.counts for p in prepared]) if steps else prepared[0].counts
+    host_counts: np.ndarray | None
     valid, host_counts = self._valid_array(counts)  # tiny and mostly the same every step: cached
     if self._multi_process:  # a global array needs every process's part: always placed
       arrays = [self._from_local(x, steps) for x in leaves]
     elif fetch:
-      arrays = jax.device_put(self._unaliased(leaves, owned, self._num_replicas), self._splits[steps])
+      arrays = jax.device_put(self._unaliased(leaves, owned, self._num_replicas), splits[steps])
       if not owned:
         state.pending = arrays
     else:  # without fetch_to_device the arrays stay on the host; `run` transfers them
@@ -610,7 +619,7 @@ class DistributedDataset:
       if self._multi_process:
         valid = self._from_local(counts, steps=counts.ndim == 2)
       else:
-        valid = jax.device_put(counts, self._splits[counts.ndim == 2])
+        valid = jax.device_put(counts, self._split_shardings()[counts.ndim == 2])
       host = counts.astype(np.int64)
       host.flags.writeable = False
       cached = self._valid_cache[key] = (valid, host)
@@ -621,12 +630,19 @@ class DistributedDataset:
     with `steps`, ``[steps, N, ...]`` from ``[steps, N_local, ...]``."""
     axis = int(steps)  # the replica axis: the second one of stacked steps
 
-    def part(index: tuple[slice, ...]) -> np.ndarray:
+    def part(index: tuple[slice, ...] | None) -> np.ndarray:
+      assert index is not None  # JAX's type allows None, but it never passes None (it asserts so itself)
       i = self._local_index[index[axis].start or 0]
       return local[(slice(None),) * axis + (slice(i, i + 1),)]
 
     shape = local.shape[:axis] + (self._num_replicas,) + local.shape[axis + 1:]
-    return jax.make_array_from_callback(shape, self._splits[steps], part)
+    return jax.make_array_from_callback(shape, self._split_shardings()[steps], part)
+
+  def _split_shardings(self) -> tuple[NamedSharding, NamedSharding]:
+    """(one batch split over the replicas, stacked steps split over them): a strategy with a mesh only."""
+    splits = self._splits
+    assert splits is not None  # the default strategy's batches are never placed split
+    return splits
 
 
 class LocalRows:

@@ -331,13 +331,17 @@ def _check_state(state: Any) -> tuple[int, int, Any]:
     raise ValueError(
         f"DistributedIterator.set_state expects a state from DistributedIterator.get_state() (a dict with "
         f"format {_STATE_FORMAT!r}), got {state!r:.200}.")
-  counts = [state.get("batches"), state.get("elements")]
-  if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in counts):
+  batches, elements = state.get("batches"), state.get("elements")
+  counts = [batches, elements]
+  if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
     raise ValueError(f"DistributedIterator.set_state: `batches` and `elements` must be ints >= 0, got {counts}.")
+  assert isinstance(batches, int) and isinstance(elements, int)  # checked just above
   source = state.get("source")
   if state.get("source_encoding") == "base64":
+    if not isinstance(source, str):
+      raise ValueError(f"DistributedIterator.set_state: a base64 `source` must be a str, got {source!r:.100}.")
     source = text_to_bytes(source)
-  return counts[0], counts[1], source
+  return batches, elements, source
 
 
 def _check_reference(reference: Any) -> Any:

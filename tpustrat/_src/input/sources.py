@@ -19,7 +19,7 @@ import collections.abc
 import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -267,7 +267,19 @@ def batched_examples(dataset: Any) -> BatchedExamples | None:
   return BatchedExamples(parents[0], size, batches, n, stack)
 
 
-def index_iterator(num_batches: int, read: Callable[[int], Any]) -> Iterator[Any]:
+class PositionedIterator(Protocol):
+  """An iterator with a position it can give and go back to (grain's `DatasetIterator`)."""
+
+  def __iter__(self) -> Iterator[Any]: ...
+
+  def __next__(self) -> Any: ...
+
+  def get_state(self) -> Any: ...
+
+  def set_state(self, state: Any) -> None: ...
+
+
+def index_iterator(num_batches: int, read: Callable[[int], Any]) -> PositionedIterator:
   """An iterator over ``read(0), read(1), ..., read(num_batches - 1)``, computed ahead by grain's reader
   threads as iterating a grain MapDataset is, with its position as that iterator's (``{"next_index": i}``,
   `set_state` included): so positions carry over between this and a plain pass over the batched
