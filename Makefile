@@ -55,7 +55,7 @@ $(DOCS_STAMP): $(STAMP)
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
-	$(PY) -m sphinx -E -W --keep-going -b html docs docs/_build/html
+	$(PY) -m sphinx -E -W --keep-going -q -b html docs docs/_build/html
 
 # Cheapest first, so the quick failures show within minutes; every step runs even after one fails.
 CHECK_STEPS ?= lint types wheel docs test

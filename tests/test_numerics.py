@@ -3,9 +3,11 @@ and raised on the host as `tpustrat.NumericsError`, naming the step, the output'
 processes) that produced it.
 
 The error of step ``t`` is raised by the call that waits for it: with the default bound of 2 steps in
-flight, the `run` call ``t + 2`` (before it dispatches), or `experimental_run_wait`. The launched test runs
-`tests/_mp_scripts/numerics_nan.py` as 2 processes x 4 CPU devices on loopback, the NaN made on a replica of
-process 1: both processes raise the same error at the same call.
+flight, the `run` call ``t + 2`` (before it dispatches), or `experimental_run_wait`. A `run` traced inside
+the caller's own `jax.jit` / `lax.scan` records its flags by a host callback per execution; the error is
+raised by `experimental_run_wait` (or, in one process, the next eager `run`). The launched tests run
+`tests/_mp_scripts/numerics_nan.py` and `numerics_traced.py` as 2 processes x 4 CPU devices on loopback, the
+NaN made on a replica of process 1: both processes raise the same error at the same call.
 """
 
 from __future__ import annotations
@@ -166,22 +168,105 @@ def test_experimental_run_steps_names_the_inner_step(strategy):
   strategy.experimental_run_wait()
 
 
-def test_run_inside_a_users_jit_or_scan_is_an_error(strategy):
-  x = per_replica(strategy, [1.0] * N)
+def test_run_inside_a_users_jit_raises_at_experimental_run_wait(strategy):
+  good = per_replica(strategy, [np.full(4, 2.0)] * N)
+  bad = per_replica(strategy, [np.full(4, -1.0) if r == 3 else np.full(4, 2.0) for r in range(N)])
+  outer = jax.jit(lambda s, b: strategy.run(log_step, args=(s, b), options=CHECK))
+  w = strategy.experimental_mirror(jnp.zeros(()))
+  outer(w, good)
+  strategy.experimental_run_wait()  # execution 1: clean, nothing raised
+  out = outer(w, bad)  # execution 2: NaN on replica 3
+  assert isinstance(out["y"], PerReplica)  # the outer program's results come back; the check comes later
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.experimental_run_wait()  # waits for the program's host callback, then raises
+  e = info.value
+  assert e.step == 2 and e.inner_step is None
+  assert e.replicas == (3,) and e.processes == (0,)
+  assert ("['y']", "PerReplica", (3,), True, False) in e.outputs
+  assert ("['w']", "Mirrored", tuple(range(N)), True, False) in e.outputs
+  message = str(e)
+  assert "strategy.run(log_step) with RunOptions(check_numerics=True), traced inside another program" in message
+  assert "its 2nd execution produced non-finite values" in message
+  assert "['y']: NaN in a PerReplica value, on replica 3 (process 0)" in message
+  assert "The outer program's results were already returned" in message
+  strategy.experimental_run_wait()  # reported once
+  outer(w, good)
+  strategy.experimental_run_wait()
+
+
+def test_run_inside_a_users_scan_names_the_execution(strategy):
+  x = per_replica(strategy, [np.full(2, 2.0)] * N)
+
+  def step(total, v, i, bad_at):
+    rid = tpustrat.get_replica_context().replica_id_in_sync_group
+    y = jnp.log(jnp.where((i == bad_at) & (rid == 3), -1.0, v))  # NaN on replica 3 at iteration bad_at
+    return total + 1.0, y
 
   @jax.jit
-  def outer(w):
-    return strategy.run(log_step, args=(w, x), options=CHECK)
+  def loop(total, v, bad_at):
+    def body(t, i):
+      return strategy.run(step, args=(t, v, i, bad_at), options=CHECK)
 
-  with pytest.raises(ValueError, match=r"traced inside another jax.jit / lax.scan"):
-    outer(jnp.zeros(()))
+    return jax.lax.scan(body, total, jnp.arange(1, 6))  # 5 iterations, i = 1..5
 
-  def body(w, _):
-    out = strategy.run(log_step, args=(w, x), options=CHECK)
-    return out["w"], None
+  total = strategy.experimental_mirror(jnp.zeros(()))
+  total, ys = loop(total, x, 3)  # executions 1..5: the 3rd is bad
+  assert len(tpustrat.unstack_steps(ys)) == 5  # the scan's results come back
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.experimental_run_wait()
+  e = info.value
+  assert e.step == 3 and e.replicas == (3,)
+  assert e.outputs == [("[1]", "PerReplica", (3,), True, False)]  # the total (Mirrored) stays finite
+  assert "its 3rd execution produced non-finite values" in str(e)
+  assert "later bad execution" not in str(e)
+  total, _ = loop(total, x, 0)  # executions 6..10: clean
+  strategy.experimental_run_wait()
+  loop(total, x, 2)  # executions 11..15: the 12th is bad
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.experimental_run_wait()
+  assert info.value.step == 12 and "its 12th execution" in str(info.value)
 
-  with pytest.raises(ValueError, match=r"experimental_run_steps for many steps per program"):
-    jax.lax.scan(body, strategy.experimental_mirror(jnp.zeros(())), None, length=2)
+
+def test_a_recorded_error_is_raised_by_the_next_eager_run(strategy):
+  bad = per_replica(strategy, [np.nan if r == 1 else 1.0 for r in range(N)])
+
+  def double(v):
+    return v * 2.0
+
+  jax.jit(lambda v: strategy.run(double, args=(v,), options=CHECK))(bad)
+  jax.effects_barrier()  # the outer program's callback has run: the error is recorded
+  with pytest.raises(tpustrat.NumericsError, match=r"its 1st execution produced .*\n  <root>: NaN in a PerReplica "
+                     r"value, on replica 1 \(process 0\)"):
+    strategy.run(double, args=(per_replica(strategy, [1.0] * N),))  # one process: the next step dispatch raises it
+  strategy.experimental_run_wait()  # reported once
+
+
+def test_experimental_run_steps_inside_a_users_jit_names_the_inner_step(strategy):
+  def step(total, x):
+    return total + 1.0, jnp.sqrt(x)
+
+  xs = np.ones((4, N), np.float32)
+  xs[2, 5] = -1.0  # inner step 3 of 4, replica 5
+  batches = tpustrat.stack_steps([per_replica(strategy, xs[i]) for i in range(4)])
+  outer = jax.jit(lambda c, b: strategy.experimental_run_steps(step, b, init=c, options=CHECK))
+  outer(strategy.experimental_mirror(jnp.zeros(())), batches)
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.experimental_run_wait()
+  e = info.value
+  assert e.step == 3 and e.inner_step == 3 and e.replicas == (5,)
+  assert e.outputs == [("output", "PerReplica", (5,), True, False)]
+  assert "inner step 3 of 4 of its 1st execution" in str(e)
+
+
+def test_mirrored_strategy_inside_a_users_jit(strategy):
+  del strategy
+  mirrored = tpustrat.MirroredStrategy(jax.devices()[:4])
+  x = mirrored.experimental_distribute_values_from_function(
+      lambda ctx: np.float32(-1.0 if ctx.replica_id_in_sync_group == 2 else 1.0))
+  jax.jit(lambda v: mirrored.run(jnp.sqrt, args=(v,), options=CHECK))(x)
+  with pytest.raises(tpustrat.NumericsError, match=r"<root>: NaN in a PerReplica value, on replica 2 \(process 0\)"):
+    mirrored.experimental_run_wait()
+  mirrored.experimental_run_wait()
 
 
 def test_mirrored_strategy(strategy):
@@ -295,6 +380,30 @@ def test_two_processes_both_raise_the_same_error_at_the_same_call():
     assert "[1]: NaN in a PerReplica value, on replica 6 (process 1)" in result["message"]
   assert results[0]["message"] == results[1]["message"]
   assert elapsed < 90, f"{elapsed:.1f} s"
+
+
+def test_two_processes_raise_the_same_error_of_a_run_inside_a_users_jit_and_scan():
+  """A jitted scan of 5 steps with the NaN on replica 6 (process 1) at iteration 3: the scan's result
+  comes back, both processes raise the same error in experimental_run_wait (the callback runs on one device
+  of each process), then both run one more collective: no hang."""
+  script = SCRIPT.parent / "numerics_traced.py"
+  command = [sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "4", "--heartbeat-timeout", "10",
+             "--timeout", "120", str(script), "5", "3", "6"]
+  done = subprocess.run(command, env=_env(), cwd=SCRIPT.parents[2], capture_output=True, text=True, timeout=180)
+  assert done.returncode == 3, done.stderr[-4000:]
+  results = {}
+  for line in done.stdout.splitlines():
+    prefix, _, payload = line.partition(" RESULT ")
+    if payload:
+      results[int(prefix.removeprefix("[proc ").rstrip("]"))] = json.loads(payload)
+  assert sorted(results) == [0, 1], (done.stdout[-4000:], done.stderr[-4000:])
+  for index, result in results.items():
+    assert result["process"] == index and result["returned_nan"]
+    error = result["error"]
+    assert (error["step"], error["replicas"], error["processes"], error["paths"]) == (3, [6], [1], ["[0]", "[1]"])
+    assert "its 3rd execution" in error["message"]
+    assert "[1]: NaN in a PerReplica value, on replica 6 (process 1)" in error["message"]
+  assert results[0]["error"]["message"] == results[1]["error"]["message"]
 
 
 def test_with_donated_state(strategy):

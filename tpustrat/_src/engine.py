@@ -130,8 +130,12 @@ class RunOptions:
       next call that waits for it: the `run` (or `experimental_run_steps`) call that the steps-in-flight
       bound makes wait for it, or `strategy.experimental_run_wait()`; every process raises the same error
       at the same call. For `experimental_run_steps`, each inner step is checked and named. A `run` traced
-      inside a user's own `jax.jit` / `lax.scan` cannot be checked per call (an error). Off (the default),
-      the program is the one compiled without the option.
+      inside a user's own `jax.jit` / `lax.scan` hands its flags to the host by one ordered host callback
+      per execution (one per scan iteration), which only records them: the error, naming the execution,
+      is raised by `strategy.experimental_run_wait()` (which waits for those callbacks; in every
+      process) or, in a one-process job, by the next `run` / `experimental_run_steps` of the strategy,
+      after the outer program's results were returned. Off (the default), the program is the one
+      compiled without the option.
 
   >>> RunOptions(donate_argnums=0).donate_argnums
   (0,)
@@ -424,6 +428,9 @@ class Engine:
     # noted here, the input waits by the strategy's iterators.
     self.step_stats = step_stats_lib.StepCounters()
     self._in_flight = InFlight(self.step_stats)
+    # `RunOptions.check_numerics` of programs traced inside a user's jit / scan: their recorded errors
+    self._traced_numerics = numerics_lib.TracedChecks(mesh)
+    self._one_process = jax.process_count() == 1
     self._retraces = step_stats_lib.Retraces()  # programs compiled per function (`RetracingWarning`)
     self._donations: dict[Any, tuple[int, ...]] = {}  # (run key, donate_argnums) -> donated leaf positions
     self._entries: collections.OrderedDict[Any, tuple[_FlatProgram, list[NamedSharding]]] = (
@@ -508,7 +515,14 @@ class Engine:
     """Calls ``program(*args)``, which returns ``(result, token)``, under this engine's bound on programs
     in flight (`limit`, default `max_steps_in_flight`); returns `result`. `token` is the output to wait
     on before a later dispatch (see `wait_leaf`), or None. `steps`: the training steps it runs (for the
-    step watchdog). `numerics`: see the module-level `dispatch`."""
+    step watchdog). `numerics`: see the module-level `dispatch`.
+
+    In a one-process job, an error recorded by a checked program traced inside a user's jit / scan
+    (`numerics.TracedChecks`) is raised here, before dispatching a step (not a reduction, not while
+    tracing)."""
+    if steps and self._traced_numerics.recorded and self._one_process and not any(
+        isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+      self._traced_numerics.raise_recorded()
     return dispatch(program, *args, in_flight=self._in_flight, limit=limit or self.max_steps_in_flight,
                     steps=steps, numerics=numerics)
 
@@ -564,7 +578,7 @@ class Engine:
     outputs = numerics_lib.Outputs([], [], numerics_lib.replica_processes(self._mesh, self._axis),
                                    f"strategy.run({getattr(fn, '__name__', 'fn')})")
     return _FlatProgram(self._make_program(fn, groups, layout_map, outputs), seen_tree, checked=outputs,
-                        on_trace=traced)
+                        on_trace=traced, traced_numerics=self._traced_numerics)
 
   def _on_trace(self, key: Any, name: str) -> Callable[[Any, list[Any]], None]:
     """What a program of `fn` (`key`: its `weak_key`) calls each time JAX traces it, that is, compiles a new
@@ -647,8 +661,16 @@ class Engine:
     return pinned
 
   def wait(self) -> None:
-    """Blocks until every step dispatched by `run` has finished."""
+    """Blocks until every step dispatched by `run` has finished; with checked programs traced inside a
+    user's jit / scan, also until every dispatched program's host callbacks have run
+    (`jax.effects_barrier`), then raises the first error they recorded (`numerics.TracedChecks`)."""
     self._in_flight.drain()
+    self._traced_numerics.raise_recorded(wait=True)
+
+  @property
+  def traced_numerics(self) -> numerics_lib.TracedChecks:
+    """The checks of this engine's checked programs traced inside other programs (`RunOptions.check_numerics`)."""
+    return self._traced_numerics
 
   @property
   def in_flight(self) -> InFlight:
@@ -871,9 +893,11 @@ class _FlatProgram:
 
   def __init__(self, structured: Callable[..., Any], seen_tree: Any, donate: tuple[int, ...] = (),
                checked: numerics_lib.Outputs | None = None,
-               on_trace: Callable[[Any, list[Any]], None] | None = None) -> None:
+               on_trace: Callable[[Any, list[Any]], None] | None = None,
+               traced_numerics: numerics_lib.TracedChecks | None = None) -> None:
     """`checked` (`RunOptions.check_numerics`): `structured` returns ``(result, flags)``; the flags are the
-    output to wait on, and `numerics_check` makes the check of a call's flags. `on_trace(seen_tree,
+    output to wait on, and `numerics_check` makes the check of a call's flags (`traced_numerics`: the
+    engine's, for a call traced inside a user's jit / scan). `on_trace(seen_tree,
     leaves)` is called each time JAX traces the program (a new program is compiled), with the traced
     argument leaves."""
     self._on_trace = on_trace
@@ -881,7 +905,8 @@ class _FlatProgram:
     self._record: dict[str, tuple[Any, int] | None] = {"traced": None, "out": None}
     self._fallback: Callable[..., Any] | None = None
     self._structured, self._seen_tree, self._checked = structured, seen_tree, checked
-    self.numerics_check = None if checked is None else numerics_lib.make_check(checked)
+    self._traced_numerics = traced_numerics
+    self.numerics_check = None if checked is None else numerics_lib.make_check(checked, traced=traced_numerics)
 
     def flat(*leaves: Any) -> tuple[list[Any], Any, int]:
       if on_trace is not None:
@@ -923,7 +948,7 @@ class _FlatProgram:
     variant = self._donating.get(leaves)
     if variant is None:
       variant = self._donating[leaves] = _FlatProgram(self._structured, self._seen_tree, leaves, self._checked,
-                                                      self._on_trace)
+                                                      self._on_trace, self._traced_numerics)
     return variant
 
   def __call__(self, leaves: list[Any]) -> tuple[Any, Any]:

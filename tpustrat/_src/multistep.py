@@ -359,7 +359,8 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
 
     dispatched.__name__ = getattr(program.program, "__name__", "run_steps")  # the step's mark in a profile
     carry, outputs = engine.dispatch(dispatched, carry, batches, limit=limit, steps=k,
-                                     numerics=numerics_lib.make_check(program.outputs, k, stacked=True))
+                                     numerics=numerics_lib.make_check(program.outputs, k, stacked=True,
+                                                                      traced=engine.traced_numerics))
   else:
     carry, outputs = engine.dispatch(_with_token(program), carry, batches, limit=limit, steps=k)
   # One replica: XLA's layouts do not say which outputs are stacked steps (see stacked_steps).

@@ -14,14 +14,24 @@ the flags (a few bytes) and raises `NumericsError` naming the step, the output's
 replicas and processes; every process reads the same flags, so every process raises the same error at the
 same call, and none is left waiting in a collective.
 
-Inside another trace the host cannot check per call: `experimental_run_steps` collects the flags of its
-inner `run` (`collecting`) and returns them stacked per inner step; a `run` traced inside a user's own
-`jax.jit` / `lax.scan` with check_numerics is an error (`collect`).
+Inside another trace the host sees no call to check. `experimental_run_steps` collects the flags of its
+inner `run` (`collecting`) and returns them stacked per inner step. A `run` (or `experimental_run_steps`)
+traced inside a user's own `jax.jit` / `lax.scan` hands its flags to the host in the program itself
+(`TracedChecks.emit`): after the step, in the outer program, an ordered `jax.experimental.io_callback`,
+run by one device of each process, passes the (invariant) flags to `TracedChecks.record`, which counts the
+execution and keeps the flags if any is set, raising nothing. The error is raised on the host by the next
+call that syncs with it (`TracedChecks.raise_recorded`): `strategy.experimental_run_wait()`, which first
+waits for every dispatched program's callbacks (`jax.effects_barrier`), and, in a one-process job, the
+next `run` / `experimental_run_steps` dispatch of that strategy (what has been recorded by then). The
+outer program's results have been returned by then. Every process records the same flags, so every
+process raises the same error in `experimental_run_wait`. The cost: one host callback per step, ordered
+(an execution of the outer program waits for the callbacks of the one before).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -34,8 +44,8 @@ from jax import lax
 
 from tpustrat._src.jax_compat import all_gather_invariant, to_varying, varying_axes
 
-__all__ = ["NumericsError", "Outputs", "Check", "replica_flags", "gather_flags", "collecting", "collect",
-           "replica_processes"]
+__all__ = ["NumericsError", "Outputs", "Check", "TracedChecks", "replica_flags", "gather_flags", "collecting",
+           "collect", "replica_processes"]
 
 NAN, INF = 1, 2
 _SLICE_MIN = 4096  # a Mirrored output of at least this many elements is checked a 1/N slice per replica
@@ -46,7 +56,9 @@ class NumericsError(FloatingPointError):
 
   Attributes:
     step: the step, counting from 1: the call of `strategy.run` with this function and argument
-      structure, or, for `experimental_run_steps`, the step counted over every call of that program.
+      structure, or, for `experimental_run_steps`, the step counted over every call of that program. For
+      a `run` traced inside a user's own `jax.jit` / `lax.scan`: its execution, counted over every
+      execution of that traced `run` (one per call of the outer program, or one per scan iteration).
     inner_step: for `experimental_run_steps`, the step within its call (from 1), else None.
     outputs: one ``(path, kind, replicas, nan, inf)`` per bad output: its path in the step's result
       (``[0]['w']``), ``"PerReplica"`` / ``"Mirrored"`` / ``"ShardedVariable"``, the replica ids that
@@ -141,18 +153,108 @@ def collecting() -> Iterator[list[tuple[Any, Outputs]]]:
     stack.pop()
 
 
-def collect(flags: Any, outputs: Outputs) -> None:
-  """Hands a checked `run`'s flags, traced inside another program, to the innermost `collecting`; an error
-  when there is none (a user's own `jax.jit` / `lax.scan`: nothing on the host sees each call)."""
+def collect(flags: Any, outputs: Outputs, traced: TracedChecks | None = None, stacked: bool = False) -> None:
+  """Hands a checked `run`'s flags, traced inside another program, to the innermost `collecting`; when
+  there is none (a user's own `jax.jit` / `lax.scan`), to `traced` (the engine's `TracedChecks`), which
+  adds their host callback to the program being traced (`stacked`: the flags are ``[k, N, L]``)."""
   stack = getattr(_LOCAL, "stack", None)
-  if not stack:
+  if stack:
+    stack[-1].append((flags, outputs))
+    return
+  if traced is None:
     raise ValueError(
-        f"{outputs.what}: RunOptions(check_numerics=True) checks steps dispatched from Python (each `run` "
-        "call, and each inner step of strategy.experimental_run_steps, which is a jax.jit of a lax.scan of run); "
-        "this `run` is traced inside another jax.jit / lax.scan, whose calls the host does not see. Use "
-        "strategy.experimental_run_steps for many steps per program, or check_numerics=False here (and "
-        "check the outer program's results yourself).")
-  stack[-1].append((flags, outputs))
+        f"{outputs.what}: RunOptions(check_numerics=True) is not supported for a program traced inside "
+        "another jax.jit / lax.scan without a strategy's engine.")
+  traced.emit(flags, outputs, stacked)
+
+
+@dataclasses.dataclass
+class _Site:
+  """One checked `run` (or `experimental_run_steps`) traced inside another program: what its flags
+  describe (a copy of its `Outputs` at trace time), its number among this engine's such traces, and how
+  many times it has executed (counted by its host callback)."""
+
+  outputs: Outputs
+  number: int
+  stacked: bool
+  executions: int = 0
+
+
+class TracedChecks:
+  """The checks of one engine's checked programs traced inside other programs (a user's `jax.jit` /
+  `lax.scan`): `emit` adds a program's host callback at trace time, `record` is that callback (it only
+  records), `raise_recorded` raises the first recorded error on the host."""
+
+  def __init__(self, mesh: jax.sharding.Mesh) -> None:
+    self._mesh = mesh
+    self._lock = threading.Lock()
+    self._sites = 0  # programs traced with a callback so far (nothing to wait for while 0)
+    self.recorded: list[tuple[_Site, int, np.ndarray]] = []  # (site, execution, flags) of bad executions
+    flat = [int(d.process_index) for d in np.asarray(mesh.devices).flat]
+    # The callback runs on one device per process: the first of each process's devices in the mesh.
+    self._recorders = np.array([flat.index(p) == i for i, p in enumerate(flat)])
+
+  @property
+  def active(self) -> bool:
+    """Whether a checked program was traced inside another one (whose callbacks may be pending)."""
+    return self._sites > 0
+
+  def emit(self, flags: Any, outputs: Outputs, stacked: bool = False) -> None:
+    """While tracing the outer program, after the checked program's call (`flags`: its invariant flags,
+    a tracer of the outer program): one ordered `io_callback`, in a `shard_map` over the whole mesh on
+    the first device of each process, that hands the flags to `record`.
+
+    Ordered: on JAX 0.10.2 XLA:CPU (8 devices, 2 cores) an unordered `io_callback` here, in or out of a
+    `shard_map`, hung the 200-call loop below in a collective's rendezvous; `jax.debug.callback(...,
+    ordered=True)` is refused for more than one device. Outside a `shard_map` the callback would run on
+    one device of the whole program (one process only); here each process runs it on one of its devices.
+    Cost, measured on the tiny step of `benchmarks/bench_run.py` (8 emulated CPU devices, a loaded 2-core
+    machine, 3 rounds side by side): 200 calls of a `jax.jit` of `run` (2 in flight), 190-314 us per
+    step off, 855-893 us on; a jitted `lax.scan` of 200 `run` steps, 100-132 us per iteration off,
+    359-478 us on."""
+    from jax.experimental import io_callback  # noqa: PLC0415 (jax.experimental, loaded only when used)
+
+    with self._lock:
+      self._sites += 1
+      site = _Site(dataclasses.replace(outputs, paths=list(outputs.paths), kinds=list(outputs.kinds)),
+                   self._sites, stacked)
+    mesh = self._mesh
+    names = tuple(mesh.axis_names)
+    recorders = self._recorders
+    record = functools.partial(self.record, site)
+
+    def body(f: jax.Array) -> tuple[()]:
+      if recorders.all():  # one device per process: every device records
+        io_callback(record, None, f, ordered=True)
+      else:
+        here = jnp.asarray(recorders)[lax.axis_index(names)]
+        lax.cond(here, lambda: io_callback(record, None, f, ordered=True), lambda: None)
+      return ()
+
+    spec = jax.sharding.PartitionSpec()
+    jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=(), check_vma=False)(flags)
+
+  def record(self, site: _Site, flags: Any) -> None:
+    """The host callback of `site`'s program, once per execution: counts it, keeps the flags if any is
+    set. It raises nothing (an exception in a callback would fail the outer program's execution, not
+    reach the caller): `raise_recorded` raises."""
+    flags = np.asarray(flags)
+    with self._lock:
+      site.executions += 1
+      if flags.any():
+        self.recorded.append((site, site.executions, flags.copy()))
+
+  def raise_recorded(self, wait: bool = False) -> None:
+    """Raises `NumericsError` for the first bad execution recorded (the others are dropped, and counted in
+    its message). `wait`: first wait for every dispatched program's callbacks (`jax.effects_barrier`)."""
+    if wait and self._sites:
+      jax.effects_barrier()
+    if not self.recorded:
+      return
+    with self._lock:
+      recorded, self.recorded = self.recorded, []
+    site, execution, flags = recorded[0]
+    raise traced_error(site, execution, flags, len(recorded) - 1)
 
 
 # -- on the host -------------------------------------------------------------------------------------------
@@ -182,31 +284,10 @@ class Check:
     out = self._outputs
     inner = None
     if self._call is not None:  # [k, N, L]: the first inner step with a flag
-      inner = int(np.flatnonzero(flags.reshape(flags.shape[0], -1).any(axis=1))[0])
+      inner = _first_inner(flags)
       flags = flags[inner]
     step = self._step + (inner if inner is not None else 0)
-    n = flags.shape[0]
-    bad: list[tuple[str, str, tuple[int, ...], bool, bool]] = []
-    replicas: set[int] = set()
-    processes: set[int] = set()
-    lines = []
-    for j, (path, kind) in enumerate(zip(out.paths, out.kinds)):
-      column = flags[:, j]
-      if not column.any():
-        continue
-      nan, inf = bool((column & NAN).any()), bool((column & INF).any())
-      what = " and ".join(w for w, b in (("NaN", nan), ("Inf", inf)) if b)
-      if kind == "Mirrored":
-        who = tuple(range(n))
-        lines.append(f"  {path}: {what} in a Mirrored value (the same on every replica)")
-      else:
-        who = tuple(int(r) for r in np.flatnonzero(column))
-        replicas.update(who)
-        processes.update(out.processes[r] for r in who)
-        lines.append(f"  {path}: {what} in a {kind} value, on {_replica_list(who, out.processes)}")
-      bad.append((path, kind, who, nan, inf))
-    if not replicas:  # only Mirrored outputs: every process holds them
-      processes.update(out.processes)
+    lines, bad, replicas, processes = _describe(flags, out)
     if inner is None:
       where = f"step {step} (call {step} of {out.what}, counting from 1)"
     else:
@@ -218,8 +299,75 @@ class Check:
         f"{out.what} with RunOptions(check_numerics=True): {where} produced non-finite values:\n"
         + "\n".join(lines) + f"\nThe error is raised once that step has finished, by the next call that waits "
         f"for it (run / experimental_run_steps past the steps-in-flight bound, or experimental_run_wait).{after}",
-        step=step, inner_step=None if inner is None else inner + 1, outputs=bad, replicas=tuple(sorted(replicas)),
-        processes=tuple(sorted(processes)))
+        step=step, inner_step=None if inner is None else inner + 1, outputs=bad, replicas=replicas,
+        processes=processes)
+
+
+def _first_inner(flags: np.ndarray) -> int:
+  """The first inner step with a flag set, of stacked flags ``[k, N, L]``."""
+  return int(np.flatnonzero(flags.reshape(flags.shape[0], -1).any(axis=1))[0])
+
+
+def _describe(flags: np.ndarray, out: Outputs) -> tuple[
+    list[str], list[tuple[str, str, tuple[int, ...], bool, bool]], tuple[int, ...], tuple[int, ...]]:
+  """One step's flags (``[N, L]``) as message lines, `NumericsError.outputs`, `.replicas`, `.processes`."""
+  n = flags.shape[0]
+  bad: list[tuple[str, str, tuple[int, ...], bool, bool]] = []
+  replicas: set[int] = set()
+  processes: set[int] = set()
+  lines = []
+  for j, (path, kind) in enumerate(zip(out.paths, out.kinds)):
+    column = flags[:, j]
+    if not column.any():
+      continue
+    nan, inf = bool((column & NAN).any()), bool((column & INF).any())
+    what = " and ".join(w for w, b in (("NaN", nan), ("Inf", inf)) if b)
+    if kind == "Mirrored":
+      who = tuple(range(n))
+      lines.append(f"  {path}: {what} in a Mirrored value (the same on every replica)")
+    else:
+      who = tuple(int(r) for r in np.flatnonzero(column))
+      replicas.update(who)
+      processes.update(out.processes[r] for r in who)
+      lines.append(f"  {path}: {what} in a {kind} value, on {_replica_list(who, out.processes)}")
+    bad.append((path, kind, who, nan, inf))
+  if not replicas:  # only Mirrored outputs: every process holds them
+    processes.update(out.processes)
+  return lines, bad, tuple(sorted(replicas)), tuple(sorted(processes))
+
+
+def _ordinal(n: int) -> str:
+  suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+  return f"{n}{suffix}"
+
+
+def traced_error(site: _Site, execution: int, flags: np.ndarray, dropped: int) -> NumericsError:
+  """The `NumericsError` of `site`'s `execution` (from 1), whose flags are `flags`; `dropped` more bad
+  executions were recorded after it."""
+  out = site.outputs
+  inner = None
+  k = 1
+  if site.stacked:  # [k, N, L]: the first inner step with a flag
+    k = flags.shape[0]
+    inner = _first_inner(flags)
+    flags = flags[inner]
+  lines, bad, replicas, processes = _describe(flags, out)
+  step = (execution - 1) * k + (inner if inner is not None else 0) + 1
+  where = (f"its {_ordinal(execution)} execution" if inner is None else
+           f"inner step {inner + 1} of {k} of its {_ordinal(execution)} execution (step {step} counted over "
+           "every execution)")
+  after = (f" {dropped} later bad execution(s) of traced programs of this strategy were recorded too and "
+           "are not reported." if dropped else "")
+  return NumericsError(
+      f"{out.what} with RunOptions(check_numerics=True), traced inside another program (the caller's "
+      f"jax.jit / lax.scan; the {_ordinal(site.number)} checked program traced so on this strategy): {where} "
+      "produced non-finite values (executions counted from 1 over every execution of that traced program: "
+      "one per call of the outer jax.jit, one per iteration of a lax.scan around it):\n" + "\n".join(lines)
+      + "\nThe outer program's results were already returned: the error is raised on the host after the "
+      "execution, by strategy.experimental_run_wait() (or, in a one-process job, by the next run / "
+      f"experimental_run_steps of this strategy).{after}",
+      step=step, inner_step=None if inner is None else inner + 1, outputs=bad, replicas=replicas,
+      processes=processes)
 
 
 def _replica_list(replicas: Sequence[int], processes: Sequence[int]) -> str:
@@ -235,14 +383,16 @@ def check_option(value: Any) -> bool:
   return bool(value)
 
 
-def make_check(outputs: Outputs, steps: int = 1, stacked: bool = False) -> Callable[[Any], Check | None]:
+def make_check(outputs: Outputs, steps: int = 1, stacked: bool = False,
+               traced: TracedChecks | None = None) -> Callable[[Any], Check | None]:
   """For `engine.dispatch`: given the dispatched program's flags (its token), the `Check` to run once it
   has finished (the program runs `steps` steps; `stacked`: its flags are ``[steps, N, L]``), or, for a
-  tracer (traced inside another program), None after handing the flags to `collect`."""
+  tracer (traced inside another program), None after handing the flags to `collect` (and so to
+  `traced`, the engine's `TracedChecks`, inside a user's own `jax.jit` / `lax.scan`)."""
 
   def checker(flags: Any) -> Check | None:
     if isinstance(flags, jax.core.Tracer):
-      collect(flags, outputs)
+      collect(flags, outputs, traced, stacked)
       return None
     first = outputs.steps + 1
     outputs.calls += 1

@@ -259,7 +259,12 @@ class Strategy:
     return self._engine.run(fn, args, kwargs, options)
 
   def experimental_run_wait(self) -> None:
-    """Blocks until every step dispatched with `run` (or `experimental_run_steps`) has finished."""
+    """Blocks until every step dispatched with `run` (or `experimental_run_steps`) has finished.
+
+    With `RunOptions(check_numerics=True)` it raises `tpustrat.NumericsError` for a step that produced
+    NaN / Inf and was not reported yet: a dispatched step's, or, for a `run` traced inside the caller's own
+    `jax.jit` / `lax.scan`, one recorded by that program's host callback (it first waits for every
+    dispatched program's callbacks, `jax.effects_barrier`). Every process raises the same error here."""
     self._engine.wait()
 
   def experimental_step_stats(self, reset: bool = False) -> step_stats_lib.StepStats:
