@@ -31,8 +31,10 @@ import argparse
 import atexit
 import collections
 import contextlib
+import importlib.util
 import itertools
 import os
+import pathlib
 import statistics
 import sys
 import time
@@ -266,3 +268,15 @@ def figure(name: str, value: str, target: str = "", met: bool | None = None) -> 
     atexit.register(_print_figures)
   cells = [name, value, target, "-" if met is None else ("met" if met else "MISSED")]
   _FIGURES.append(FIGURE_PREFIX + " | ".join(str(c).replace("|", "/") for c in cells))
+
+
+def load_example(name: str) -> Any:
+  """``examples/NAME.py`` as a module (the examples are scripts, not a package), registered in
+  `sys.modules` as ``NAME_example`` so that pickling and dataclasses inside it work."""
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"{name}_example", path)
+  assert spec is not None and spec.loader is not None, path
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module

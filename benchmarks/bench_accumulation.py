@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import re
 import statistics
 import sys
@@ -61,17 +60,7 @@ import optax  # noqa: E402
 
 import tpustrat  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 TARGET = 0.4  # temporaries at k = 4 over k = 1's
-
-
-def _load_example():
-  import importlib.util  # pylint: disable=import-outside-toplevel
-  spec = importlib.util.spec_from_file_location("char_transformer_example", ROOT / "examples" / "char_transformer.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
 
 
 def mlp_model(args: argparse.Namespace, global_batch: int):
@@ -94,7 +83,7 @@ def mlp_model(args: argparse.Namespace, global_batch: int):
 
 def transformer_model(args: argparse.Namespace, global_batch: int):
   """(description, parameters, host batch, loss_fn, optimizer) of the char transformer example."""
-  ct = _load_example()
+  ct = h.load_example("char_transformer")
   config = ct.Config(seq_len=args.seq_len, layers=args.layers, d_model=args.d_model, heads=4)
   graphdef, params = ct.make_model(config, seed=0)
   tokens = np.random.default_rng(0).integers(0, 256, size=(global_batch, args.seq_len + 1)).astype(np.int32)

@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import functools
 import os
-import pathlib
 import resource
 import statistics
 import sys
@@ -61,17 +60,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import tpustrat  # noqa: E402
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load_example():
-  import importlib.util  # pylint: disable=import-outside-toplevel
-  spec = importlib.util.spec_from_file_location("char_transformer_example", ROOT / "examples" / "char_transformer.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
 
 
 def memory(compiled) -> dict[str, int]:
@@ -167,7 +155,7 @@ def large(args: argparse.Namespace) -> None:
   transformer at `--layers` x `--d-model` (default 24 x 1024: about 300M parameters, 4.8 GB of float32
   AdamW state), with per-layer gathering; data parallel's per-device bytes from compiling its program
   only (never placed: 8 copies of the state would not fit)."""
-  ct = _load_example()
+  ct = h.load_example("char_transformer")
   strategy = tpustrat.TPUStrategy()
   n = strategy.num_replicas_in_sync
   print(h.machine_line(n))
@@ -219,7 +207,7 @@ def large(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-  ct = _load_example()
+  ct = h.load_example("char_transformer")
   strategy = tpustrat.TPUStrategy()
   n = strategy.num_replicas_in_sync
   print(h.machine_line(n))

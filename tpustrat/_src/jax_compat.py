@@ -348,17 +348,16 @@ def scan_signature(eqn: Any) -> ScanSignature:
 def all_gather_invariant(x: jax.Array, axis_name: str, *, axis: int, tiled: bool) -> jax.Array:
   """`all_gather` whose result JAX types as identical on every replica (so `run` returns `Mirrored`).
 
-  `lax.all_gather` is typed varying -> varying; JAX has an invariant variant that is not public in
-  0.10 (`jax._src.lax.parallel.all_gather_invariant`). Without it, fall back to a sum of zero-padded
-  slots, which is invariant by construction.
+  `lax.all_gather` is typed varying -> varying; JAX has an invariant variant that is not public
+  (`jax._src.lax.parallel.all_gather_invariant` in 0.10, `_all_gather_invariant` in 0.12, both
+  ``(x, axis_name, *, axis, tiled)``). Without it, fall back to a sum of zero-padded slots, which is
+  invariant by construction (an all-reduce of N times the bytes: slower, the same values).
   """
   lax, jnp = jax.lax, jax.numpy
   gather = getattr(lax, "all_gather_invariant", None)
   if gather is None:
-    try:
-      from jax._src.lax.parallel import all_gather_invariant as gather  # pylint: disable=import-outside-toplevel
-    except ImportError:
-      gather = None
+    from jax._src.lax import parallel  # pylint: disable=import-outside-toplevel
+    gather = getattr(parallel, "all_gather_invariant", None) or getattr(parallel, "_all_gather_invariant", None)
   if gather is not None:
     return gather(x, axis_name, axis=axis, tiled=tiled)
   n = lax.axis_size(axis_name)
