@@ -43,6 +43,16 @@ def log_step(w, x):
   return {"w": w + tpustrat.get_replica_context().all_reduce("sum", jnp.sum(y)), "y": y}
 
 
+
+def _nan_at_step_2_on_replica_3(e):
+  """Checks the error's fields for `log_step`'s NaN (step 2, replica 3: `y` per replica, `w` everywhere);
+  returns its message."""
+  assert e.step == 2 and e.inner_step is None
+  assert e.replicas == (3,) and e.processes == (0,)
+  assert ("['y']", "PerReplica", (3,), True, False) in e.outputs
+  assert ("['w']", "Mirrored", tuple(range(N)), True, False) in e.outputs
+  return str(e)
+
 def test_nan_on_replica_3_of_8_names_the_replica_the_path_and_the_step(strategy):
   good = per_replica(strategy, [np.full(4, 2.0)] * N)
   bad = per_replica(strategy, [np.full(4, -1.0) if r == 3 else np.full(4, 2.0) for r in range(N)])
@@ -55,11 +65,7 @@ def test_nan_on_replica_3_of_8_names_the_replica_the_path_and_the_step(strategy)
     strategy.run(log_step, args=(w, good), options=CHECK)  # waits for step 2: raises, dispatches nothing
   e = info.value
   assert isinstance(e, FloatingPointError)
-  assert e.step == 2 and e.inner_step is None
-  assert e.replicas == (3,) and e.processes == (0,)
-  assert ("['y']", "PerReplica", (3,), True, False) in e.outputs
-  assert ("['w']", "Mirrored", tuple(range(N)), True, False) in e.outputs
-  message = str(e)
+  message = _nan_at_step_2_on_replica_3(e)
   assert "step 2 (call 2 of strategy.run(log_step)" in message
   assert "['y']: NaN in a PerReplica value, on replica 3 (process 0)" in message
   assert "['w']: NaN in a Mirrored value (the same on every replica)" in message
@@ -180,11 +186,7 @@ def test_run_inside_a_users_jit_raises_at_experimental_run_wait(strategy):
   with pytest.raises(tpustrat.NumericsError) as info:
     strategy.experimental_run_wait()  # waits for the program's host callback, then raises
   e = info.value
-  assert e.step == 2 and e.inner_step is None
-  assert e.replicas == (3,) and e.processes == (0,)
-  assert ("['y']", "PerReplica", (3,), True, False) in e.outputs
-  assert ("['w']", "Mirrored", tuple(range(N)), True, False) in e.outputs
-  message = str(e)
+  message = _nan_at_step_2_on_replica_3(e)
   assert "strategy.run(log_step) with RunOptions(check_numerics=True), traced inside another program" in message
   assert "its 2nd execution produced non-finite values" in message
   assert "['y']: NaN in a PerReplica value, on replica 3 (process 0)" in message
