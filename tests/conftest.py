@@ -82,3 +82,15 @@ def launched_results(stdout: str, processes: int = 2) -> dict:
       results[int(prefix.removeprefix("[proc ").rstrip("]"))] = json.loads(payload)
   assert sorted(results) == list(range(processes)), stdout[-4000:]
   return results
+
+
+EMBEDDING_LAYOUTS = ("all_to_all", "all_gather_table", "all_gather_ids")
+
+
+def embedding_layout(emb, layout: str):
+  """`emb` (a `tpustrat.embedding.TPUEmbedding`) with every unbounded table on one layout, whatever its
+  size: ``"all_to_all"`` (ids routed to the rows' owners), ``"all_gather_table"`` (blocks all-gathered,
+  gradients reduce-scattered) or ``"all_gather_ids"`` (ids and gradients all-gathered, rows
+  reduce-scattered). Set before the first step traces."""
+  emb._forced_layout = layout
+  return emb

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import EMBEDDING_LAYOUTS, assert_close, embedding_layout
 
 import tpustrat
 from tpustrat import embedding as emb_lib
@@ -252,12 +252,15 @@ def make_step(emb):
 _MODELS = {}
 
 
-def model(strategies, n):
-  """(embedding, step) of all FEATURES on `n` replicas, shared by the tests (one compilation each)."""
-  if n not in _MODELS:
+def model(strategies, n, layout=None):
+  """(embedding, step) of all FEATURES on `n` replicas, shared by the tests (one compilation each); its
+  tables on `layout` (None: the size rule's choice, the all-gather for these small tables)."""
+  if (n, layout) not in _MODELS:
     emb = make_embedding(strategies[n], ASSIGNMENTS[ASSIGNMENT_OF[n]])
-    _MODELS[n] = emb, make_step(emb)
-  return _MODELS[n]
+    if layout is not None:
+      embedding_layout(emb, layout)
+    _MODELS[n, layout] = emb, make_step(emb)
+  return _MODELS[n, layout]
 
 
 @pytest.fixture(scope="module")
@@ -326,11 +329,13 @@ def check_padding(emb, state, n, initial_state):
 # -- training against the reference --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("layout", EMBEDDING_LAYOUTS)
 @pytest.mark.parametrize("n", REPLICA_COUNTS)
-def test_five_steps_match_dense_reference(strategies, n):
-  """SGD, Adagrad, lazy and non-lazy Adam (one per table), every combiner with and without weights."""
+def test_five_steps_match_dense_reference(strategies, n, layout):
+  """SGD, Adagrad, lazy and non-lazy Adam (one per table), every combiner with and without weights, on
+  both layouts (ids routed over all-to-all; blocks all-gathered and gradients reduce-scattered)."""
   strategy = strategies[n]
-  emb, step = model(strategies, n)
+  emb, step = model(strategies, n, layout)
   assignment = ASSIGNMENTS[ASSIGNMENT_OF[n]]
   kinds = {(OPTIMIZERS[o][0], OPTIMIZERS[o][1].get("lazy_adam")) for o in assignment.values()}
   assert kinds == {("sgd", None), ("adagrad", None), ("adam", True), ("adam", False)}

@@ -14,13 +14,14 @@ buckets, and sparse in-place updates, each against a dense numpy reference.
   untouched rows and moments alone, non-lazy Adam moves them (TF's rule), both against numpy.
 """
 
+import collections
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import EMBEDDING_LAYOUTS, assert_close, embedding_layout
 
 import tpustrat
 from tpustrat import embedding as E
@@ -113,12 +114,13 @@ def _sequence_batch(rng, b_total):
   return {"long": long, "short": short, "bag": bag, "other": other}
 
 
+@pytest.mark.parametrize("layout", EMBEDDING_LAYOUTS)
 @pytest.mark.parametrize("n", (8, 2))
-def test_sequence_features_match_numpy_per_position(strategy, n):
+def test_sequence_features_match_numpy_per_position(strategy, n, layout):
   s = strategy if n == 8 else tpustrat.MirroredStrategy(jax.devices()[:n])
   rng = np.random.default_rng(0)
   init = {"a": rng.standard_normal((V, 3)).astype(np.float32), "b": rng.standard_normal((V, 2)).astype(np.float32)}
-  emb = _sequence_model(s, init["a"], init["b"], E.SGD(0.1))
+  emb = embedding_layout(_sequence_model(s, init["a"], init["b"], E.SGD(0.1)), layout)
   b_total = 16
   dims = {"long": (SEQ_L, 3), "short": (SEQ_L, 3), "bag": (3,), "other": (2,)}
 
@@ -180,13 +182,16 @@ def test_sequence_gradient_shape_is_checked(strategy):
 # -- one exchange for all tables, deduplicated -------------------------------------------------------
 
 
-def _compiled_step(strategy, emb, features, data):
+def _compiled_step(strategy, emb, features, data, use_activations=False):
+  """The compiled step: lookup, then apply_gradients of ones (or, `use_activations`, of the activations
+  themselves, so that the lookup's exchange is not dead code)."""
   names = list(features)
 
   def step(state, ids):
     feats = {k: ids for k in names}
     acts = emb.lookup(state, feats)
-    return emb.apply_gradients(state, feats, {k: jnp.ones_like(a) for k, a in acts.items()})
+    grads = acts if use_activations else {k: jnp.ones_like(a) for k, a in acts.items()}
+    return emb.apply_gradients(state, feats, grads)
 
   return jax.jit(lambda st, ids: strategy.run(step, args=(st, ids))).lower(emb.build(), data).compile()
 
@@ -207,13 +212,84 @@ def _embedding(strategy, tables, dims=(4,), **bounds):
   return configs, E.TPUEmbedding(configs, E.Adagrad(0.1), strategy)
 
 
-def test_eight_tables_exchange_in_as_many_all_to_alls_as_one(strategy):
+def _collectives(hlo):
+  """{op: count} of the exchanges in compiled HLO text."""
+  return collections.Counter(re.findall(r"\s(all-to-all|all-gather|reduce-scatter)(?:-start)?\(", hlo))
+
+
+# the exchanges of one step (lookup + apply_gradients) on each layout, however many tables
+EXCHANGES = {"all_to_all": {"all-to-all": 3}, "all_gather_table": {"all-gather": 1, "reduce-scatter": 1},
+             "all_gather_ids": {"all-gather": 2, "reduce-scatter": 1}}
+
+
+@pytest.mark.parametrize("layout", EMBEDDING_LAYOUTS)
+def test_eight_tables_take_as_many_exchanges_as_one(strategy, layout):
+  """8 tables of two widths, one feature each, on one layout: the compiled step holds the same
+  exchanges as with 1 table (all-to-all: ids out, rows back, gradients out; the all-gathers: the
+  table or the ids, rows or gradients reduce-scattered, the gradients or nothing all-gathered)."""
   ids = _ids_per_replica(strategy, np.arange(64, dtype=np.int32).reshape(16, 4) * 7 % 1000)
   counts = {}
   for tables in (1, 8):
     configs, emb = _embedding(strategy, tables, dims=(4, 8))
-    counts[tables] = len(_all_to_alls(_compiled_step(strategy, emb, configs, ids).as_text()))
-  assert 1 <= counts[8] == counts[1] <= 4, counts
+    embedding_layout(emb, layout)
+    counts[tables] = _collectives(_compiled_step(strategy, emb, configs, ids, use_activations=True).as_text())
+  assert counts[8] == counts[1] == EXCHANGES[layout], counts
+
+
+@pytest.mark.parametrize("rows, layout", [(37, "all_gather_table"), (128, "all_gather_table"),
+                                          (129, "all_gather_ids"), (1000, "all_gather_ids")])
+def test_the_size_rule_all_gathers_a_table_whose_block_is_at_most_twice_its_ids(strategy, rows, layout):
+  """8 ids per replica (b = 2, 4 ids each): a block of up to 16 rows (V <= 128 on 8 replicas) is
+  all-gathered whole, 17 rows or more gather the ids instead; a bound routes any table over all-to-all."""
+  for bound in ({}, {"max_ids_per_partition": 8}):
+    table = E.TableConfig(rows, 4, name="t", **bound)
+    emb = E.TPUEmbedding({"f": E.FeatureConfig(table, name="f")}, E.SGD(0.1), strategy)
+    ids = _ids_per_replica(strategy, np.arange(64, dtype=np.int32).reshape(16, 4) % rows)
+    got = _collectives(_compiled_step(strategy, emb, {"f": None}, ids, use_activations=True).as_text())
+    if bound:  # (the bound check all-gathers each replica's id counts per owner)
+      assert got == {"all-to-all": 3, "all-gather": 1}, (rows, got)
+    else:
+      assert got == EXCHANGES[layout], (rows, got)
+
+
+def test_tables_on_every_layout_together_match_numpy(strategy):
+  """2 tables all-gathered whole, 3 gathering their ids and 3 routed (bounded), widths 4 and 8: the step
+  holds each layout's exchanges once, and SGD on d(loss)/d(act) = act (sum combiner) equals numpy's,
+  duplicates and -1 padding included."""
+  sizes = [37, 90, 1000, 5000, 777, 1000, 400, 3000]  # 8 ids per replica: blocks of 5..12 rows, then 50..625
+  bounded = {5, 6, 7}
+  rng = np.random.default_rng(11)
+  inits = [rng.standard_normal((v, 4 if i % 2 == 0 else 8)).astype(np.float32) for i, v in enumerate(sizes)]
+  configs = {f"f{i}": E.FeatureConfig(E.TableConfig(
+      v, inits[i].shape[1], name=f"t{i}", combiner="sum", initializer=_rows(inits[i]),
+      max_unique_ids_per_partition=8 if i in bounded else None), name=f"f{i}") for i, v in enumerate(sizes)}
+  emb = E.TPUEmbedding(configs, E.SGD(0.5), strategy)
+  x = rng.integers(0, 37, (16, 4)).astype(np.int32)
+  x[0] = [3, 3, -1, 3]
+  x[5] = -1
+  ids = _ids_per_replica(strategy, x)
+  got = _collectives(_compiled_step(strategy, emb, configs, ids, use_activations=True).as_text())
+  want = collections.Counter()
+  for layout in EMBEDDING_LAYOUTS:
+    want.update(EXCHANGES[layout])
+  want.update({"all-gather": len(bounded)})  # each bounded table's check all-gathers its id counts
+  assert got == want, got
+
+  def step(state, ids):
+    feats = {k: ids for k in configs}
+    acts = emb.lookup(state, feats)
+    return emb.apply_gradients(state, feats, acts), acts
+
+  state, acts = strategy.run(step, args=(emb.build(), ids))
+  tables = emb.embedding_tables(state)
+  for i, init in enumerate(inits):
+    act = np.stack([sum((init[j] for j in row if j >= 0), np.zeros(init.shape[1])) for row in x])
+    assert_close(_gathered(strategy, acts[f"f{i}"]), act, err_msg=f"activations of table {i}")
+    want_t = init.astype(np.float64).copy()
+    for row, a in zip(x, act):
+      for j in row[row >= 0]:
+        want_t[j] -= 0.5 * a
+    assert_close(tables[f"t{i}"], want_t, err_msg=f"table {i}")
 
 
 def test_bounded_buckets_are_exchanged_at_their_size_and_duplicates_travel_once(strategy):
@@ -233,7 +309,8 @@ def test_bounded_buckets_are_exchanged_at_their_size_and_duplicates_travel_once(
 
   def step(state, ids):
     prepared = emb._prepare(state, {"f": ids}, None, "lookup")
-    (route,) = emb._routes(state, prepared, "lookup")
+    (route,), wholes, spread = emb._routes(state, prepared, "lookup")
+    assert not wholes and not spread  # a bounded table is routed, whatever its size
     act = emb.lookup(state, {"f": ids})["f"]
     return emb.apply_gradients(state, {"f": ids}, {"f": jnp.ones_like(act)}), route.send, act
 
@@ -336,9 +413,11 @@ def test_donated_state_is_updated_in_place_without_a_block_sized_temporary(strat
     assert (got[touched] != 0).all() and (got[~touched] == 0).all()
 
 
-def test_lazy_adam_keeps_untouched_rows_and_non_lazy_adam_moves_them(strategy):
+@pytest.mark.parametrize("layout", EMBEDDING_LAYOUTS)
+def test_lazy_adam_keeps_untouched_rows_and_non_lazy_adam_moves_them(strategy, layout):
   """Rows touched at step 1 only: lazy Adam leaves them after step 1, non-lazy Adam keeps moving them
-  (their moments decay), as TF defines it; both equal numpy's, the state donated every step."""
+  (their moments decay), as TF defines it; both equal numpy's, the state donated every step, on both
+  layouts."""
   init = np.random.default_rng(3).standard_normal((V, 2)).astype(np.float32)
   lr, b1, b2, eps = 0.05, 0.9, 0.999, 1e-3
   results, last_touched = {}, None
@@ -346,6 +425,7 @@ def test_lazy_adam_keeps_untouched_rows_and_non_lazy_adam_moves_them(strategy):
     rng = np.random.default_rng(4)  # the same batches for both
     table = E.TableConfig(V, 2, initializer=_rows(init), combiner="sum", name="t")
     emb = E.TPUEmbedding({"f": E.FeatureConfig(table)}, E.Adam(lr, b1, b2, eps, lazy_adam=lazy), strategy)
+    embedding_layout(emb, layout)
 
     def step(state, ids, g, emb=emb):
       return emb.apply_gradients(state, {"f": ids}, {"f": g})
@@ -384,6 +464,50 @@ def test_lazy_adam_keeps_untouched_rows_and_non_lazy_adam_moves_them(strategy):
   np.testing.assert_array_equal(results[True][never], init[never])
 
 
+@pytest.mark.parametrize("layout", EMBEDDING_LAYOUTS)
+def test_a_touched_row_whose_gradients_cancel_is_still_updated_by_lazy_optimizers(strategy, layout):
+  """Row 7 looked up on replicas 0 and 1 with gradients h and -h: they sum to exactly 0, but TF's lazy
+  optimizers update every row the batch touched: FTRL recomputes it from its linear slot (0: the row
+  becomes 0), lazy Adam decays its moments (the row moves on); row 8, never looked up, keeps its value.
+  Against numpy, on both layouts (the all-gather's touched rows come from counts, not gradients)."""
+  from test_embedding_optimizers import FTRL_DEFAULTS, np_ftrl
+
+  init = np.random.default_rng(8).standard_normal((V, 2)).astype(np.float32)
+  h = np.array([0.75, -1.5], np.float32)
+  ids = np.full(16, -1, np.int32)
+  ids[[0, 2]] = 7  # example 0 on replica 0, example 2 on replica 1
+  cancel = np.zeros((16, 2), np.float32)
+  cancel[0], cancel[2] = h, -h
+  once = np.zeros((16, 2), np.float32)
+  once[0] = h
+  lr, b1, b2, eps = 0.05, 0.9, 0.999, 1e-3
+  for opt in (E.FTRL(learning_rate=0.1), E.Adam(lr, b1, b2, eps, lazy_adam=True)):
+    table = E.TableConfig(V, 2, initializer=_rows(init), combiner="sum", name="t")
+    emb = embedding_layout(E.TPUEmbedding({"f": E.FeatureConfig(table)}, opt, strategy), layout)
+
+    def step(state, ids, g, emb=emb):
+      return emb.apply_gradients(state, {"f": ids}, {"f": g})
+
+    def run(state, g, emb=emb):
+      return strategy.run(step, args=(state, _ids_per_replica(strategy, ids), _ids_per_replica(strategy, g)))
+
+    want = init.astype(np.float64)
+    if isinstance(opt, E.FTRL):
+      state = run(emb.build(), cancel)
+      acc0 = FTRL_DEFAULTS["initial_accumulator_value"]
+      want[7], _, _ = np_ftrl(want[7], np.full(2, acc0), np.zeros(2), np.zeros(2), {"learning_rate": 0.1})
+      assert (want[7] == 0).all()
+    else:
+      state = run(run(emb.build(), once), cancel)
+      m, v = (1 - b1) * h, (1 - b2) * h.astype(np.float64) ** 2
+      want[7] -= lr * np.sqrt(1 - b2) / (1 - b1) * m / np.sqrt(v + eps ** 2)
+      m, v = b1 * m, b2 * v  # step 2: a zero gradient on a touched row
+      want[7] -= lr * np.sqrt(1 - b2 ** 2) / (1 - b1 ** 2) * m / np.sqrt(v + eps ** 2)
+    got = emb.embedding_tables(state)["t"]
+    assert_close(got, want, err_msg=f"{type(opt).__name__}, {layout}")
+    np.testing.assert_array_equal(got[8], init[8])
+
+
 @pytest.mark.parametrize("n", (4, 8))
 def test_sparse_updates_match_the_dense_reference_on_small_tables(monkeypatch, n):
   """The five-step dense-reference test of test_embedding.py (every combiner, SGD, Adagrad, lazy and
@@ -397,7 +521,7 @@ def test_sparse_updates_match_the_dense_reference_on_small_tables(monkeypatch, n
   devices = jax.devices()
   s = tpustrat.MirroredStrategy(devices[:n])
   assignment = ref_lib.ASSIGNMENTS[ref_lib.ASSIGNMENT_OF[n]]
-  emb = ref_lib.make_embedding(s, assignment)
+  emb = embedding_layout(ref_lib.make_embedding(s, assignment), "all_to_all")
   step = ref_lib.make_step(emb)
   state, ref = emb.build(), ref_lib.reference(assignment)
   for batch in ref_lib.BATCHES:
@@ -407,3 +531,26 @@ def test_sparse_updates_match_the_dense_reference_on_small_tables(monkeypatch, n
       assert_close(got[f], expected[f], err_msg=f)
     ref.apply_gradients(batch["ids"], batch["grads"], batch["weights"])
   ref_lib.assert_matches(emb, state, ref, f"{n} replicas, sparse updates")
+
+
+# -- the sort behind deduplication ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, largest", [(1, 0), (7, 3), (512, 40_000), (4096, 125_000), (300, 2 ** 30)])
+def test_sort_with_order_is_a_stable_argsort_packed_or_not(n, largest):
+  """`_sort_with_order` against numpy's stable argsort, duplicates included: keys packed with their
+  positions where they fit in int32 (all but the last case), `jnp.argsort` otherwise; `_unique` against
+  `np.unique`."""
+  from tpustrat._src import embedding as impl
+
+  rng = np.random.default_rng(n)
+  keys = rng.integers(0, min(largest, 50) + 1 if n > 60 else largest + 1, n).astype(np.int32)
+  keys[-1] = largest  # the largest key packs too
+  ordered, order = jax.jit(impl._sort_with_order, static_argnums=1)(jnp.asarray(keys), largest)
+  np.testing.assert_array_equal(np.asarray(order), np.argsort(keys, kind="stable"))
+  np.testing.assert_array_equal(np.asarray(ordered), np.sort(keys))
+  uniq, inverse = jax.jit(impl._unique, static_argnums=(1, 2))(jnp.asarray(keys), largest, n)
+  want, want_inverse = np.unique(keys, return_inverse=True)
+  np.testing.assert_array_equal(np.asarray(uniq)[:len(want)], want)
+  np.testing.assert_array_equal(np.asarray(uniq)[len(want):], largest)
+  np.testing.assert_array_equal(np.asarray(inverse), want_inverse.reshape(-1))

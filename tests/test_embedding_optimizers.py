@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import EMBEDDING_LAYOUTS, assert_close, embedding_layout
 
 import tpustrat
 from tpustrat import embedding as emb_lib
@@ -211,10 +211,11 @@ def test_reference_hand_checked():
   np.testing.assert_allclose([acc[0], mom[0], var[0]], [8.0, 0.9 + pg, 0.5 - 0.5 * (0.9 * (0.9 + pg) + pg)])
 
 
+@pytest.mark.parametrize("layout", EMBEDDING_LAYOUTS)
 @pytest.mark.parametrize("n", REPLICA_COUNTS)
-def test_steps_match_numpy_reference_of_tf_rules(strategies, n):
+def test_steps_match_numpy_reference_of_tf_rules(strategies, n, layout):
   strategy = strategies[n]
-  emb = make_embedding(strategy)
+  emb = embedding_layout(make_embedding(strategy), layout)
 
   def step(state, batch):
     activations = emb.lookup(state, batch["ids"])
