@@ -854,8 +854,9 @@ class TPUEmbedding:
     prepared = self._prepare(state, features, weights, "lookup")
     routes, wholes, spread = self._routes(state, prepared, "lookup")
     activations: list[Any] = [None] * len(prepared)
-    found = [*zip(routes, self._rows_back(routes)), *zip(wholes, self._rows_gathered(wholes)),
-             *zip(spread, self._rows_by_ids(spread))]
+    found: list[tuple[_Route | _Gathered, jax.Array]] = [
+        *zip(routes, self._rows_back(routes)), *zip(wholes, self._rows_gathered(wholes)),
+        *zip(spread, self._rows_by_ids(spread))]
     for r, rows in found:
       start = 0
       for i, size in zip(r.members, r.sizes):
