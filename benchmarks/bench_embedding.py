@@ -2,7 +2,7 @@
 
 What is measured
 ----------------
-One training step of a tiny model, written three ways and timed side by side in one process, at several
+One training step of a tiny model, written four ways and timed side by side in one process, at several
 table sizes (``--rows``, width ``--dim``, float32):
 
 * Model: one table of ``V`` rows; every example looks up ``4`` ids (uniform over ``[0, V)``) combined
@@ -12,12 +12,14 @@ table sizes (``--rows``, width ``--dim``, float32):
   0.1 with accumulators starting at 0.1: one slot), the dense layer with SGD (0.1). Every step uses
   the same batch; the step returns the new state and the global loss.
 * ``sharded``: `TPUEmbedding` (one `FeatureConfig` on one `TableConfig`), the state donated
-  (``RunOptions(donate_argnums=0)``): inside `strategy.run`, ``emb.lookup`` (ids out, rows back: two
-  `all_to_all`s for all tables, each distinct id once per owner), the gradient of the loss with respect
-  to the activations (`jax.grad`), and ``emb.apply_gradients`` (the gradients out: one more; the ids'
-  exchange is the lookup's, merged by XLA), the owners updating only the touched rows, in place. The
-  table and its slots are `ShardedVariable`s of shape ``[V, D]`` split along axis 0: blocks
-  ``[N, Vp/N, D]``, each replica holding ``Vp/N`` rows (``Vp``: ``V`` padded to a multiple of ``N``).
+  (``RunOptions(donate_argnums=0)``): inside `strategy.run`, ``emb.lookup``, the gradient of the loss
+  with respect to the activations (`jax.grad`), and ``emb.apply_gradients``, on the layout the library
+  picks from the sizes (see `TPUEmbedding`): with 512 ids per replica and 8 replicas, a table of up to
+  8192 rows is all-gathered whole (one `all_gather` of the blocks, one `psum_scatter` of the dense
+  gradient), a larger one all-gathers the ids (rows back by one `psum_scatter`, gradients out by one
+  `all_gather`, the owners updating only the touched rows, in place). The table and its slots are
+  `ShardedVariable`s of shape ``[V, D]`` split along axis 0: blocks ``[N, Vp/N, D]``, each replica
+  holding ``Vp/N`` rows (``Vp``: ``V`` padded to a multiple of ``N``).
 * ``sharded, before``: the code path before issue 25, kept in `benchmarks/_embedding_per_table.py`
   (`PerTableEmbedding`, the library's state and `_prepare` with the old `lookup`/`apply_gradients`):
   each table exchanges on its own, buckets ``[N, M]`` sized for the worst case, no deduplication, a dense
@@ -29,23 +31,31 @@ table sizes (``--rows``, width ``--dim``, float32):
   the table is `jax.grad`'s dense ``[V, D]`` gradient (summed over replicas by JAX, the table being
   replicated: an all-reduce of ``V * D`` values), and the same optimizer updates the whole table; the
   state donated too (so both sides update in place where they can).
+* ``hand-written``: what one writes in plain JAX without tpustrat: the ``[V, D]`` table row-sharded
+  with a `NamedSharding`, the global batch sharded by examples, ``jnp.take`` and its scatter-add
+  gradient under one `jax.jit` (donating the state), partitioned by XLA's SPMD partitioner (which
+  all-gathers the ids, gathers owned rows, all-reduces them, all-gathers the gradients and updates the
+  whole block densely); at most 2 steps in flight, as `run` keeps.
 
 Donated variants start each trial from a copy of the initial state made before the clock starts.
 
 Reported per table size (first table): us/step of each variant (median over trials), the paired ratios
-sharded / replicated [p25, p75], before / replicated and sharded / before; table + slot bytes per device
+sharded / replicated [p25, p75], before / replicated, sharded / before and hand-written / sharded
+[p25, p75]; table + slot bytes per device
 (target ``<= ceil(V/N) / V`` of replicated); the compiled step's temporaries (XLA `memory_analysis`,
-next to the size of one block: the sharded step holds none of that size); all-to-all operand bytes
-per replica and step in the compiled HLO, with the op count, for both sharded paths; the replicated
-step's all-reduce bytes.
+next to the size of one block); the exchanges' operand bytes per replica and step in the compiled HLO
+(all-to-all, all-gather, reduce-scatter), with the ops, for both sharded paths; the replicated step's
+all-reduce bytes; the hand-written step's collectives.
 
-The issue's four figures (second table), each with the before-path measured in the same run:
+The issue's five figures (second table), each with the before-path measured in the same run:
 
 * sharded step time at 1M rows: target <= 140 ms (it was 430 ms on this machine's CPU before);
 * crossover vs replicated: where the paired ratio sharded / replicated crosses 1 (log-linear
   interpolation); target <= 2 000 rows (met when every measured size >= 2 000 rows has ratio <= 1);
-* all-to-alls per step in the compiled step of ``--tables`` tables (100 000 rows each, widths
-  alternating 64 and 32, one feature each) and of 1 table: target, the same count;
+* hand-written / sharded step time at 1M rows (or the largest measured size): target >= 1.0;
+* exchanges per step in the compiled step of ``--tables`` tables (100 000 rows each, widths
+  alternating 64 and 32, one feature each) and of 1 table, with every table on each layout in turn:
+  target, the same exchanges;
 * bytes exchanged per replica and step on a batch whose ids are 50% duplicates (each replica's 512
   ids: 256 distinct, each twice): compiled all-to-all operand bytes of the before-path, and of the
   library with ``max_unique_ids_per_partition`` set to the batch's largest count of distinct ids per
@@ -103,7 +113,7 @@ import _harness as h  # noqa: E402
 def _add_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--tables", type=int, default=8,
                       help="tables of the model whose all-to-alls are counted against a 1-table model")
-  parser.add_argument("--rows", default="1000,2000,10000,100000,1000000",
+  parser.add_argument("--rows", default="1000,2000,3000,5000,10000,100000,1000000",
                       help="comma-separated table sizes V (rows), one table row of the report each")
   parser.add_argument("--dim", type=int, default=64, help="table width D")
   parser.add_argument("--steps", type=int, default=None,
@@ -483,9 +493,14 @@ def multi_table_step(emb: embedding.TPUEmbedding, names: list[str]) -> Callable[
   return step
 
 
-def all_to_all_counts(strategy: tpustrat.Strategy, tables: int) -> dict[str, tuple[int, int]]:
-  """{variant: (all-to-alls, bytes) in the compiled step} of a model with `tables` tables (one feature
-  each, widths alternating `FIGURE_DIMS`), for the library and the before-path."""
+LAYOUTS = ("all_to_all", "all_gather_table", "all_gather_ids")  # TPUEmbedding's layouts (see its docstring)
+
+
+def exchange_counts(strategy: tpustrat.Strategy, tables: int) -> dict[str, tuple[str, int]]:
+  """{variant: (exchanges, operand bytes) in the compiled step} of a model with `tables` tables (one
+  feature each, widths alternating `FIGURE_DIMS`): the library with every table on each layout in turn
+  (the size rule would pick all_gather_ids here; ``_forced_layout`` is the test hook that overrides it),
+  and the before-path."""
   n = strategy.num_replicas_in_sync
   b = GLOBAL_BATCH // n
   dims = [FIGURE_DIMS[i % len(FIGURE_DIMS)] for i in range(tables)]
@@ -497,15 +512,17 @@ def all_to_all_counts(strategy: tpustrat.Strategy, tables: int) -> dict[str, tup
   w = tpustrat.Mirrored.from_global(jax.device_put(np.zeros((sum(dims), OUT), np.float32),
                                                    NamedSharding(strategy.mesh, P())))
   out = {}
-  for label, cls in ((SHARDED, embedding.TPUEmbedding), (BEFORE, PerTableEmbedding)):
+  for label in (*LAYOUTS, BEFORE):
     configs = {k: embedding.FeatureConfig(embedding.TableConfig(
         FIGURE_ROWS, d, combiner="mean", name=f"t{i}", initializer=lambda s, t: jnp.zeros(s, t)), name=k)
         for i, (k, d) in enumerate(zip(names, dims))}
-    emb = cls(configs, embedding.SGD(LR), strategy)
+    emb = (PerTableEmbedding if label == BEFORE else embedding.TPUEmbedding)(configs, embedding.SGD(LR), strategy)
+    if label != BEFORE:
+      emb._forced_layout = label
     step = multi_table_step(emb, names)
     hlo = jax.jit(lambda carry, *d, step=step: strategy.run(step, args=(carry,) + d)).lower(
         (emb.build(), w), *data).compile().as_text()
-    out[label] = collective_bytes(hlo, "all-to-all")
+    out[label] = exchange_bytes(hlo, EXCHANGES)
   return out
 
 
@@ -552,7 +569,7 @@ def dedup_bytes(strategy: tpustrat.Strategy, dim: int, optimizer: str) -> dict[s
     step = make_sharded_step(emb)
     compiled = jax.jit(lambda carry, *d, step=step: strategy.run(step, args=(carry,) + d)).lower(
         (state, w), *data).compile()
-    out[label] = collective_bytes(compiled.as_text(), "all-to-all")
+    out[label] = exchange_bytes(compiled.as_text(), EXCHANGES)
     if label in (BEFORE, "bounded"):
       carry = (state, w)
       for _ in range(CHECK_STEPS):
@@ -574,7 +591,7 @@ def main(args: argparse.Namespace) -> int:
   sizes = [int(float(s)) for s in args.rows.split(",") if s.strip()]
   t_start = time.perf_counter()
   rows = [bench_one(strategy, v, args) for v in sizes]
-  counts = {t: all_to_all_counts(strategy, t) for t in (1, args.tables)}
+  counts = {t: exchange_counts(strategy, t) for t in (1, args.tables)}
   dup = dedup_bytes(strategy, args.dim, args.optimizer)
   print(f"# 50% duplicates: bounded and before allclose; total {time.perf_counter() - t_start:.0f} s")
   print()
@@ -631,16 +648,17 @@ def main(args: argparse.Namespace) -> int:
                     f"{min(rows, key=lambda x: x['hand_vs'][0])['rows']} rows",
                     f">= {HAND_TARGET}", r["hand_vs"][0] >= HAND_TARGET))
   one, many = counts[1], counts[args.tables]
-  figures.append((f"all-to-alls per step, {args.tables} tables vs 1", f"{many[BEFORE][0]} vs {one[BEFORE][0]}",
-                  f"{many[SHARDED][0]} vs {one[SHARDED][0]}", "same as 1 table",
-                  many[SHARDED][0] == one[SHARDED][0]))
+  figures.append((f"exchanges per step, {args.tables} tables vs 1", f"{many[BEFORE][0]} vs {one[BEFORE][0]}",
+                  "; ".join(f"{k}: {many[k][0]} vs {one[k][0]}" for k in LAYOUTS), "same as 1 table",
+                  all(many[k][0] == one[k][0] for k in LAYOUTS)))
   ratio_c = dup["bounded"][1] / dup[BEFORE][1]
   ratio_p = dup["payload"] / dup["payload before"]
   figures.append(("bytes exchanged per replica and step, 50% duplicate ids",
                   f"{fmt_bytes(dup[BEFORE][1])} compiled; {fmt_bytes(dup['payload before'])} payload",
                   f"{fmt_bytes(dup['bounded'][1])} compiled ({ratio_c:.3f}x) with max_unique_ids_per_partition="
                   f"{dup['distinct']} ({fmt_bytes(dup['bounded, no dedup'][1])} if sized for every occurrence, "
-                  f"max_ids_per_partition={dup['raw']}; {fmt_bytes(dup[SHARDED][1])} unbounded); "
+                  f"max_ids_per_partition={dup['raw']}; {fmt_bytes(dup[SHARDED][1])} unbounded, "
+                  f"{dup[SHARDED][0]}); "
                   f"{fmt_bytes(dup['payload'])} payload ({ratio_p:.3f}x)",
                   f"<= {BYTES_TARGET}x", ratio_c <= BYTES_TARGET and ratio_p <= BYTES_TARGET))
   print(h.markdown_header(["figure", "before (today's code path, same run)", "now", "target", "verdict"]))
@@ -656,12 +674,13 @@ def main(args: argparse.Namespace) -> int:
         "ratios: median per-round paired ratios. table+slots/device: bytes on device 0 of the table and "
         "optimizer-slot arrays; memory target: sharded / replicated <= ceil(V/N) / V. temporaries: XLA "
         "memory_analysis temp bytes of the compiled step (the block it would copy: in parentheses). "
-        "all_to_all: operand bytes each replica sends per step in the compiled HLO (own block included), "
-        "all-to-all ops in parentheses. Figures: step time from the table; crossover where the paired ratio "
-        "vs replicated crosses 1 (log-linear interpolation); all-to-alls counted in the compiled step of "
-        f"{args.tables} tables of {FIGURE_ROWS} rows (widths alternating {FIGURE_DIMS}, one feature each) "
-        "and of 1; bytes: compiled all-to-all operands, and payload = ids and rows filling bucket slots "
-        "(ids once, rows back, gradients out).")
+        "exchanged: operand bytes of the all-to-all, all-gather and reduce-scatter ops each replica runs per "
+        "step in the compiled HLO (own block included), the ops in parentheses. hand-written: jax.jit of the "
+        "same step on a NamedSharding row-sharded [V, D] table (XLA SPMD). Figures: step time from the table; "
+        "crossover where the paired ratio vs replicated crosses 1 (log-linear interpolation); exchanges "
+        f"counted in the compiled step of {args.tables} tables of {FIGURE_ROWS} rows (widths alternating "
+        f"{FIGURE_DIMS}, one feature each) and of 1, every table on each layout; bytes: compiled exchange "
+        "operands, and payload = ids and rows filling bucket slots (ids once, rows back, gradients out).")
   return 0
 
 

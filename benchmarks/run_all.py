@@ -67,7 +67,7 @@ BENCHES = [
           ("--width", "0.0625", "--trials", "1", "--calls", "1", "--only", "agg small <=32 KiB x10")),
     Bench("peers", ("--steps", "10", "--trials", "3", "--compile-trials", "2"), (),
           ("--steps", "10", "--trials", "1", "--compile-trials", "1", "--skip-keras")),
-    Bench("embedding", ("--rows", "1000,100000", "--trials", "3"), (),
+    Bench("embedding", ("--rows", "2000,5000,1000000", "--trials", "5"), (),
           ("--rows", "1000", "--steps", "2", "--trials", "1")),
     Bench("sharding", ("--trials", "2", "--steps", "1"), ("--large",),
           ("--layers", "2", "--d-model", "32", "--seq-len", "16", "--batch", "8", "--trials", "0")),

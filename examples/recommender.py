@@ -8,8 +8,10 @@ A click-through-rate model in the style of DLRM (Naumov et al., 2019), trained w
 * **eight categorical features, tables from 1e3 to 1e6 rows.** Each feature has its own table
   (1,000 to 1,000,000 rows of width 16), and `tpustrat.embedding.TPUEmbedding` splits every table into
   one contiguous block of rows per replica: with 8 replicas a table of ``V`` rows costs each device
-  ``ceil(V / 8)`` rows (plus as many per optimizer slot), never the whole table. A lookup sends each
-  id to the replica that owns its row and brings the row back, with two `all_to_all`s.
+  ``ceil(V / 8)`` rows (plus as many per optimizer slot), never the whole table. The small tables are
+  all-gathered for the lookup (each block once per step), the larger ones all-gather the ids instead and
+  get their rows back by a reduce-scatter: the embedding picks the layout per table from its size, with
+  the same collectives for all eight tables as for one.
 * **one sequence feature.** ``user_interests`` holds up to 10 ids per example (``[b, 10]``, ``-1`` as
   padding, some examples with none) and is a sequence feature (``FeatureConfig(max_sequence_length=10)``,
   as in TF): its activation is ``[b, 10, 16]``, one row per position, zeros for padding, and the model

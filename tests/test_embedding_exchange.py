@@ -309,7 +309,7 @@ def test_bounded_buckets_are_exchanged_at_their_size_and_duplicates_travel_once(
 
   def step(state, ids):
     prepared = emb._prepare(state, {"f": ids}, None, "lookup")
-    (route,), wholes, spread = emb._routes(state, prepared, "lookup")
+    (route,), wholes, spread, _ = emb._routes(state, prepared, "lookup")
     assert not wholes and not spread  # a bounded table is routed, whatever its size
     act = emb.lookup(state, {"f": ids})["f"]
     return emb.apply_gradients(state, {"f": ids}, {"f": jnp.ones_like(act)}), route.send, act
@@ -554,3 +554,47 @@ def test_sort_with_order_is_a_stable_argsort_packed_or_not(n, largest):
   np.testing.assert_array_equal(np.asarray(uniq)[:len(want)], want)
   np.testing.assert_array_equal(np.asarray(uniq)[len(want):], largest)
   np.testing.assert_array_equal(np.asarray(inverse), want_inverse.reshape(-1))
+
+
+# -- a step without ids ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", EMBEDDING_LAYOUTS)
+def test_a_table_without_ids_in_a_step_looks_up_nothing_and_only_non_lazy_adam_moves_it(strategy, layout):
+  """Step 1 looks up rows 3 and 30 on every replica; step 2's feature is ``[b, 0]`` (no ids): its
+  activations are zeros, lazy Adam leaves the table and slots as they were, non-lazy Adam decays the
+  moments and moves the rows step 1 touched (TF's rule), against numpy."""
+  init = np.random.default_rng(9).standard_normal((V, 2)).astype(np.float32)
+  lr, b1, b2, eps = 0.05, 0.9, 0.999, 1e-3
+  some = np.tile(np.array([[3, 30]], np.int32), (16, 1))
+  grads = np.random.default_rng(10).standard_normal((16, 2)).astype(np.float32)
+  for lazy in (True, False):
+    table = E.TableConfig(V, 2, initializer=_rows(init), combiner="sum", name="t")
+    emb = embedding_layout(E.TPUEmbedding({"f": E.FeatureConfig(table, name="f")},
+                                          E.Adam(lr, b1, b2, eps, lazy_adam=lazy), strategy), layout)
+
+    def step(state, ids, g, emb=emb):
+      act = emb.lookup(state, {"f": ids})["f"]
+      return emb.apply_gradients(state, {"f": ids}, {"f": g}), act
+
+    state, _ = strategy.run(step, args=(emb.build(), _ids_per_replica(strategy, some),
+                                        _ids_per_replica(strategy, grads)))
+    state, act = strategy.run(step, args=(state, _ids_per_replica(strategy, np.zeros((16, 0), np.int32)),
+                                          _ids_per_replica(strategy, grads)))
+    np.testing.assert_array_equal(_gathered(strategy, act), 0.0)
+    summed = np.zeros((V, 2))
+    for j in (3, 30):
+      summed[j] = grads.astype(np.float64).sum(axis=0)
+    touched = np.isin(np.arange(V), [3, 30])
+    want, m, v = init.astype(np.float64), np.zeros((V, 2)), np.zeros((V, 2))
+    for t, g in ((1, summed), (2, np.zeros((V, 2)))):
+      rows = touched if (lazy and t == 1) else (np.zeros(V, bool) if lazy else np.ones(V, bool))
+      m[rows] = b1 * m[rows] + (1 - b1) * g[rows]
+      v[rows] = b2 * v[rows] + (1 - b2) * g[rows] ** 2
+      want[rows] -= lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t) * m[rows] / np.sqrt(v[rows] + eps ** 2)
+    got = emb.embedding_tables(state)["t"]
+    assert_close(got, want, err_msg=f"lazy_adam={lazy}, {layout}")
+    assert_close(np.asarray(state["slots"]["t"]["momenta"]), m, err_msg=f"lazy_adam={lazy}, {layout}: momenta")
+    assert lazy or not np.allclose(got[touched], emb.embedding_tables(
+        strategy.run(step, args=(emb.build(), _ids_per_replica(strategy, some),
+                                 _ids_per_replica(strategy, grads)))[0])["t"][touched])

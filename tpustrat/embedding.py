@@ -1,4 +1,4 @@
-"""Embedding tables sharded by rows over the replicas, over AllToAll (TF's `tf.tpu.experimental.embedding`).
+"""Embedding tables sharded by rows over the replicas (TF's `tf.tpu.experimental.embedding`).
 
 Tables and their optimizer slots are `tpustrat.ShardedVariable`s of shape ``[V, D]`` split along axis 0.
 """

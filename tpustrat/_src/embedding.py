@@ -1,4 +1,4 @@
-"""Embedding tables sharded by rows over the replicas, looked up and trained over AllToAll.
+"""Embedding tables sharded by rows over the replicas, looked up and trained over all-gathers and all-to-alls.
 
 TF's `tf.tpu.experimental.embedding.TPUEmbedding`, with functional state, on every backend. A table of
 ``V`` rows of width ``D`` is padded to ``Vp`` rows (the next multiple of the replica count ``N``) and
@@ -11,29 +11,42 @@ Inside `strategy.run` a step sees it as a `LocalShard` whose ``.block`` is this 
 restores onto another replica count and goes through `run`, `experimental_run_steps` and `jax.tree`
 functions as every sharded value does.
 
-Inside `strategy.run`, a lookup of this replica's ids, all tables at once:
+Inside `strategy.run`, rows travel on one of three layouts, chosen per table from sizes known when the
+step is traced (``M``: the ids this replica looks up in the table per step, all its features together;
+``ceil(V/N)``: the rows of a block); the tables of a layout share its collectives, so a step holds one of
+each whatever the number of tables:
 
-1. routes each table's ids (all its features' ids, concatenated) to the replicas that own their rows:
-   the ids are sorted and deduplicated (`_unique`: a sort, static shapes), and each distinct id takes a
-   slot in the bucket of its owner, ``[N, C]``, ``C = min(M, ceil(V/N), max_ids_per_partition,
-   max_unique_ids_per_partition)`` for ``M`` ids of the table (without bounds nothing can overflow;
-   with them a step that exceeds one fails, naming the table and the bound);
-2. the buckets of every table, concatenated, go out in one `all_to_all`; each replica gathers the rows
-   it was asked for from its blocks, and the rows of every table (flattened, whatever their widths) come
-   back in a second one; every occurrence of an id takes its row from its bucket slot, and the rows of an
-   example are combined (``sum``, ``mean`` or ``sqrtn``, weighted as in TF), or, for a sequence feature
-   (``max_sequence_length = L``), kept per position: ``[b, L, D]``.
+* ``all_gather_table``, a block of at most ``2 * M`` rows (``_GATHER_TABLE_UP_TO``) and no bound:
+  `lookup` all-gathers the blocks of all such tables (one `all_gather`) and reads each id's row
+  locally; `apply_gradients` adds each id's gradient into a dense ``[Vp, D]`` array (with a count column
+  where the optimizer tells touched rows from untouched ones) and one `psum_scatter` sums them over the
+  replicas and hands each owner its block's rows, updated densely. Two collectives per step, moving
+  what the all-reduce of a replicated table's gradient moves, with ``1/N`` of the update.
+* ``all_gather_ids``, larger tables without a bound: every replica's ids are all-gathered (``N * M``
+  int32, one `all_gather`; `lookup` and `apply_gradients` gather the same ids, which XLA merges), each
+  owner reads the rows it holds for all of them (zeros elsewhere) and one `psum_scatter` hands every
+  replica the rows of its own ids; the gradients go out in one `all_gather` of the per-id gradients,
+  and each owner updates the rows it holds (`_update`). The partition XLA's SPMD partitioner gives a
+  ``jnp.take`` on a row-sharded table, with a reduce-scatter where it all-reduces and sparse updates
+  where it rewrites the block.
+* ``all_to_all``, a table with ``max_ids_per_partition`` or ``max_unique_ids_per_partition``: its ids
+  (all its features', concatenated) are sorted and deduplicated (`_unique`), and each distinct id takes a
+  slot in the bucket of its owner, ``[N, C]``, ``C = min(M, ceil(V/N), max_ids_per_partition,
+  max_unique_ids_per_partition)`` (a step that exceeds a bound fails, naming the table and the bound);
+  the buckets of all such tables go out in one `all_to_all`, each owner gathers the rows asked for, and
+  the rows (flattened, whatever their widths) come back in a second; the gradients, summed per distinct
+  id, go out in a third (the ids' exchange is the lookup's: XLA merges the two). The layout whose bytes
+  shrink with duplicates and bounds: ``N * C`` ids out, ``N * C * D`` values back and as many out.
 
-`apply_gradients` takes d(loss)/d(activations), spreads each example's gradient over its ids as the
-combiner weighted them (a sequence feature: per position), sums them per distinct id into the same
-bucket slots, sends them to the owners in one `all_to_all` for all tables (the ids' exchange is the
-lookup's: XLA merges the two), and each owner sums them per distinct row (a sort again) and updates only
-those rows and their slots, gathered ``[K, D]`` and scattered back into the block with
-``.at[rows].set(mode="drop")``: in place when `run` donates the state (``RunOptions(donate_argnums=0)``),
-and nothing of the size of the block is built (non-lazy Adam: every row, as TF defines it).
-
-Bytes moved per step and replica: ``N * sum_t C_t`` ids out, ``N * sum_t C_t * D_t`` values back and as
-many gradients out, in three `all_to_all`s however many tables there are.
+On every layout an occurrence of an id takes its row, and the rows of an example are combined (``sum``,
+``mean`` or ``sqrtn``, weighted as in TF), or, for a sequence feature (``max_sequence_length = L``),
+kept per position: ``[b, L, D]``. `apply_gradients` spreads each example's gradient over its ids as the
+combiner weighted them (a sequence feature: per position), and every duplicate's gradient adds up, across
+replicas too. The owners of a routed or id-gathered table sum the gradients per distinct row (a sort
+again) and update only those rows and their slots, gathered ``[K, D]`` and scattered back into the block
+with ``.at[rows].set(mode="drop")``: in place when `run` donates the state (``RunOptions(donate_argnums=0)``),
+and nothing of the size of the block is built (non-lazy Adam: every row, as TF defines it; a block no
+larger than the ``K`` gradients received updates densely too).
 """
 
 from __future__ import annotations
@@ -402,18 +415,19 @@ class TableConfig:
     dim: the width ``D`` of a row.
     initializer: ``initializer(shape, dtype) -> array`` for the ``[V, D]`` table, as in TF. None: TF's
       truncated normal with stddev ``1 / sqrt(dim)`` (from `TPUEmbedding.build`'s seed).
-    optimizer: this table's `SGD` / `Adagrad` / `Adam`; None: the `TPUEmbedding`'s.
+    optimizer: this table's `SGD` / `Adagrad` / `Adam` / `FTRL` / `AdagradMomentum`; None: the `TPUEmbedding`'s.
     combiner: how the ids of one example combine: ``"sum"``, ``"mean"`` (weighted mean) or ``"sqrtn"``
       (weighted sum over the square root of the sum of squared weights).
     name: the table's name (the key of `TPUEmbedding.embedding_tables`); default ``table_<i>``.
     max_ids_per_partition: None (the default), or the most ids (duplicates counted) one replica may
       send one owner of this table's rows in one step, all features of the table together: Keras RS's
-      and SparseCore's bound of the same name. It sizes the exchange buckets (see below).
+      and SparseCore's bound of the same name. A bound puts the table on the ``all_to_all`` layout (see
+      `TPUEmbedding`), whose buckets it sizes.
     max_unique_ids_per_partition: None, or the most distinct ids one replica may send one owner per step
       (duplicates travel once). The buckets hold ``min(M, ceil(V / N), max_ids_per_partition,
-      max_unique_ids_per_partition)`` ids (``M``: the table's ids per replica and step), so without
-      bounds nothing can overflow; with them fewer bytes travel, and a step that exceeds a bound fails
-      with a ValueError naming the table and the bound (ids are never dropped).
+      max_unique_ids_per_partition)`` ids (``M``: the table's ids per replica and step): fewer bytes
+      travel than on the all-gather layouts when duplicates are frequent, and a step that exceeds a
+      bound fails with a ValueError naming the table and the bound (ids are never dropped).
   """
 
   def __init__(self, vocabulary_size: int, dim: int, initializer: Callable[..., Any] | None = None,
@@ -496,8 +510,15 @@ class TPUEmbedding:
   Args:
     feature_config: a nested structure (dict, list, tuple) of `FeatureConfig`s; `lookup`'s features and
       activations have this structure.
-    optimizer: the `SGD` / `Adagrad` / `Adam` of the tables that name none.
+    optimizer: the `SGD` / `Adagrad` / `Adam` / `FTRL` / `AdagradMomentum` of the tables that name none.
     strategy: the strategy whose replicas hold the tables; None: the current one.
+
+  How rows travel depends on each table's size and bounds, decided when a step is traced: a table whose
+  block (``ceil(V/N)`` rows) holds at most twice the ids a replica looks up in it per step is
+  all-gathered whole; a larger one all-gathers the ids instead; a table with ``max_ids_per_partition`` or
+  ``max_unique_ids_per_partition`` is routed over all-to-all in buckets of that size, each distinct id
+  once. Each layout takes the same collectives for one table or many (the module docstring has the
+  details). The results are the same on every layout.
   """
 
   def __init__(self, feature_config: Any, optimizer: Any = None, strategy: Any = None) -> None:
@@ -717,13 +738,15 @@ class TPUEmbedding:
     return ALL_GATHER_TABLE if rows <= _GATHER_TABLE_UP_TO * ids else ALL_GATHER_IDS
 
   def _routes(self, state: Any, prepared: list[Any], where: str
-              ) -> tuple[list[_Route], list[_Gathered], list[_Gathered]]:
+              ) -> tuple[list[_Route], list[_Gathered], list[_Gathered], list[_Gathered]]:
     """The tables `prepared` looks up (in the order of `table_names`), the ids of all features of each
     concatenated, by layout: a `_Route` per table routed over all-to-all (its ids deduplicated and placed
     in one bucket per owner), a `_Gathered` per table all-gathered whole, and one per table whose ids
-    are all-gathered."""
+    are all-gathered; and last, the tables whose features hold no ids this step (``[b, 0]``), which no
+    collective serves: their lookups are empty, and only an optimizer that moves untouched rows updates
+    them."""
     routes: list[_Route] = []
-    gathered: dict[str, list[_Gathered]] = {ALL_GATHER_TABLE: [], ALL_GATHER_IDS: []}
+    gathered: dict[str, list[_Gathered]] = {ALL_GATHER_TABLE: [], ALL_GATHER_IDS: [], EMPTY: []}
     for t, name in zip(self._tables, self._names):
       members = [i for i, (f, _, _, _) in enumerate(prepared) if f.table is t]
       if not members:
@@ -733,14 +756,14 @@ class TPUEmbedding:
       flat = [prepared[i][2].reshape(-1) for i in members]
       ids = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
       sizes = [x.shape[0] for x in flat]
-      layout = self._layout(t, ids.shape[0], rows)
+      layout = EMPTY if ids.shape[0] == 0 else self._layout(t, ids.shape[0], rows)
       if layout != ALL_TO_ALL:
         gathered[layout].append(_Gathered(t, name, block, members, sizes, ids))
         continue
       cap = self._capacity(t, ids.shape[0], rows)
       owner, slot, send, check = self._route(ids, rows, cap, t, name)
       routes.append(_Route(t, name, block, members, sizes, owner, slot, send, check))
-    return routes, gathered[ALL_GATHER_TABLE], gathered[ALL_GATHER_IDS]
+    return routes, gathered[ALL_GATHER_TABLE], gathered[ALL_GATHER_IDS], gathered[EMPTY]
 
   def _route(self, ids: jax.Array, rows: int, cap: int, table: TableConfig, name: str
              ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -852,11 +875,11 @@ class TPUEmbedding:
     zero when the loss masks them too).
     """
     prepared = self._prepare(state, features, weights, "lookup")
-    routes, wholes, spread = self._routes(state, prepared, "lookup")
+    routes, wholes, spread, empty = self._routes(state, prepared, "lookup")
     activations: list[Any] = [None] * len(prepared)
     found: list[tuple[_Route | _Gathered, jax.Array]] = [
         *zip(routes, self._rows_back(routes)), *zip(wholes, self._rows_gathered(wholes)),
-        *zip(spread, self._rows_by_ids(spread))]
+        *zip(spread, self._rows_by_ids(spread)), *((e, jnp.zeros((0, e.table.dim))) for e in empty)]
     for r, rows in found:
       start = 0
       for i, size in zip(r.members, r.sizes):
@@ -873,14 +896,16 @@ class TPUEmbedding:
 
     `gradients` are d(loss)/d(activations) of this replica, with the activations' structure; each is
     spread over its example's ids as the combiner weighted them (a sequence feature's: position by
-    position), summed per distinct id on this replica, sent to the rows' owners over one `all_to_all`
-    for all tables and summed per row there (duplicates add up, across replicas too). Only the touched
+    position) and sent to the rows' owners on the table's layout (module docstring: one `psum_scatter`
+    of a dense gradient for small tables, one `all_gather` of the per-id gradients for larger ones, one
+    `all_to_all` of gradients summed per distinct id for bounded ones; one per layout for all tables),
+    and summed per row there (duplicates add up, across replicas too). On the last two only the touched
     rows and their slots are read and written, scattered into the blocks in place when `run` donates
     the state (``RunOptions(donate_argnums=...)``); non-lazy Adam updates every row, as TF defines it.
     """
     prepared = self._prepare(state, features, weights, "apply_gradients")
     grad_list = self._treedef.flatten_up_to(gradients)
-    routes, wholes, spread = self._routes(state, prepared, "apply_gradients")
+    routes, wholes, spread, empty = self._routes(state, prepared, "apply_gradients")
     step = state["step"] + 1
     tables, slots = dict(state["tables"]), dict(state["slots"])
 
@@ -920,6 +945,12 @@ class TPUEmbedding:
         start += f.shape[0]
         store(w.name, w.table, *_update(self._opt(w.table), w.block, old_slots(w.name),
                                         self._owned(w, ids).reshape(-1), grads, step))
+    for e in empty:  # no ids: TF's sparse rules leave the table alone; non-lazy Adam moves every row
+      opt = self._opt(e.table)
+      if _updates_untouched_rows(opt):
+        rows = e.block.shape[0]
+        store(e.name, e.table, *opt.update(e.block, old_slots(e.name), jnp.zeros(e.block.shape, jnp.float32),
+                                           jnp.zeros((rows,), bool), step))
     return {"tables": tables, "slots": slots, "step": step}
 
   def _per_id_gradients(self, r: _Route | _Gathered, prepared: list[Any], grad_list: list[Any]) -> jax.Array:
@@ -1044,6 +1075,7 @@ def _updates_untouched_rows(opt: Any) -> bool:
 
 
 ALL_TO_ALL, ALL_GATHER_TABLE, ALL_GATHER_IDS = "all_to_all", "all_gather_table", "all_gather_ids"
+EMPTY = "empty"  # a table whose features hold no ids in a step
 def _touched_matters(opt: Any) -> bool:
   """Whether `opt` updates a touched row whose gradient is zero (lazy Adam, FTRL, Adagrad with momentum):
   SGD and Adagrad leave it as it is, non-lazy Adam updates every row anyway."""
