@@ -440,6 +440,33 @@ def test_tables_and_slots_are_sharded_variables_split_by_rows(strategies, n):
   np.testing.assert_array_equal(slots["velocities"][~touched], 0.0)
 
 
+@pytest.mark.parametrize("dtype, vocab", [(np.int8, 200), (np.uint8, 300), (np.int16, 40_000), (np.int64, 200)])
+def test_ids_of_a_narrow_integer_type_look_up_rows_beyond_its_range_of_v(strategies, dtype, vocab):
+  """int8 ids on a 200-row table (V itself does not fit int8): the ids are compared with V in a type that
+  holds it, so ids 5, 100 and 7 look up their rows and train (V did wrap to -56 and every id was padding);
+  a uint8 255 on a 300-row table too. Against numpy: row i holds i, SGD(1.0) with gradient 1."""
+  strategy = strategies[2]
+  table = emb_lib.TableConfig(vocab, 1, combiner="sum", name="t",
+                              initializer=lambda s, d: jnp.arange(s[0], dtype=d)[:, None])
+  emb = emb_lib.TPUEmbedding({"f": emb_lib.FeatureConfig(table)}, emb_lib.SGD(1.0), strategy)
+  last = np.iinfo(dtype).max if np.iinfo(dtype).max < vocab else vocab - 1
+  x = np.array([[5, -1 if np.iinfo(dtype).min < 0 else 5], [100, 7], [last, 5], [7, 7]]).astype(dtype)
+
+  def step(state, ids):
+    act = emb.lookup(state, {"f": ids})["f"]
+    return emb.apply_gradients(state, {"f": ids}, {"f": jnp.ones_like(act)}), act
+
+  ids = strategy.experimental_distribute_values_from_function(
+      lambda ctx: x[2 * ctx.replica_id_in_sync_group:2 * ctx.replica_id_in_sync_group + 2])
+  state, act = strategy.run(step, args=(emb.build(), ids))
+  flat = x.astype(np.int64)
+  want_act = np.array([[sum(float(i) for i in row if i >= 0)] for row in flat])
+  np.testing.assert_array_equal(np.concatenate(strategy.experimental_local_results(act)), want_act)
+  want = np.arange(vocab, dtype=np.float64)[:, None]
+  np.subtract.at(want, flat[flat >= 0], 1.0)
+  np.testing.assert_array_equal(emb.embedding_tables(state)["t"], want)
+
+
 def test_out_of_range_id_inside_run_looks_up_zeros_and_gets_no_update(strategies):
   strategy = strategies[4]
   table = emb_lib.TableConfig(V, 2, combiner="sum", name="t", initializer=ones)

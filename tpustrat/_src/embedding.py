@@ -702,6 +702,8 @@ class TPUEmbedding:
         raise ValueError(f"TPUEmbedding.{where}: the ids of feature {f.name!r} must be int [b] or [b, L], got "
                          f"{ids.dtype}{list(ids.shape)}.")
       ids2 = ids[:, None] if ids.ndim == 1 else ids
+      # Compared in a type that holds V: V as a weakly typed int8 or int16 would wrap (200 -> -56).
+      ids2 = ids2.astype(jnp.promote_types(ids2.dtype, jnp.int32))
       # An id outside [0, V) cannot be checked while traced: it counts as padding (no row, no weight).
       ids2 = jnp.where((ids2 >= 0) & (ids2 < f.table.vocabulary_size), ids2, -1).astype(jnp.int32)
       if w is not None:
