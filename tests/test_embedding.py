@@ -865,3 +865,53 @@ def test_wrong_gradient_weight_and_id_shapes_raise_value_error(strategies):
     strategy.run(lambda state, ids: emb.lookup(state, {"f": ids.astype(jnp.float32)}), args=(state, ids))
   with pytest.raises(ValueError, match="must be int"):
     strategy.run(lambda state, ids: emb.lookup(state, {"f": ids[None]}), args=(state, ids))
+
+
+def test_messages_name_unnamed_features_by_path_and_bad_structures_and_states(strategies):
+  """An unnamed feature is named by its path in the feature config; weights or gradients without a
+  feature's entry, and the state of another embedding, get a ValueError naming what was expected."""
+  strategy = strategies[2]
+  table = emb_lib.TableConfig(V, 2, combiner="mean", name="t", initializer=ones)
+  other = emb_lib.TableConfig(V, 2, combiner="mean", name="u", initializer=ones)
+  config = {"clicks": emb_lib.FeatureConfig(table), "views": emb_lib.FeatureConfig(other)}
+  emb = emb_lib.TPUEmbedding(config, emb_lib.SGD(0.5), strategy)
+  state = emb.build()
+  ids = strategy.experimental_distribute_values_from_function(lambda ctx: np.array([[1, 2], [3, -1]], np.int32))
+  feats = lambda ids: {"clicks": ids, "views": ids}  # noqa: E731
+  with pytest.raises(ValueError, match=r"the ids of feature \"\['clicks'\]\" must be int"):
+    strategy.run(lambda st, ids: emb.lookup(st, {"clicks": ids.astype(jnp.float32), "views": ids}), args=(state, ids))
+  with pytest.raises(ValueError, match=r"the weights must have the structure of the feature config"):
+    strategy.run(lambda st, ids: emb.lookup(st, feats(ids), {"clicks": jnp.ones((2, 2))}), args=(state, ids))
+  with pytest.raises(ValueError, match=r"the gradients must have the structure of the feature config"):
+    strategy.run(lambda st, ids: emb.apply_gradients(st, feats(ids), {"clicks": jnp.ones((2, 2))}),
+                 args=(state, ids))
+  with pytest.raises(ValueError, match=r"gradient of feature \"\['views'\]\" has shape \(2, 3\)"):
+    strategy.run(lambda st, ids: emb.apply_gradients(
+        st, feats(ids), {"clicks": jnp.ones((2, 2)), "views": jnp.ones((2, 3))}), args=(state, ids))
+  one_table = emb_lib.TPUEmbedding({"clicks": emb_lib.FeatureConfig(table)}, emb_lib.SGD(0.5), strategy)
+  with pytest.raises(ValueError, match=r"the state must be what this embedding's build\(\) returned.*missing \['u'\]"):
+    strategy.run(lambda st, ids: emb.lookup(st, feats(ids)), args=(one_table.build(), ids))
+  with pytest.raises(ValueError, match=r"table names must be distinct, got \['table_1', 'table_1'\] \(a table without"):
+    emb_lib.TPUEmbedding({"a": emb_lib.FeatureConfig(emb_lib.TableConfig(V, 2, name="table_1")),
+                          "b": emb_lib.FeatureConfig(emb_lib.TableConfig(V, 2))}, emb_lib.SGD(0.5), strategy)
+
+
+def test_check_ids_takes_one_distributed_value_of_the_features_and_reads_sequences_up_to_their_length(strategies):
+  """`experimental_distribute_values_from_function(lambda ctx: {"f": ...})` (one distributed value of
+  the whole structure) is checked replica by replica; a sequence feature's ids past its
+  max_sequence_length (which lookup truncates away) are not checked."""
+  strategy = strategies[2]
+  table = emb_lib.TableConfig(V, 2, name="t", initializer=ones)
+  emb = emb_lib.TPUEmbedding({"f": emb_lib.FeatureConfig(table, name="f"),
+                              "s": emb_lib.FeatureConfig(table, max_sequence_length=2, name="s")},
+                             emb_lib.SGD(0.5), strategy)
+  good = np.array([[1, 2, V + 5], [3, -1, -1]], np.int32)  # V + 5 sits past the sequence's length 2
+  emb.check_ids(strategy.experimental_distribute_values_from_function(lambda ctx: {"f": good[:, :1], "s": good}))
+
+  def bad_on_replica_1(ctx):
+    return {"f": np.array([[1], [V if ctx.replica_id_in_sync_group == 1 else 2]], np.int32), "s": good}
+
+  with pytest.raises(ValueError, match=rf"feature 'f' holds id {V}, outside \[0, {V}\)"):
+    emb.check_ids(strategy.experimental_distribute_values_from_function(bad_on_replica_1))
+  with pytest.raises(ValueError, match=rf"feature 's' holds id {V + 5}"):
+    emb.check_ids({"f": good[:, :1], "s": np.concatenate([good[:, 2:], good[:, :1]], axis=1)})

@@ -236,6 +236,17 @@ def test_eight_tables_take_as_many_exchanges_as_one(strategy, layout):
   assert counts[8] == counts[1] == EXCHANGES[layout], counts
 
 
+def test_eight_bounded_tables_take_as_many_exchanges_and_bound_checks_as_one(strategy):
+  """Bounded tables: 3 all-to-alls and one all-gather of every table's id counts (the bound check),
+  for 8 tables as for 1."""
+  ids = _ids_per_replica(strategy, np.arange(64, dtype=np.int32).reshape(16, 4) * 7 % 1000)
+  counts = {}
+  for tables in (1, 8):
+    configs, emb = _embedding(strategy, tables, dims=(4, 8), max_unique_ids_per_partition=8)
+    counts[tables] = _collectives(_compiled_step(strategy, emb, configs, ids, use_activations=True).as_text())
+  assert counts[8] == counts[1] == {"all-to-all": 3, "all-gather": 1}, counts
+
+
 @pytest.mark.parametrize("rows, layout", [(37, "all_gather_table"), (128, "all_gather_table"),
                                           (129, "all_gather_ids"), (1000, "all_gather_ids")])
 def test_the_size_rule_all_gathers_a_table_whose_block_is_at_most_twice_its_ids(strategy, rows, layout):
@@ -272,7 +283,7 @@ def test_tables_on_every_layout_together_match_numpy(strategy):
   want = collections.Counter()
   for layout in EMBEDDING_LAYOUTS:
     want.update(EXCHANGES[layout])
-  want.update({"all-gather": len(bounded)})  # each bounded table's check all-gathers its id counts
+  want.update({"all-gather": 1})  # the bound check all-gathers the id counts of every bounded table at once
   assert got == want, got
 
   def step(state, ids):
@@ -363,7 +374,8 @@ def test_a_step_over_a_bound_fails_naming_table_and_bound_and_drops_nothing(stra
   np.testing.assert_array_equal(emb.embedding_tables(state)["clicks"], expected)
   over = s.experimental_distribute_values_from_function(
       lambda ctx: np.array([[1, 2, 3, 60]], np.int32))  # 3 distinct ids for replica 0
-  with pytest.raises(Exception, match=r"table 'clicks'.*3 distinct ids to replica 0.*max_unique_ids_per_partition=2"):
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=r"ValueError: TPUEmbedding: table 'clicks'.*3 distinct ids to replica 0.*max_unique_ids_per_partition=2"):
     new, act = s.run(step, args=(state, over))
     np.asarray(act.values[0]), np.asarray(new["tables"]["clicks"])
 

@@ -427,7 +427,9 @@ class TableConfig:
       (duplicates travel once). The buckets hold ``min(M, ceil(V / N), max_ids_per_partition,
       max_unique_ids_per_partition)`` ids (``M``: the table's ids per replica and step): fewer bytes
       travel than on the all-gather layouts when duplicates are frequent, and a step that exceeds a
-      bound fails with a ValueError naming the table and the bound (ids are never dropped).
+      bound fails with an error naming the table and the bound (ids are never dropped): on the host
+      (`TPUEmbedding.check_ids`) a ValueError; inside `strategy.run` the ValueError of a host callback,
+      which JAX hands on inside a `jax.errors.JaxRuntimeError`.
   """
 
   def __init__(self, vocabulary_size: int, dim: int, initializer: Callable[..., Any] | None = None,
@@ -522,7 +524,9 @@ class TPUEmbedding:
   """
 
   def __init__(self, feature_config: Any, optimizer: Any = None, strategy: Any = None) -> None:
-    leaves, self._treedef = jax.tree.flatten(feature_config, is_leaf=lambda x: isinstance(x, FeatureConfig))
+    with_paths, self._treedef = jax.tree_util.tree_flatten_with_path(
+        feature_config, is_leaf=lambda x: isinstance(x, FeatureConfig))
+    leaves = [leaf for _, leaf in with_paths]
     if not leaves or not all(isinstance(f, FeatureConfig) for f in leaves):
       raise TypeError("TPUEmbedding: feature_config must be a nested structure of "
                       f"tpustrat.embedding.FeatureConfig, got {feature_config!r:.200}.")
@@ -535,8 +539,12 @@ class TPUEmbedding:
         self._tables.append(f.table)
     names = [t.name or f"table_{i}" for i, t in enumerate(self._tables)]
     if len(set(names)) != len(names):
-      raise ValueError(f"TPUEmbedding: table names must be distinct, got {names}.")
+      raise ValueError(f"TPUEmbedding: table names must be distinct, got {names} (a table without a name is "
+                       "called table_<i>, i its position among the tables in the order the features use them).")
     self._names = names
+    # for messages: a feature's name, else its path in the feature config, else its table's name
+    self._feature_names = [f.name or jax.tree_util.keystr(path) or names[self._tables.index(f.table)]
+                           for path, f in with_paths]
     for t, name in zip(self._tables, names):
       if (t.optimizer or optimizer) is None:
         raise ValueError(f"TPUEmbedding: table {name!r} has no optimizer: give one to TPUEmbedding or its TableConfig.")
@@ -599,19 +607,29 @@ class TPUEmbedding:
 
   def check_ids(self, features: Any) -> None:
     """Raises a ValueError naming the feature and the id if a host (numpy) feature holds an id outside
-    ``[0, vocabulary_size)`` other than ``-1``. `lookup` calls it on concrete inputs; inside
-    `strategy.run` the ids are traced and cannot be checked (an out-of-range id then looks up zeros and
-    receives no update): check them in the input pipeline."""
+    ``[0, vocabulary_size)`` other than ``-1`` (a sequence feature: among its first
+    ``max_sequence_length`` positions, which are all `lookup` reads), or a batch exceeds a table's
+    bounds. `features`: the feature config's structure of arrays or distributed values, or one
+    distributed value of that structure (each replica's checked). `lookup` calls it on concrete inputs;
+    inside `strategy.run` the ids are traced and cannot be checked (an out-of-range id then looks up
+    zeros and receives no update): check them in the input pipeline."""
+    if is_distributed(features):
+      for component in self._strategy.experimental_local_results(features):
+        self.check_ids(component)
+      return
     leaves = self._flatten_features(features, "check_ids")
-    for f, ids in zip(self._features, leaves):
+    for f, fname, ids in zip(self._features, self._feature_names, leaves):
       if isinstance(ids, jax.core.Tracer):
         continue
-      values = np.asarray(jax.device_get(ids.tree if is_distributed(ids) else ids))
-      bad = (values != -1) & ((values < 0) | (values >= f.table.vocabulary_size))
-      if bad.any():
-        raise ValueError(
-            f"TPUEmbedding: feature {f.name or self._table_name(f.table)!r} holds id {int(values[bad][0])}, outside "
-            f"[0, {f.table.vocabulary_size}) of table {self._table_name(f.table)!r} (-1 is padding).")
+      for part in self._strategy.experimental_local_results(ids) if is_distributed(ids) else [ids]:
+        values = np.asarray(jax.device_get(part))
+        if f.max_sequence_length and values.ndim == 2:
+          values = values[:, :f.max_sequence_length]  # lookup truncates the rest away
+        bad = (values != -1) & ((values < 0) | (values >= f.table.vocabulary_size))
+        if bad.any():
+          raise ValueError(
+              f"TPUEmbedding: feature {fname!r} holds id {int(values[bad][0])}, outside "
+              f"[0, {f.table.vocabulary_size}) of table {self._table_name(f.table)!r} (-1 is padding).")
     self._check_bounds_on_host(leaves)
 
   def _check_bounds_on_host(self, leaves: list[Any]) -> None:
@@ -619,9 +637,7 @@ class TPUEmbedding:
     concrete features: per replica (a distributed feature's components; a host array is what every
     replica sees), the ids of all features of a table that each owner would receive."""
     for t, name in zip(self._tables, self._names):
-      bounds = [(b, what) for b, what in ((t.max_ids_per_partition, "max_ids_per_partition"),
-                                          (t.max_unique_ids_per_partition, "max_unique_ids_per_partition"))
-                if b is not None]
+      bounds = _bounds(t)
       mine = [(f, ids) for f, ids in zip(self._features, leaves) if f.table is t]
       if not bounds or any(isinstance(ids, jax.core.Tracer) for _, ids in mine):
         continue
@@ -648,13 +664,16 @@ class TPUEmbedding:
 
   # -- inside run ---------------------------------------------------------------------------------
 
-  def _flatten_features(self, features: Any, where: str) -> list[Any]:
+  def _flatten_features(self, features: Any, where: str, what: str = "features") -> list[Any]:
+    """The leaves of `features` (or of the weights or gradients, `what`), one per feature, in the order
+    of the feature config; a ValueError naming the expected structure if they do not have it."""
+    one = {"features": "array of ids", "weights": "array of weights or None", "gradients": "gradient"}[what]
     try:
       return self._treedef.flatten_up_to(features)
     except (ValueError, TypeError) as e:
       raise ValueError(
-          f"TPUEmbedding.{where}: the features must have the structure of the feature config, "
-          f"{jax.tree.unflatten(self._treedef, ['ids'] * self._treedef.num_leaves)!r:.300} (one array of ids "
+          f"TPUEmbedding.{where}: the {what} must have the structure of the feature config, "
+          f"{jax.tree.unflatten(self._treedef, [what[:-1]] * self._treedef.num_leaves)!r:.300} (one {one} "
           f"per feature), got {type(features).__name__} {features!r:.120} ({e}).") from None
 
   def _exchange(self, x: jax.Array) -> jax.Array:
@@ -687,19 +706,32 @@ class TPUEmbedding:
     norm = jnp.sqrt(jnp.sum(w * w, axis=1, keepdims=True))
     return w / jnp.where(norm == 0, 1.0, norm)
 
+  def _check_state(self, state: Any, where: str) -> None:
+    """A ValueError unless `state` has the structure `build` gives this embedding's tables."""
+    ok = (isinstance(state, dict) and {"tables", "slots", "step"} <= set(state)
+          and isinstance(state["tables"], dict) and isinstance(state["slots"], dict))
+    missing = [n for n in self._names if n not in state["tables"] or n not in state["slots"]] if ok else []
+    if not ok or missing:
+      got = (f"a dict with tables {sorted(state['tables'])}" if ok
+             else f"{type(state).__name__} {state!r:.100}")
+      raise ValueError(f"TPUEmbedding.{where}: the state must be what this embedding's build() returned, "
+                       f"{{'tables', 'slots', 'step'}} with tables {self._names}; got {got}"
+                       f"{f' (missing {missing})' if missing else ''}.")
+
   def _prepare(self, state: Any, features: Any, weights: Any, where: str) -> list[tuple[Any, str, jax.Array, jax.Array]]:
     """(feature, table name, ids [b, L], coefficients [b, L]) per feature: ids outside the table are -1;
     a sequence feature's ids truncated or padded (-1) to its `max_sequence_length`."""
     if not context_lib.in_replica_context_of_a_run():
       raise RuntimeError(f"TPUEmbedding.{where} runs inside strategy.run (a replica context).")
     ids_list = self._flatten_features(features, where)  # the structure first, named for the caller
+    self._check_state(state, where)
     self.check_ids(features)
-    weight_list = [None] * len(ids_list) if weights is None else self._treedef.flatten_up_to(weights)
+    weight_list = [None] * len(ids_list) if weights is None else self._flatten_features(weights, where, "weights")
     out = []
-    for f, ids, w in zip(self._features, ids_list, weight_list):
+    for f, fname, ids, w in zip(self._features, self._feature_names, ids_list, weight_list):
       ids = jnp.asarray(ids)
       if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.ndim not in (1, 2):
-        raise ValueError(f"TPUEmbedding.{where}: the ids of feature {f.name!r} must be int [b] or [b, L], got "
+        raise ValueError(f"TPUEmbedding.{where}: the ids of feature {fname!r} must be int [b] or [b, L], got "
                          f"{ids.dtype}{list(ids.shape)}.")
       ids2 = ids[:, None] if ids.ndim == 1 else ids
       # Compared in a type that holds V: V as a weakly typed int8 or int16 would wrap (200 -> -56).
@@ -710,7 +742,7 @@ class TPUEmbedding:
         w = jnp.asarray(w, jnp.float32)
         w = w[:, None] if w.ndim == 1 else w
         if w.shape != ids2.shape:
-          raise ValueError(f"TPUEmbedding.{where}: the weights of feature {f.name!r} have shape {w.shape}, the "
+          raise ValueError(f"TPUEmbedding.{where}: the weights of feature {fname!r} have shape {w.shape}, the "
                            f"ids {ids.shape}.")
       seq = f.max_sequence_length
       if seq:  # TF: longer sequences are truncated, shorter ones padded
@@ -733,7 +765,7 @@ class TPUEmbedding:
     up in it per step, `rows` per block. A bounded table is routed over all-to-all in buckets of its
     bound; otherwise a block of at most `_GATHER_TABLE_UP_TO` times `ids` rows is all-gathered whole, and
     larger tables all-gather the ids."""
-    if table.max_ids_per_partition is not None or table.max_unique_ids_per_partition is not None:
+    if _bounds(table):
       return ALL_TO_ALL
     if self._forced_layout is not None:
       return self._forced_layout
@@ -763,18 +795,21 @@ class TPUEmbedding:
         gathered[layout].append(_Gathered(t, name, block, members, sizes, ids))
         continue
       cap = self._capacity(t, ids.shape[0], rows)
-      owner, slot, send, check = self._route(ids, rows, cap, t, name)
-      routes.append(_Route(t, name, block, members, sizes, owner, slot, send, check))
+      owner, slot, send, counts = self._route(ids, rows, cap)
+      routes.append(_Route(t, name, block, members, sizes, owner, slot, send, counts, jnp.zeros((), jnp.float32)))
+    bounded = [r for r in routes if _bounds(r.table)]  # without bounds a bucket holds every id
+    if bounded:  # one check for all of them
+      check = _check_bounds([(r.name, _bounds(r.table), r.send.shape[1]) for r in bounded],
+                            jnp.stack([r.counts for r in bounded])).astype(jnp.float32)
+      for r in bounded:
+        r.check = check
     return routes, gathered[ALL_GATHER_TABLE], gathered[ALL_GATHER_IDS], gathered[EMPTY]
 
-  def _route(self, ids: jax.Array, rows: int, cap: int, table: TableConfig, name: str
-             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(owner [M], slot [M], send [N, cap], check) for a table's flat ids [M] (-1: padding): `send[o]`
-    holds the distinct local rows this replica asks replica `o` for (-1: empty), id `i` finds its row at
-    ``[owner[i], slot[i]]`` of what comes back (owner N: padding). Duplicates travel once. `check`: a
-    float32 zero, computed by the bound check (`_check_bounds`) when the table has bounds, which the
-    results add so that the check runs; the ids sent do not depend on it, so that the exchange of
-    `lookup` and that of `apply_gradients` stay one."""
+  def _route(self, ids: jax.Array, rows: int, cap: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(owner [M], slot [M], send [N, cap], counts [2, N]) for a table's flat ids [M] (-1: padding):
+    `send[o]` holds the distinct local rows this replica asks replica `o` for (-1: empty), id `i` finds
+    its row at ``[owner[i], slot[i]]`` of what comes back (owner N: padding). Duplicates travel once.
+    `counts`: the ids, and the distinct ids, this replica sends each owner (for `_check_bounds`)."""
     n, m = self._n, ids.shape[0]
     sentinel = n * rows  # sorts after every id
     uniq, inverse = _unique(jnp.where(ids >= 0, ids, sentinel), sentinel, m)
@@ -784,14 +819,8 @@ class TPUEmbedding:
     u_slot = jnp.arange(m, dtype=jnp.int32) - (jnp.cumsum(per_owner) - per_owner)[u_owner]
     send = jnp.full((n, cap), -1, jnp.int32).at[u_owner, u_slot].set(uniq % rows, mode="drop")
     owner = u_owner[inverse]
-    bounds = [(b, what) for b, what in ((table.max_ids_per_partition, "max_ids_per_partition"),
-                                        (table.max_unique_ids_per_partition, "max_unique_ids_per_partition"))
-              if b is not None]
-    check = jnp.zeros((), jnp.float32)
-    if bounds:  # without bounds the buckets hold every id: nothing to check
-      raw = jnp.zeros((n + 1,), jnp.int32).at[owner].add(1)[:n]
-      check = _check_bounds(name, bounds, raw, per_owner[:n], cap).astype(jnp.float32)
-    return owner, u_slot[inverse], send, check
+    raw = jnp.zeros((n + 1,), jnp.int32).at[owner].add(1)[:n]
+    return owner, u_slot[inverse], send, jnp.stack([raw, per_owner[:n]])
 
   def _rows_back(self, routes: list[_Route]) -> list[jax.Array]:
     """Each table's rows for its flat ids, ``[M, D]`` (zeros for padding): ids out and rows back, one
@@ -906,7 +935,7 @@ class TPUEmbedding:
     the state (``RunOptions(donate_argnums=...)``); non-lazy Adam updates every row, as TF defines it.
     """
     prepared = self._prepare(state, features, weights, "apply_gradients")
-    grad_list = self._treedef.flatten_up_to(gradients)
+    grad_list = self._flatten_features(gradients, "apply_gradients", "gradients")
     routes, wholes, spread, empty = self._routes(state, prepared, "apply_gradients")
     step = state["step"] + 1
     tables, slots = dict(state["tables"]), dict(state["slots"])
@@ -965,7 +994,8 @@ class TPUEmbedding:
       g = jnp.asarray(grad_list[i], jnp.float32)
       expected = ids.shape + (dim,) if f.max_sequence_length else (ids.shape[0], dim)
       if g.shape != expected:
-        raise ValueError(f"TPUEmbedding.apply_gradients: the gradient of feature {f.name!r} has shape {g.shape}, "
+        raise ValueError(f"TPUEmbedding.apply_gradients: the gradient of feature {self._feature_names[i]!r} has "
+                         f"shape {g.shape}, "
                          f"expected {expected} (its activation's).")
       per_id.append((coef[..., None] * g if f.max_sequence_length else coef[:, :, None] * g[:, None, :]
                      ).reshape(-1, dim))
@@ -1020,7 +1050,9 @@ class _Route:
   owner: jax.Array
   slot: jax.Array
   send: jax.Array
-  check: jax.Array  # float32 zero that fails the step when a bound is exceeded: added to the results
+  counts: jax.Array  # [2, N]: the ids and the distinct ids this replica sends each owner
+  check: jax.Array  # float32 zero that fails the step when a bound is exceeded: added to the results,
+  # not to the ids sent, so that the exchanges of ids of `lookup` and `apply_gradients` stay one
 
 
 @dataclasses.dataclass
@@ -1115,32 +1147,41 @@ def _update(opt: Any, block: jax.Array, slots: dict[str, jax.Array], asked: jax.
           {k: slots[k].at[uniq].set(v, mode="drop") for k, v in new_slots.items()})
 
 
-def _check_bounds(name: str, bounds: list[tuple[int, str]], raw: jax.Array, unique: jax.Array,
-                  cap: int) -> jax.Array:
+def _bounds(table: TableConfig) -> list[tuple[int, str]]:
+  """[(bound, its name)] of the bounds `table` sets."""
+  return [(b, what) for b, what in ((table.max_ids_per_partition, "max_ids_per_partition"),
+                                    (table.max_unique_ids_per_partition, "max_unique_ids_per_partition"))
+          if b is not None]
+
+
+def _check_bounds(tables: list[tuple[str, list[tuple[int, str]], int]], counts: jax.Array) -> jax.Array:
   """An int32 zero for the step's results to add, computed by a host callback that raises a ValueError
   naming the table, the bound and the replica when a replica sends one owner more ids than a bound allows
-  (the bucket would drop some: the step fails instead). Every replica's counts are all-gathered first (one
-  `all_gather` of both counts), so every replica sees the same excess and fails together (one replica
-  failing alone would leave the others waiting in the exchange). Evaluated only when a bound is exceeded."""
-  everyone = lax.all_gather(jnp.stack([raw, unique]), REPLICA_AXIS)  # [N, 2, N]: sender x count x owner
-  everyone_raw, everyone_unique = everyone[:, 0], everyone[:, 1]
-  counts = {"max_ids_per_partition": everyone_raw, "max_unique_ids_per_partition": everyone_unique}
-  bad = functools.reduce(jnp.logical_or, [jnp.any(counts[what] > bound) for bound, what in bounds])
-  bad = bad | jnp.any(everyone_unique > cap)
-
-  def fail(raw, unique):
+  (the bucket would drop some: the step fails instead). `tables`: (name, bounds, bucket size) of each
+  routed table; `counts` [T, 2, N]: the ids and the distinct ids this replica sends each owner, per
+  table. Every replica's counts, of all tables, are all-gathered first (one `all_gather`), so every
+  replica sees the same excess and fails together (one replica failing alone would leave the others
+  waiting in the exchange). Evaluated only when a bound is exceeded; JAX hands the ValueError to the
+  caller inside a `jax.errors.JaxRuntimeError`."""
+  everyone = lax.all_gather(counts, REPLICA_AXIS)  # [N, T, 2, N]: sender x table x count x owner
+  limits = []
+  for t, (_, bounds, cap) in enumerate(tables):
     for bound, what in bounds + [(cap, "bucket size")]:
-      values = np.asarray(raw if what == "max_ids_per_partition" else unique)
-      over = np.argwhere(values > bound)
+      limits.append((t, 0 if what == "max_ids_per_partition" else 1, bound, what))
+  bad = functools.reduce(jnp.logical_or, [jnp.any(everyone[:, t, k] > bound) for t, k, bound, _ in limits])
+
+  def fail(everyone):
+    values = np.asarray(everyone)
+    for t, k, bound, what in limits:
+      over = np.argwhere(values[:, t, k] > bound)
       if over.size:
         sender, o = (int(v) for v in over[0])
-        kind = "ids" if what == "max_ids_per_partition" else "distinct ids"
+        kind = "ids" if k == 0 else "distinct ids"
         raise ValueError(
-            f"TPUEmbedding: table {name!r}: replica {sender} sends {int(values[sender, o])} {kind} to replica "
-            f"{o} in one step, more than its {what}={bound}. No id is dropped: the step fails. Raise "
+            f"TPUEmbedding: table {tables[t][0]!r}: replica {sender} sends {int(values[sender, t, k, o])} {kind} to "
+            f"replica {o} in one step, more than its {what}={bound}. No id is dropped: the step fails. Raise "
             f"TableConfig({what}=...) or spread the ids (check batches on the host with TPUEmbedding.check_ids).")
     return np.zeros((), np.int32)
 
   zero = jax.ShapeDtypeStruct((), jnp.int32)
-  return lax.cond(bad, lambda: jax.pure_callback(fail, zero, everyone_raw, everyone_unique),
-                  lambda: jnp.zeros((), jnp.int32))
+  return lax.cond(bad, lambda: jax.pure_callback(fail, zero, everyone), lambda: jnp.zeros((), jnp.int32))
