@@ -375,3 +375,29 @@ def test_run_passes_host_int64_arguments_that_fit_exactly(strategy):
   np.testing.assert_array_equal(np.asarray(out[0].values[0]), ids.astype(np.int32))
   assert out[0].values[0].dtype == np.int32
   assert int(out[1].values[0]) == 2**32 - 1 and out[1].values[0].dtype == np.uint32
+
+
+def test_a_failed_step_raises_once_more_at_the_next_wait_saying_so_then_steps_run_again(strategy):
+  """A step whose host callback raises: reading its result raises; the next calls dispatch until `run`
+  waits for that step (2 in flight), which raises the same error with a note saying that it is an
+  earlier step's and that this call's step did not run; the calls after that run (and compute)."""
+  def fail(x):
+    raise ValueError("the step's own error")
+
+  def step(x):
+    bad = jax.lax.cond(x.sum() > 0, lambda: jax.pure_callback(fail, jax.ShapeDtypeStruct((), jnp.float32), x),
+                       lambda: jnp.float32(0))
+    return x + bad
+
+  with pytest.raises(Exception, match="the step's own error"):
+    np.asarray(strategy.run(step, args=(jnp.ones(2),)).values[0])
+  outcomes = []
+  for i in range(4):
+    try:
+      out = strategy.run(step, args=(jnp.full(2, -float(i + 1)),))
+      outcomes.append(np.asarray(out.values[0]).tolist())
+    except Exception as e:  # noqa: BLE001  # the earlier step's error, whatever JAX wraps it in
+      assert "the step's own error" in str(e)
+      assert any("the step of this call was not dispatched" in note for note in getattr(e, "__notes__", []))
+      outcomes.append("raised")
+  assert outcomes == [[-1.0, -1.0], "raised", [-3.0, -3.0], [-4.0, -4.0]], outcomes

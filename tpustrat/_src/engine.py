@@ -310,7 +310,15 @@ class InFlight:
         oldest = pending.popleft()
       except IndexError:  # another thread took it
         break
-      _wait(oldest)
+      try:
+        _wait(oldest)
+      except Exception as e:
+        # An earlier step failed (its outputs raise the same error wherever they are read). It is out of
+        # the queue now, so the next call dispatches; this one raises, naming what happened.
+        self._checks.pop(id(oldest), None)
+        e.add_note("tpustrat: this error is a step's dispatched before this call, raised while the call waited "
+                   f"for it (at most {limit} steps in flight); the step of this call was not dispatched.")
+        raise
       if self._checks:
         self._check(oldest)
     if stats is None:
