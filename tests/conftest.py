@@ -28,6 +28,26 @@ def strategy() -> tpustrat.TPUStrategy:
   return tpustrat.TPUStrategy()
 
 
+@pytest.fixture(scope="module")
+def strategies(strategy) -> dict:
+  """Strategies of 1, 2, 4 and 8 replicas (both kinds of strategy; 8 is the session's TPUStrategy)."""
+  devices = jax.devices()
+  return {1: tpustrat.MirroredStrategy(devices[:1]), 2: tpustrat.TPUStrategy(device_assignment=devices[:2]),
+          4: tpustrat.MirroredStrategy(devices[:4]), 8: strategy}
+
+
+def distribute_batch(strategy, batch):
+  """`batch` (a pytree of ``[N * b, ...]`` arrays) split over the replicas in order: replica ``r`` takes
+  rows ``[r * b, (r + 1) * b)``."""
+  b = len(jax.tree.leaves(batch)[0]) // strategy.num_replicas_in_sync
+
+  def part(ctx):
+    r = ctx.replica_id_in_sync_group
+    return jax.tree.map(lambda x: x[r * b:(r + 1) * b], batch)
+
+  return strategy.experimental_distribute_values_from_function(part)
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
   return np.random.default_rng(0)

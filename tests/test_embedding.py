@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import EMBEDDING_LAYOUTS, assert_close, embedding_layout
+from conftest import EMBEDDING_LAYOUTS, assert_close, distribute_batch, embedding_layout
 
 import tpustrat
 from tpustrat import embedding as emb_lib
@@ -263,25 +263,6 @@ def model(strategies, n, layout=None):
   return _MODELS[n, layout]
 
 
-@pytest.fixture(scope="module")
-def strategies(strategy):
-  """Strategies of 1, 2, 4 and 8 replicas (both kinds of strategy; 8 is the session's TPUStrategy)."""
-  devices = jax.devices()
-  return {1: tpustrat.MirroredStrategy(devices[:1]), 2: tpustrat.TPUStrategy(device_assignment=devices[:2]),
-          4: tpustrat.MirroredStrategy(devices[:4]), 8: strategy}
-
-
-def distribute(strategy, batch):
-  """A global batch split over the replicas in order: replica r takes examples [r*b, (r+1)*b)."""
-  b = B // strategy.num_replicas_in_sync
-
-  def part(ctx):
-    r = ctx.replica_id_in_sync_group
-    return jax.tree.map(lambda x: x[r * b:(r + 1) * b], batch)
-
-  return strategy.experimental_distribute_values_from_function(part)
-
-
 def gathered(strategy, activations):
   """The replicas' activations concatenated in replica order: the global batch's."""
   local = strategy.experimental_local_results(activations)
@@ -347,7 +328,7 @@ def test_five_steps_match_dense_reference(strategies, n, layout):
   state = poison_padding(state)
   ref = reference(assignment)
   for s, batch in enumerate(BATCHES):
-    state, activations = strategy.run(step, args=(state, distribute(strategy, batch)))
+    state, activations = strategy.run(step, args=(state, distribute_batch(strategy, batch)))
     got = gathered(strategy, activations)
     expected = ref.lookup(batch["ids"], batch["weights"])
     for f in FEATURES:
@@ -550,7 +531,7 @@ def test_dense_layer_gradients_flow_and_tables_train_with_activation_gradients(s
   state = emb.build()
   for s, batch in enumerate(batches):
     y = rng.standard_normal((B, 2)).astype(np.float32)
-    dist = distribute(strategy, {"ids": batch["ids"], "y": y})
+    dist = distribute_batch(strategy, {"ids": batch["ids"], "y": y})
     state, params, loss, g_params = strategy.run(step, args=(state, params, dist))
     assert isinstance(params["w"], tpustrat.Mirrored) and isinstance(loss, tpustrat.Mirrored)
     params = {k: np.asarray(strategy.experimental_local_results(v)[0]) for k, v in params.items()}
@@ -584,7 +565,7 @@ def test_checkpoint_saved_on_8_replicas_restores_on_4_and_training_continues(str
   ref = reference(ASSIGNMENTS[ASSIGNMENT_OF[4]])
   state = emb8.build()
   for batch in BATCHES[:2]:
-    state, _ = s8.run(step8, args=(state, distribute(s8, batch)))
+    state, _ = s8.run(step8, args=(state, distribute_batch(s8, batch)))
     ref.apply_gradients(batch["ids"], batch["grads"], batch["weights"])
   with CheckpointManager(tmp_path / "ckpt", s8) as manager:
     manager.save(2, state)
@@ -609,7 +590,7 @@ def test_checkpoint_saved_on_8_replicas_restores_on_4_and_training_continues(str
 
   state = restored
   for s, batch in enumerate(BATCHES[2:], start=2):
-    state, activations = s4.run(step4, args=(state, distribute(s4, batch)))
+    state, activations = s4.run(step4, args=(state, distribute_batch(s4, batch)))
     got, expected = gathered(s4, activations), ref.lookup(batch["ids"], batch["weights"])
     for f in FEATURES:
       assert_close(got[f], expected[f], err_msg=f"step {s}: activations of {f}")
@@ -623,7 +604,7 @@ def trained_on_8(strategies, steps=2):
   emb8, step8 = model(strategies, 8)
   state = emb8.build()
   for batch in BATCHES[:steps]:
-    state, _ = strategies[8].run(step8, args=(state, distribute(strategies[8], batch)))
+    state, _ = strategies[8].run(step8, args=(state, distribute_batch(strategies[8], batch)))
   return state
 
 

@@ -21,21 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import EMBEDDING_LAYOUTS, assert_close, embedding_layout
+from conftest import EMBEDDING_LAYOUTS, assert_close, distribute_batch, embedding_layout
 
 import tpustrat
 from tpustrat import embedding as E
 
 V = 37
 N = 8
-
-
-def _ids_per_replica(strategy, x):
-  """`x` [N * b, ...] (or a dict of them) split over the replicas in order."""
-  n = strategy.num_replicas_in_sync
-  b = len(next(iter(x.values())) if isinstance(x, dict) else x) // n
-  return strategy.experimental_distribute_values_from_function(
-      lambda ctx: jax.tree.map(lambda a: a[ctx.replica_id_in_sync_group * b:(ctx.replica_id_in_sync_group + 1) * b], x))
 
 
 def _gathered(strategy, value):
@@ -133,7 +125,7 @@ def test_sequence_features_match_numpy_per_position(strategy, n, layout):
   for t in range(3):
     batch = _sequence_batch(rng, b_total)
     grads = {f: rng.standard_normal((b_total,) + d).astype(np.float32) for f, d in dims.items()}
-    state, acts = s.run(step, args=(state, _ids_per_replica(s, batch), _ids_per_replica(s, grads)))
+    state, acts = s.run(step, args=(state, distribute_batch(s, batch), distribute_batch(s, grads)))
     got = {f: _gathered(s, acts[f]) for f in dims}
     assert got["long"].shape == (b_total, SEQ_L, 3) and got["short"].shape == (b_total, SEQ_L, 3)
     assert got["bag"].shape == (b_total, 3)
@@ -163,7 +155,7 @@ def test_weighted_sequence_feature_scales_each_position(strategy):
     act = emb.lookup(state, {"s": ids}, {"s": w})
     return emb.apply_gradients(state, {"s": ids}, {"s": g}, {"s": w}), act
 
-  state, act = strategy.run(step, args=(emb.build(), *(_ids_per_replica(strategy, x) for x in (ids, w, g))))
+  state, act = strategy.run(step, args=(emb.build(), *(distribute_batch(strategy, x) for x in (ids, w, g))))
   assert_close(_gathered(strategy, act["s"]), _np_sequence(init.astype(np.float64), ids, w))
   expected = init.astype(np.float64).copy()
   for i, j in zip(*np.nonzero(ids >= 0)):
@@ -174,7 +166,7 @@ def test_weighted_sequence_feature_scales_each_position(strategy):
 def test_sequence_gradient_shape_is_checked(strategy):
   table = E.TableConfig(V, 3, name="a")
   emb = E.TPUEmbedding({"s": E.FeatureConfig(table, max_sequence_length=4, name="s")}, E.SGD(0.5), strategy)
-  ids = _ids_per_replica(strategy, np.zeros((16, 4), np.int32))
+  ids = distribute_batch(strategy, np.zeros((16, 4), np.int32))
   with pytest.raises(ValueError, match=r"gradient of feature 's' has shape \(2, 3\), expected \(2, 4, 3\)"):
     strategy.run(lambda st, ids: emb.apply_gradients(st, {"s": ids}, {"s": jnp.ones((2, 3))}), args=(emb.build(), ids))
 
@@ -227,7 +219,7 @@ def test_eight_tables_take_as_many_exchanges_as_one(strategy, layout):
   """8 tables of two widths, one feature each, on one layout: the compiled step holds the same
   exchanges as with 1 table (all-to-all: ids out, rows back, gradients out; the all-gathers: the
   table or the ids, rows or gradients reduce-scattered, the gradients or nothing all-gathered)."""
-  ids = _ids_per_replica(strategy, np.arange(64, dtype=np.int32).reshape(16, 4) * 7 % 1000)
+  ids = distribute_batch(strategy, np.arange(64, dtype=np.int32).reshape(16, 4) * 7 % 1000)
   counts = {}
   for tables in (1, 8):
     configs, emb = _embedding(strategy, tables, dims=(4, 8))
@@ -239,7 +231,7 @@ def test_eight_tables_take_as_many_exchanges_as_one(strategy, layout):
 def test_eight_bounded_tables_take_as_many_exchanges_and_bound_checks_as_one(strategy):
   """Bounded tables: 3 all-to-alls and one all-gather of every table's id counts (the bound check),
   for 8 tables as for 1."""
-  ids = _ids_per_replica(strategy, np.arange(64, dtype=np.int32).reshape(16, 4) * 7 % 1000)
+  ids = distribute_batch(strategy, np.arange(64, dtype=np.int32).reshape(16, 4) * 7 % 1000)
   counts = {}
   for tables in (1, 8):
     configs, emb = _embedding(strategy, tables, dims=(4, 8), max_unique_ids_per_partition=8)
@@ -255,7 +247,7 @@ def test_the_size_rule_all_gathers_a_table_whose_block_is_at_most_twice_its_ids(
   for bound in ({}, {"max_ids_per_partition": 8}):
     table = E.TableConfig(rows, 4, name="t", **bound)
     emb = E.TPUEmbedding({"f": E.FeatureConfig(table, name="f")}, E.SGD(0.1), strategy)
-    ids = _ids_per_replica(strategy, np.arange(64, dtype=np.int32).reshape(16, 4) % rows)
+    ids = distribute_batch(strategy, np.arange(64, dtype=np.int32).reshape(16, 4) % rows)
     got = _collectives(_compiled_step(strategy, emb, {"f": None}, ids, use_activations=True).as_text())
     if bound:  # (the bound check all-gathers each replica's id counts per owner)
       assert got == {"all-to-all": 3, "all-gather": 1}, (rows, got)
@@ -278,7 +270,7 @@ def test_tables_on_every_layout_together_match_numpy(strategy):
   x = rng.integers(0, 37, (16, 4)).astype(np.int32)
   x[0] = [3, 3, -1, 3]
   x[5] = -1
-  ids = _ids_per_replica(strategy, x)
+  ids = distribute_batch(strategy, x)
   got = _collectives(_compiled_step(strategy, emb, configs, ids, use_activations=True).as_text())
   want = collections.Counter()
   for layout in EMBEDDING_LAYOUTS:
@@ -312,7 +304,7 @@ def test_bounded_buckets_are_exchanged_at_their_size_and_duplicates_travel_once(
                         max_unique_ids_per_partition=3)
   emb = E.TPUEmbedding({"f": E.FeatureConfig(table, name="f")}, E.SGD(0.5), strategy)
   x = np.tile(np.array([[5, 5, 5, 5], [6, 6, 130, -1]], np.int32), (8, 1))
-  ids = _ids_per_replica(strategy, x)
+  ids = distribute_batch(strategy, x)
   shapes = _all_to_alls(_compiled_step(strategy, emb, {"f": None}, ids).as_text())
   # elements each replica sends per all-to-all (XLA:CPU lists one [1, ...] operand per destination)
   sizes = sorted(sum(int(np.prod([int(d) for d in dims.split(",")])) for _, dims in op) for op in shapes)
@@ -403,7 +395,7 @@ def test_donated_state_is_updated_in_place_without_a_block_sized_temporary(strat
   for opt in (E.SGD(0.1), E.Adagrad(0.1), E.Adam(0.01)):  # Adam: lazy
     table = E.TableConfig(rows_total, dim, name="t", initializer=lambda s, d: jnp.zeros(s, d), optimizer=opt)
     emb = E.TPUEmbedding({"f": E.FeatureConfig(table)}, None, strategy)
-    ids = _ids_per_replica(strategy, np.arange(64, dtype=np.int32).reshape(16, 4) * 509 % rows_total)
+    ids = distribute_batch(strategy, np.arange(64, dtype=np.int32).reshape(16, 4) * 509 % rows_total)
 
     def step(state, ids, emb=emb):
       act = emb.lookup(state, {"f": ids})["f"]
@@ -447,7 +439,7 @@ def test_lazy_adam_keeps_untouched_rows_and_non_lazy_adam_moves_them(strategy, l
     for t in range(1, 4):
       ids = rng.integers(0, 36 if t == 1 else 6, 16).astype(np.int32)  # later steps: rows 0..5 only
       g = rng.standard_normal((16, 2)).astype(np.float32)
-      state = strategy.run(step, args=(state, _ids_per_replica(strategy, ids), _ids_per_replica(strategy, g)),
+      state = strategy.run(step, args=(state, distribute_batch(strategy, ids), distribute_batch(strategy, g)),
                            options=tpustrat.RunOptions(donate_argnums=0))
       summed, touched = np.zeros((V, 2)), np.zeros(V, bool)
       np.add.at(summed, ids, g)
@@ -501,7 +493,7 @@ def test_a_touched_row_whose_gradients_cancel_is_still_updated_by_lazy_optimizer
       return emb.apply_gradients(state, {"f": ids}, {"f": g})
 
     def run(state, g, emb=emb):
-      return strategy.run(step, args=(state, _ids_per_replica(strategy, ids), _ids_per_replica(strategy, g)))
+      return strategy.run(step, args=(state, distribute_batch(strategy, ids), distribute_batch(strategy, g)))
 
     want = init.astype(np.float64)
     if isinstance(opt, E.FTRL):
@@ -537,7 +529,7 @@ def test_sparse_updates_match_the_dense_reference_on_small_tables(monkeypatch, n
   step = ref_lib.make_step(emb)
   state, ref = emb.build(), ref_lib.reference(assignment)
   for batch in ref_lib.BATCHES:
-    state, acts = s.run(step, args=(state, ref_lib.distribute(s, batch)), options=tpustrat.RunOptions(donate_argnums=0))
+    state, acts = s.run(step, args=(state, distribute_batch(s, batch)), options=tpustrat.RunOptions(donate_argnums=0))
     got, expected = ref_lib.gathered(s, acts), ref.lookup(batch["ids"], batch["weights"])
     for f in ref_lib.FEATURES:
       assert_close(got[f], expected[f], err_msg=f)
@@ -589,10 +581,10 @@ def test_a_table_without_ids_in_a_step_looks_up_nothing_and_only_non_lazy_adam_m
       act = emb.lookup(state, {"f": ids})["f"]
       return emb.apply_gradients(state, {"f": ids}, {"f": g}), act
 
-    state, _ = strategy.run(step, args=(emb.build(), _ids_per_replica(strategy, some),
-                                        _ids_per_replica(strategy, grads)))
-    state, act = strategy.run(step, args=(state, _ids_per_replica(strategy, np.zeros((16, 0), np.int32)),
-                                          _ids_per_replica(strategy, grads)))
+    state, _ = strategy.run(step, args=(emb.build(), distribute_batch(strategy, some),
+                                        distribute_batch(strategy, grads)))
+    state, act = strategy.run(step, args=(state, distribute_batch(strategy, np.zeros((16, 0), np.int32)),
+                                          distribute_batch(strategy, grads)))
     np.testing.assert_array_equal(_gathered(strategy, act), 0.0)
     summed = np.zeros((V, 2))
     for j in (3, 30):
@@ -608,5 +600,5 @@ def test_a_table_without_ids_in_a_step_looks_up_nothing_and_only_non_lazy_adam_m
     assert_close(got, want, err_msg=f"lazy_adam={lazy}, {layout}")
     assert_close(np.asarray(state["slots"]["t"]["momenta"]), m, err_msg=f"lazy_adam={lazy}, {layout}: momenta")
     assert lazy or not np.allclose(got[touched], emb.embedding_tables(
-        strategy.run(step, args=(emb.build(), _ids_per_replica(strategy, some),
-                                 _ids_per_replica(strategy, grads)))[0])["t"][touched])
+        strategy.run(step, args=(emb.build(), distribute_batch(strategy, some),
+                                 distribute_batch(strategy, grads)))[0])["t"][touched])

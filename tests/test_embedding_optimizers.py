@@ -11,11 +11,10 @@ update (TF's gradient accumulation). Also: slot names and initial values, TF's d
 (multiply_linear_by_learning_rate; AdagradMomentum without momentum is Adagrad) and bad arguments.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import EMBEDDING_LAYOUTS, assert_close, embedding_layout
+from conftest import EMBEDDING_LAYOUTS, assert_close, distribute_batch, embedding_layout
 
 import tpustrat
 from tpustrat import embedding as emb_lib
@@ -172,23 +171,6 @@ def make_embedding(strategy):
   return emb_lib.TPUEmbedding(features, make_optimizer(kind, hp), strategy)
 
 
-@pytest.fixture(scope="module")
-def strategies(strategy):
-  devices = jax.devices()
-  return {1: tpustrat.MirroredStrategy(devices[:1]), 2: tpustrat.TPUStrategy(device_assignment=devices[:2]),
-          8: strategy}
-
-
-def distribute(strategy, batch):
-  b = B // strategy.num_replicas_in_sync
-
-  def part(ctx):
-    r = ctx.replica_id_in_sync_group
-    return jax.tree.map(lambda x: x[r * b:(r + 1) * b], batch)
-
-  return strategy.experimental_distribute_values_from_function(part)
-
-
 def test_reference_hand_checked():
   """The references on cases worked by hand (and TF's own single-step FTRL check, l1 = l2 = 0)."""
   w, g = np.array([0.5, -1.0]), np.array([2.0, 0.0])
@@ -225,7 +207,7 @@ def test_steps_match_numpy_reference_of_tf_rules(strategies, n, layout):
   ref = Reference(INITIAL)
   ever_touched = {name: np.zeros(V, bool) for name in TABLES}
   for s, batch in enumerate(BATCHES):
-    state, activations = strategy.run(step, args=(state, distribute(strategy, batch)))
+    state, activations = strategy.run(step, args=(state, distribute_batch(strategy, batch)))
     local = strategy.experimental_local_results(activations)
     expected = ref.lookup(batch["ids"])
     for name in TABLES:

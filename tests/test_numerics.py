@@ -12,7 +12,6 @@ NaN made on a replica of process 1: both processes raise the same error at the s
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import subprocess
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import launched_results
 
 import tpustrat
 from tpustrat import PerReplica, ShardedVariable
@@ -369,12 +369,7 @@ def test_two_processes_both_raise_the_same_error_at_the_same_call():
   done = subprocess.run(command, env=_env(), cwd=SCRIPT.parents[2], capture_output=True, text=True, timeout=180)
   elapsed = time.monotonic() - start
   assert done.returncode == 3, done.stderr[-4000:]
-  results = {}
-  for line in done.stdout.splitlines():
-    prefix, _, payload = line.partition(" RESULT ")
-    if payload:
-      results[int(prefix.removeprefix("[proc ").rstrip("]"))] = json.loads(payload)
-  assert sorted(results) == [0, 1], (done.stdout[-4000:], done.stderr[-4000:])
+  results = launched_results(done.stdout)
   for index, result in results.items():
     assert result["process"] == index
     assert result["error"] == {"call": 5, "step": 3, "replicas": [6], "processes": [1],
@@ -393,12 +388,7 @@ def test_two_processes_raise_the_same_error_of_a_run_inside_a_users_jit_and_scan
              "--timeout", "120", str(script), "5", "3", "6"]
   done = subprocess.run(command, env=_env(), cwd=SCRIPT.parents[2], capture_output=True, text=True, timeout=180)
   assert done.returncode == 3, done.stderr[-4000:]
-  results = {}
-  for line in done.stdout.splitlines():
-    prefix, _, payload = line.partition(" RESULT ")
-    if payload:
-      results[int(prefix.removeprefix("[proc ").rstrip("]"))] = json.loads(payload)
-  assert sorted(results) == [0, 1], (done.stdout[-4000:], done.stderr[-4000:])
+  results = launched_results(done.stdout)
   for index, result in results.items():
     assert result["process"] == index and result["returned_nan"]
     error = result["error"]

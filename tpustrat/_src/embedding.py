@@ -684,15 +684,17 @@ class TPUEmbedding:
 
   def _exchange_stacked(self, parts: list[jax.Array]) -> list[jax.Array]:
     """One `all_to_all` for every table: each ``[N, C_t, ...]`` part flattened to ``[N, C_t * ...]``,
-    concatenated along axis 1, exchanged once, and split back into the parts' shapes."""
-    flat = [p.reshape(self._n, -1) for p in parts]
-    sizes = [f.shape[1] for f in flat]
-    got = self._exchange(flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1))
-    out, start = [], 0
-    for p, size in zip(parts, sizes):
-      out.append(got[:, start:start + size].reshape(p.shape))
-      start += size
-    return out
+    exchanged together and given back in the parts' shapes."""
+    got = _one_collective([p.reshape(self._n, -1) for p in parts], self._exchange)
+    return [g.reshape(p.shape) for p, g in zip(parts, got)]
+
+  def _gather(self, x: jax.Array) -> jax.Array:
+    """`x` [X] of every replica: [N, X]."""
+    return x[None] if self._n == 1 else lax.all_gather(x, REPLICA_AXIS)
+
+  def _scatter_sum(self, x: jax.Array) -> jax.Array:
+    """`x` [N, X]: row `r` summed over the replicas, on replica `r` ([X])."""
+    return x[0] if self._n == 1 else lax.psum_scatter(x, REPLICA_AXIS)
 
   def _weights(self, ids: jax.Array, weights: Any, combiner: str | None) -> jax.Array:
     """The coefficient of each id in its example's activation ([b, L]), zero for padding. `combiner`
@@ -842,27 +844,16 @@ class TPUEmbedding:
     these tables, flattened and concatenated, in one `all_gather`; each id then reads its row locally."""
     if not wholes:
       return []
-    flat = [w.block.reshape(-1) for w in wholes]
-    mine = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
-    everyone = mine[None] if self._n == 1 else lax.all_gather(mine, REPLICA_AXIS)  # [N, sum_t rows_t * D_t]
-    out, start = [], 0
-    for w, f in zip(wholes, flat):
-      full = everyone[:, start:start + f.shape[0]].reshape(-1, w.table.dim)  # [Vp, D]: the blocks in order
-      start += f.shape[0]
+    out = []
+    for w, blocks in zip(wholes, _one_collective([w.block.reshape(-1) for w in wholes], self._gather)):
+      full = blocks.reshape(-1, w.table.dim)  # [Vp, D]: the blocks in order
       out.append(jnp.where((w.ids >= 0)[:, None], full[jnp.maximum(w.ids, 0)], 0.0))
     return out
 
   def _everyones_ids(self, spread: list[_Gathered]) -> list[jax.Array]:
     """Per table whose ids are all-gathered, ``[N, M]``: every replica's flat ids (one `all_gather` for
     all these tables; `lookup` and `apply_gradients` gather the same ids, which XLA merges)."""
-    flat = [w.ids for w in spread]
-    mine = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
-    everyone = mine[None] if self._n == 1 else lax.all_gather(mine, REPLICA_AXIS)
-    out, start = [], 0
-    for f in flat:
-      out.append(everyone[:, start:start + f.shape[0]])
-      start += f.shape[0]
-    return out
+    return _one_collective([w.ids for w in spread], self._gather)
 
   def _owned(self, w: _Gathered, ids: jax.Array) -> jax.Array:
     """`ids` as local rows of this replica's block of `w`'s table where it owns them, -1 elsewhere."""
@@ -881,13 +872,7 @@ class TPUEmbedding:
       local = self._owned(w, ids)  # [N, M]
       found = jnp.where((local >= 0)[..., None], w.block[jnp.maximum(local, 0)], 0.0)
       parts.append(found.reshape(self._n, -1))
-    everyone = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
-    mine = everyone[0] if self._n == 1 else lax.psum_scatter(everyone, REPLICA_AXIS)
-    out, start = [], 0
-    for w, p in zip(spread, parts):
-      out.append(mine[start:start + p.shape[1]].reshape(-1, w.table.dim))
-      start += p.shape[1]
-    return out
+    return [rows.reshape(-1, w.table.dim) for w, rows in zip(spread, _one_collective(parts, self._scatter_sum))]
 
   def lookup(self, state: dict[str, Any], features: Any, weights: Any = None) -> Any:
     """This replica's activations, with the structure of the feature config: ``[b, dim]`` per feature,
@@ -966,14 +951,10 @@ class TPUEmbedding:
         store(w.name, w.table, *self._opt(w.table).update(w.block, old_slots(w.name), summed, touched, step))
     if spread:
       # every replica's per-id gradients, all-gathered for all these tables at once
-      per_id = [self._per_id_gradients(w, prepared, grad_list) for w in spread]
-      flat = [g.reshape(-1) for g in per_id]
-      mine = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
-      everyone = mine[None] if self._n == 1 else lax.all_gather(mine, REPLICA_AXIS)  # [N, sum_t M_t * D_t]
-      start = 0
-      for w, f, ids in zip(spread, flat, self._everyones_ids(spread)):
-        grads = everyone[:, start:start + f.shape[0]].reshape(-1, w.table.dim)  # [N * M, D]
-        start += f.shape[0]
+      everyone = _one_collective([self._per_id_gradients(w, prepared, grad_list).reshape(-1) for w in spread],
+                                 self._gather)
+      for w, g, ids in zip(spread, everyone, self._everyones_ids(spread)):
+        grads = g.reshape(-1, w.table.dim)  # [N * M, D]
         store(w.name, w.table, *_update(self._opt(w.table), w.block, old_slots(w.name),
                                         self._owned(w, ids).reshape(-1), grads, step))
     for e in empty:  # no ids: TF's sparse rules leave the table alone; non-lazy Adam moves every row
@@ -1021,13 +1002,10 @@ class TPUEmbedding:
       dense = jnp.zeros((self._n * rows, grads.shape[1]), jnp.float32).at[target].add(grads, mode="drop")
       parts.append(dense.reshape(self._n, -1))
       counted.append(count)
-    everyone = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
-    mine = everyone[0] if self._n == 1 else lax.psum_scatter(everyone, REPLICA_AXIS)  # [sum_t rows_t * D_t(+1)]
-    out, start = [], 0
-    for w, p, count in zip(wholes, parts, counted):
+    out = []
+    for w, mine, count in zip(wholes, _one_collective(parts, self._scatter_sum), counted):
       rows, dim = w.block.shape[0], w.table.dim
-      g = mine[start:start + p.shape[1]].reshape(rows, -1)
-      start += p.shape[1]
+      g = mine.reshape(rows, -1)  # [rows, D (+ 1)]
       if count:
         touched = g[:, dim] > 0
       else:  # every real row (a padding row's slots are zeros: Adagrad's 0 / sqrt(0) must not run there)
@@ -1066,6 +1044,15 @@ class _Gathered:
   members: list[int]
   sizes: list[int]
   ids: jax.Array
+
+
+def _one_collective(parts: list[jax.Array], collective: Callable[[jax.Array], jax.Array]) -> list[jax.Array]:
+  """`collective` applied once to `parts` (same leading axes) concatenated along their last axis, and
+  its result split back along its last axis into pieces of the parts' sizes: one collective for every
+  table of a layout."""
+  sizes = [p.shape[-1] for p in parts]
+  out = collective(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1))
+  return jnp.split(out, np.cumsum(sizes)[:-1].tolist(), axis=-1) if len(parts) > 1 else [out]
 
 
 def _to_length(x: jax.Array, length: int, fill: Any) -> jax.Array:
