@@ -265,8 +265,7 @@ class HandWritten:
 
   def run(self, k: int) -> tuple[float, Any]:
     call, forget = h.bounded(self.jitted, IN_FLIGHT)
-    out = h.time_chain(lambda: (self.start(), None), lambda out: call(out[0], *self.data), k, forget)
-    return out
+    return h.time_chain(lambda: (self.start(), None), lambda out: call(out[0], *self.data), k, forget)
 
   def compiled(self) -> Any:
     return self.jitted.lower(self.init, *self.data).compile()
