@@ -82,7 +82,7 @@ def split_rows(full: Any, num_replicas: int, mesh: Any) -> ShardedVariable:
   places a value (`place_blocks`): each device receives only its block, each process builds only its own."""
   value = np.asarray(jax.device_get(full))
   blocks = place_blocks(value, 0, num_replicas, NamedSharding(mesh, P(REPLICA_AXIS)))
-  return ShardedVariable._wrap(blocks, value.shape, 0)  # pylint: disable=protected-access
+  return ShardedVariable.from_blocks(blocks, value.shape, 0)
 
 
 def _block(value: Any, name: str, where: str) -> jax.Array:

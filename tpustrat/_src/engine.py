@@ -825,7 +825,7 @@ class Engine:
       picked = [next(var) if v else next(inv) for v in record["varying"]]  # blocks are varying
       if layout_map is not None:
         picked = self._pin_layouts(picked, layout_map, record)
-      outs = [ShardedVariable._wrap(x, *sh) if sh is not None
+      outs = [ShardedVariable.from_blocks(x, *sh) if sh is not None
               else PerReplica.from_stacked(x) if v and p is None
               else PerReplica.from_stacked(x, flat[padded[batches[p[0]]]], per_example=p[1]) if v
               else Mirrored.from_global(x)

@@ -99,7 +99,7 @@ def shard(strategy: Any, tree: Any, partitioner: Partitioner | None = None,
     if isinstance(x, ShardedVariable):
       if x.num_replicas == n and x.tree.sharding == split:
         return x
-      return ShardedVariable._wrap(place_blocks(np.asarray(x), x.axis, n, split), x.shape, x.axis)  # pylint: disable=protected-access
+      return ShardedVariable.from_blocks(place_blocks(np.asarray(x), x.axis, n, split), x.shape, x.axis)
     if isinstance(x, PerReplica):
       raise ValueError(f"experimental_shard: the value at {where} is a PerReplica (one value per replica); "
                        "only values that are the same on every replica can be split over them.")
@@ -129,7 +129,7 @@ def shard(strategy: Any, tree: Any, partitioner: Partitioner | None = None,
     if value.shape[axis] == 0:
       raise ValueError(f"experimental_shard: the leaf at {where} has size 0 along axis {axis} {value.shape}: "
                        "there is nothing to split (return None to keep it Mirrored).")
-    return ShardedVariable._wrap(place_blocks(value, axis, n, split), value.shape, axis)  # pylint: disable=protected-access
+    return ShardedVariable.from_blocks(place_blocks(value, axis, n, split), value.shape, axis)
 
   return jax.tree_util.tree_map_with_path(
       lambda path, x: one(path, x), tree, is_leaf=lambda x: is_distributed(x))

@@ -571,6 +571,16 @@ class ShardedVariable(DistributedValues):
   _axis: int
 
   @classmethod
+  def from_blocks(cls, blocks: Any, shape: Sequence[int], axis: int) -> ShardedVariable:
+    """Internal constructor: a `ShardedVariable` over `blocks`, a global array of the blocks stacked on a
+    leading replica axis (``[N, ...block]``, placed by the caller), of logical `shape`, split on `axis`.
+
+    Used by the modules that place blocks (`experimental_shard`, checkpoint restores, embedding tables,
+    the engine's outputs); users make one with ``strategy.experimental_shard``.
+    """
+    return cls._wrap(blocks, tuple(shape), axis)
+
+  @classmethod
   def _wrap(cls, value: Any, shape: tuple[int, ...] = (), axis: int = 0) -> ShardedVariable:
     obj = object.__new__(cls)
     obj._value = value

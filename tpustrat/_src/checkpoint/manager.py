@@ -267,7 +267,7 @@ class _Plan:
       def finish_own(take: Any) -> ShardedVariable:
         took = take(own)
         _check_logical_shape(took, where, v.shape)
-        return ShardedVariable._wrap(took["blocks"], v.shape, v.axis)  # pylint: disable=protected-access
+        return ShardedVariable.from_blocks(took["blocks"], v.shape, v.axis)
 
       return own, finish_own
     # Another replica count: the whole value on the host, re-split.
@@ -282,7 +282,7 @@ class _Plan:
 
   def _place_sharded(self, whole: np.ndarray, v: ShardedVariable) -> ShardedVariable:
     blocks = place_blocks(whole.astype(v.dtype, copy=False), v.axis, self._n, self._split)
-    return ShardedVariable._wrap(blocks, v.shape, v.axis)  # pylint: disable=protected-access
+    return ShardedVariable.from_blocks(blocks, v.shape, v.axis)
 
 
 def _shardings(strategy: Any) -> tuple[Any, Any, Any]:
