@@ -220,6 +220,44 @@ def test_clipping_by_the_whole_gradients_norm_equals_one_device(strategy):
   assert_close(new["b"].values[0], want["b"], rtol=1e-5, scale=np.abs(want["b"]).max())
 
 
+@pytest.mark.parametrize("tx, message", [
+    (optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), r"`reduce_sum` in optax .*clip_by_global_norm"),
+    (optax.chain(optax.clip_by_block_rms(0.1), optax.sgd(0.1)), r"`reduce_sum` in optax clip_by_block_rms"),
+], ids=["optax-clip-by-global-norm", "clip-by-block-rms"])
+def test_a_statistic_of_one_replicas_block_is_refused_before_the_step_runs(strategy, tx, message):
+  # optax's own clip on the blocks of sharded parameters clips each replica's block by that block's norm.
+  rng = np.random.default_rng(5)
+  w0 = rng.normal(size=(21, 4)).astype(np.float32) * 3
+  params = strategy.experimental_shard({"w": w0, "b": np.ones(4, np.float32)},
+                                       tpustrat.MinSizePartitioner(min_shard_bytes=64))
+
+  def step(p):
+    g = jax.grad(lambda q: jnp.sum(tpustrat.read_values(q)["w"] ** 2) + jnp.sum(q["b"]))(p)
+    updates, _ = tx.update(g, tx.init(p), p)
+    return optax.apply_updates(p, updates)
+
+  with pytest.raises(ValueError, match=r"sharded output at \['w'\] is computed from a statistic of this "
+                                       r"replica's block alone \(" + message + r".*tpustrat.clip_by_global_norm"):
+    strategy.run(step, args=(params,))
+  np.testing.assert_array_equal(np.asarray(params["w"]), w0)
+
+
+def test_a_statistic_along_an_axis_that_is_not_split_is_right(strategy):
+  # Each row's norm, of a value split by rows: every replica holds its rows whole, so no error and numpy's numbers.
+  rng = np.random.default_rng(6)
+  w0 = rng.normal(size=(21, 4)).astype(np.float32)
+  params = strategy.experimental_shard({"w": w0}, tpustrat.MinSizePartitioner(min_shard_bytes=64))
+
+  def step(p):
+    b = p["w"]
+    rows = b.block / jnp.sqrt(jnp.sum(b.block ** 2, axis=1, keepdims=True) + 1.0)
+    return {"w": tpustrat.LocalShard(rows, b.shape, b.axis)}
+
+  new = strategy.run(step, args=(params,))
+  want = w0 / np.sqrt(np.sum(w0.astype(np.float64) ** 2, axis=1, keepdims=True) + 1.0)
+  assert_close(np.asarray(new["w"]), want, rtol=1e-5, scale=1.0)
+
+
 def test_sharded_carry_in_run_steps_and_in_experimental_mirror(strategy):
   rng = np.random.default_rng(5)
   w0 = rng.normal(size=(19, 3)).astype(np.float32)

@@ -312,8 +312,8 @@ def test_bad_inputs_are_errors_naming_the_leaf(strategy):
     strategy.run(lambda p: zopt.init(tpustrat.local_copy(p)), args=(params,))
   # A whole-tree statistic of this replica's blocks only (optax's clip): the whole leaves' updates would differ.
   wrong = tpustrat.sharded_optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), SPLIT)
-  with pytest.raises(ValueError, match=r"update of the leaf at \['b2'\] \(kept whole\) differs between replicas.*"
-                                       r"tpustrat.clip_by_global_norm"):
+  with pytest.raises(ValueError, match=r"combines the elements of a split leaf's block without summing over the "
+                                       r"replicas \(`reduce_sum` in optax .*clip_by_global_norm.*tpustrat.clip_by_global_norm"):
     strategy.run(make_step(wrong, True), args=(params, strategy.run(wrong.init, args=(params,)), x, y))
   # The partitioner's answers.
   with pytest.raises(ValueError, match=r"split the scalar at \['s'\]"):
@@ -325,3 +325,60 @@ def test_bad_inputs_are_errors_naming_the_leaf(strategy):
                  args=(params,))
   with pytest.raises(TypeError, match="partitioner must be callable"):
     tpustrat.sharded_optimizer(optax.sgd(1.0), 3)
+
+
+EVERY_LEAF = lambda path, shape, dtype: 0 if shape else None  # noqa: E731  (split every leaf but the scalar)
+
+# Transforms wrong on flat blocks, each refused while the step is traced, naming the transform: a statistic of
+# this replica's block (a norm, an RMS, a finite check) or a choice made from a leaf's shape (a mask by rank).
+WRONG_ON_BLOCKS = {
+    "optax-clip-every-leaf": (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)),
+                              r"block without summing over the replicas \(`reduce_sum` in optax .*clip_by_global_norm"),
+    "clip-by-block-rms": (lambda: optax.chain(optax.clip_by_block_rms(0.1), optax.sgd(0.1)),
+                          r"block without summing over the replicas \(`reduce_sum` in optax clip_by_block_rms"),
+    "adamw-mask-by-rank": (lambda: optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+                           r"other operations on the flattened blocks than on the parameters' own shapes "
+                           r"\(`\w+` in optax add_decayed_weights"),
+    "apply-if-finite": (lambda: optax.apply_if_finite(optax.sgd(0.1), 3),
+                        r"block without summing over the replicas \(`reduce_and` in optax apply_if_finite"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_ON_BLOCKS))
+def test_transforms_wrong_on_flat_blocks_are_refused_before_the_first_step(strategy, name):
+  make, message = WRONG_ON_BLOCKS[name]
+  zopt = tpustrat.sharded_optimizer(make(), EVERY_LEAF)
+  params0, data = init_params(), batches(strategy.num_replicas_in_sync)
+  params = strategy.experimental_mirror(params0)
+  opt_state = strategy.run(zopt.init, args=(params,))
+  x, y = distribute(strategy, data)[0]
+  with pytest.raises(ValueError, match=message):
+    strategy.run(make_step(zopt, True), args=(params, opt_state, x, y))
+  # Nothing ran: the parameters are as they were.
+  np.testing.assert_array_equal(params["w1"].values[0], params0["w1"])
+
+
+# Elementwise transforms, masks chosen by path, and transforms whose statistics are of the step count only
+# are right on flat blocks, every leaf split: the same numbers as one-device optax.
+RIGHT_ON_BLOCKS = {
+    "tpustrat-clip-every-leaf": (lambda: optax.chain(tpustrat.clip_by_global_norm(1.0), optax.sgd(1e-3)),
+                                 lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-3))),
+    "adamw-mask-by-path": (lambda: optax.adamw(1e-2, weight_decay=0.5, mask={"w1": True, "b1": False, "w2": True,
+                                                                             "b2": False, "s": False}),) * 2,
+    "nesterov-schedule": (lambda: optax.sgd(optax.exponential_decay(1e-3, 2, 0.5), momentum=0.9, nesterov=True),) * 2,
+    "multi-steps": (lambda: optax.MultiSteps(optax.adam(1e-2), 2),) * 2,
+}
+
+
+@pytest.mark.parametrize("name", sorted(RIGHT_ON_BLOCKS))
+def test_transforms_right_on_flat_blocks_equal_one_device(name):
+  ours, reference = RIGHT_ON_BLOCKS[name]
+  strategy = strategy_of(len(jax.devices()))
+  params0, data = init_params(), batches(strategy.num_replicas_in_sync)
+  want, _ = one_device(reference(), params0, data)
+  zopt = tpustrat.sharded_optimizer(ours(), EVERY_LEAF)
+  params = strategy.experimental_mirror(params0)
+  opt_state = strategy.run(zopt.init, args=(params,))
+  for x, y in distribute(strategy, data):
+    params, opt_state = strategy.run(make_step(zopt, True), args=(params, opt_state, x, y))
+  check_params(params, want)

@@ -75,6 +75,7 @@ from tpustrat._src import host_memory, profiler, watchdog
 from tpustrat._src import numerics as numerics_lib
 from tpustrat._src import step_stats as step_stats_lib
 from tpustrat._src.batch_rows import BatchRowsWarning, Rows, leading_rows
+from tpustrat._src.block_statistics import Mixed, mixed_results
 from tpustrat._src.jax_compat import eval_closed_jaxpr, open_jaxpr, to_varying, varying_axes
 from tpustrat._src.logical import LayoutMap, check_layout_map, layout_spec
 from tpustrat._src.logical_interpreter import place_on_logical_devices
@@ -764,10 +765,12 @@ class Engine:
         sizes = [size_of[b] for b in batches]  # per padded batch
         counts = [flat_in[padded[b]].reshape(()).astype(jnp.int32) for b in batches]  # this replica's real rows
         names = tuple(f"the argument at {padded_paths[b]}" for b in batches)
-        if batches and not core_axes:
-          # A step on padded batches is traced to a jaxpr, read (which outputs hold which batch's rows,
-          # `batch_rows`), and evaluated here: `fn` is still traced once.
+        if (batches or any(isinstance(x, LocalShard) for x in nodes)) and not core_axes:
+          # A step on padded batches or sharded values is traced to a jaxpr, read (which outputs hold which
+          # batch's rows, `batch_rows`; which blocks it returns hold a statistic of this replica's block
+          # alone, `block_statistics`), and evaluated here: `fn` is still traced once.
           step = _StepJaxpr(fn, nodes, outer, batch_leaves, sizes, counts, names, make_context)
+          step.check_block_statistics()
           out_leaves = step.evaluate()
           out_tree, paths, marked = step.tree, step.paths, step.marked
           rows: list[Rows] | Callable[[], list[Rows]] = step.rows
@@ -1128,6 +1131,30 @@ class _StepJaxpr:
     self._args = [*leaves, *counts]
     self._jaxpr, self._consts = open_jaxpr(jax.make_jaxpr(flat_fn)(*self._args))
     self.rows = leading_rows(self._jaxpr, labels + [Rows.NONE] * len(counts))
+    # The split axis of each input leaf that is a block of a sharded value (`LocalShard`).
+    self._split = [x.axis if isinstance(x, LocalShard) else None
+                   for x in jax.tree.leaves(nodes, is_leaf=lambda x: isinstance(x, LocalShard))]
+    self._split += [None] * len(counts)
+
+  def check_block_statistics(self) -> None:
+    """A ValueError, while the step is traced, if a block the step returns (a `LocalShard`: new sharded
+    parameters or optimizer state) was computed from a statistic of one replica's block of a split input
+    (`block_statistics`): e.g. `optax.clip_by_global_norm` on the blocks of `experimental_shard`'s
+    parameters, which would clip each replica's block by its own norm."""
+    if not any(a is not None for a in self._split) or not any(sh is not None for sh in self.shards):
+      return
+    states = mixed_results(self._jaxpr, self._split)
+    bad = [(p, s) for p, s, sh in zip(self.paths, states, self.shards) if sh is not None and isinstance(s, Mixed)]
+    if bad:
+      where = ", ".join(p for p, _ in bad[:4]) + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")
+      raise ValueError(
+          f"strategy.run: the sharded output{'s' if len(bad) > 1 else ''} at {where} "
+          f"{'are' if len(bad) > 1 else 'is'} computed from a statistic of this replica's block alone "
+          f"({bad[0][1].via}), not of the whole value: each replica would use its own, and the result would "
+          "depend on how the value is split. A norm over sharded leaves is tpustrat.global_norm (and "
+          "optax.clip_by_global_norm's replacement tpustrat.clip_by_global_norm), which sums the blocks' "
+          "squares over the replicas; a statistic of one leaf (clip_by_block_rms, trust ratios, adafactor) "
+          "needs the leaf whole: read it with read_value(), or keep it out of experimental_shard's partitioner.")
 
   def evaluate(self) -> list[Any]:
     """The step's output leaves, emitted into the current trace (blocks as `LocalShard`s again)."""

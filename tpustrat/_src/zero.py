@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from tpustrat._src import jax_compat as compat
+from tpustrat._src.block_statistics import Mixed, caller, mixed_results
 from tpustrat._src.jax_compat import all_gather_invariant, to_varying, varying_axes
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.sharding import MinSizePartitioner
@@ -201,6 +203,86 @@ def _check_structure(tree: Any, treedef: Any, what: str, reference: str) -> list
   return pairs
 
 
+_LAYOUT = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "convert_element_type",
+                     "copy", "copy_p", "pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call"})
+
+
+def _operations(jaxpr: Any) -> dict[tuple[str, str], int]:
+  """How many equations of each primitive each caller made in `jaxpr` (calls' bodies included), the
+  layout-only primitives left out."""
+  found: dict[tuple[str, str], int] = {}
+
+  def walk(j: Any) -> None:
+    for eqn in j.eqns:
+      body = compat.call_body(eqn)
+      if body is not None:
+        walk(body[0])
+      if eqn.primitive.name not in _LAYOUT:
+        key = (eqn.primitive.name, caller(eqn))
+        found[key] = found.get(key, 0) + 1
+
+  walk(compat.open_jaxpr(jaxpr)[0])
+  return found
+
+
+def _check_elementwise(tx: Any, g_tree: Any, state: Any, p_tree: Any, plan: list[_Leaf], treedef: Any) -> None:
+  """Refuses, before the step runs, a `tx` that is wrong on flat blocks (raised while the step is traced):
+
+  * one that combines a split leaf's elements (a norm, an RMS, a trust ratio: `optax.clip_by_global_norm`,
+    `clip_by_block_rms`, ...) without summing over the replicas: its update of a block, or a block of its
+    state, is a statistic of this replica's block (`block_statistics`, on the jaxpr of `tx.update`);
+  * one whose computation depends on a leaf's shape (a mask ``x.ndim > 1``, factored moments): traced on
+    the parameters' own shapes and on the same leaves flattened, it must run the same operations.
+  """
+  is_block = lambda x: isinstance(x, LocalShard)  # noqa: E731
+  nodes = jax.tree.leaves((g_tree, state, p_tree), is_leaf=is_block)
+  split = [x.axis if is_block(x) else None for x in nodes]
+  flat_args = [x.block if is_block(x) else x for x in nodes]
+  tree = jax.tree.structure((g_tree, state, p_tree), is_leaf=is_block)
+
+  def call(*leaves: Any) -> Any:
+    g, s, p = jax.tree.unflatten(tree, [LocalShard(v, x.shape, x.axis) if is_block(x) else v
+                                        for v, x in zip(leaves, nodes)])
+    return jax.tree.leaves(tx.update(g, s, p))
+
+  jaxpr = jax.make_jaxpr(call)(*flat_args)
+  mixed = [s for s in mixed_results(compat.open_jaxpr(jaxpr)[0], split) if isinstance(s, Mixed)]
+  if mixed:
+    raise ValueError(
+        f"{_NAME}: tx combines the elements of a split leaf's block without summing over the replicas "
+        f"({mixed[0].via}): on this replica's 1/N of the flattened leaf it computes a statistic of the block, "
+        "not of the gradient, and each replica would update with its own. For a global-norm clip use "
+        "tpustrat.clip_by_global_norm (tpustrat.global_norm sums the blocks' squares over the replicas); keep "
+        "leaves whose transform reads a per-leaf statistic (clip_by_block_rms, adafactor, lamb / lars trust "
+        f"ratios, ...) whole with the partitioner (return None for them); see {_NAME}'s docstring.")
+  # The same transform on the parameters' own shapes, and on the same values flattened as the blocks are.
+  sds = lambda shape, like: jax.ShapeDtypeStruct(shape, jnp.result_type(like))  # noqa: E731
+  g_leaves = jax.tree.leaves(g_tree, is_leaf=is_block)
+  p_leaves = None if p_tree is None else jax.tree.leaves(p_tree, is_leaf=is_block)
+  shaped = [sds(leaf.shape, x.block if is_block(x) else x) for leaf, x in zip(plan, g_leaves)]
+  flat = [sds((leaf.size,) if leaf.split else leaf.shape, x.block if is_block(x) else x)
+          for leaf, x in zip(plan, g_leaves)]
+
+  def whole_update(leaves: list[Any]) -> Any:
+    g = jax.tree.unflatten(treedef, leaves)
+    p = None if p_leaves is None else g
+    return jax.tree.leaves(tx.update(g, tx.init(g), p))
+
+  on_shapes = _operations(jax.make_jaxpr(whole_update)(shaped))
+  on_flat = _operations(jax.make_jaxpr(whole_update)(flat))
+  differ = sorted(k for k in set(on_shapes) | set(on_flat) if on_shapes.get(k, 0) != on_flat.get(k, 0))
+  if differ:
+    (prim, who) = differ[0]
+    raise ValueError(
+        f"{_NAME}: tx runs other operations on the flattened blocks than on the parameters' own shapes "
+        f"(`{prim}` in {who}: {on_shapes.get(differ[0], 0)} on the shapes, {on_flat.get(differ[0], 0)} "
+        f"flattened): something in tx is chosen from a leaf's shape or rank, such as a mask "
+        "`lambda p: jax.tree.map(lambda x: x.ndim > 1, p)` or factored moments, and a split leaf reaches tx "
+        "as a 1-D block. Choose masks from the path (a tree of bools, or "
+        "jax.tree_util.tree_map_with_path on the parameters outside the step), or keep those leaves whole "
+        f"with the partitioner (return None for them); see {_NAME}'s docstring.")
+
+
 def sharded_optimizer(tx: optax.GradientTransformation,
                       partitioner: Callable[[tuple[Any, ...], tuple[int, ...], Any], Any] | None = None,
                       ) -> optax.GradientTransformation:
@@ -260,9 +342,14 @@ def sharded_optimizer(tx: optax.GradientTransformation,
   would clip each replica's blocks by their own norm. Not right: transforms that read a leaf's shape or a
   per-leaf statistic, e.g. `adafactor`'s factored second moments, `lamb` / `lars` / `optax.contrib` trust
   ratios (per-leaf norms), `clip` by per-leaf norm, `scale_by_trust_ratio`, Shampoo-like preconditioners.
+  These are refused while the step is traced, before it runs (a ValueError naming the operation and the
+  optax function that made it): `tx.update` is traced on the blocks and each block followed through it
+  (`block_statistics`: a reduction along a block that is not summed over the replicas), and traced again
+  on the parameters' own shapes and on the same leaves flattened, which must run the same operations (a
+  mask or a choice made from a leaf's shape or rank differs).
 
   Raises:
-    ValueError: a parameter (or gradient) is already split (`ShardedVariable` / `LocalShard`: use the
+    ValueError: `tx` is wrong on flat blocks (above); a parameter (or gradient) is already split (`ShardedVariable` / `LocalShard`: use the
       FSDP path of `experimental_shard` instead) or is a distributed value outside `run`; the gradients'
       structure is not the parameters'; the partitioner splits a scalar, an empty leaf, or names an axis
       the leaf does not have; the state is not the one ``init`` made.
@@ -356,6 +443,7 @@ def sharded_optimizer(tx: optax.GradientTransformation,
           f"{_NAME}.update: the optimizer state is not one this optimizer's init made for these parameters "
           f"(make it with opt_state = strategy.run(zopt.init, args=(params,)) on the same parameters and "
           f"replica count): its structure is {got}, expected {want}.")
+    _check_elementwise(tx, g_tree, state, p_tree, plan, treedef)
     updates, state = tx.update(g_tree, state, p_tree)
     u_pairs = _check_structure(updates, treedef, "updates tx returned", "parameters")
     u_leaves = [x for _, x in u_pairs]

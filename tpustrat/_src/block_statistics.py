@@ -1,0 +1,243 @@
+"""Which results of a step depend on a statistic of one replica's block of a split value: read from a jaxpr.
+
+A value split over the replicas (`experimental_shard`'s blocks, `sharded_optimizer`'s flat blocks) is right
+under an operation that treats its elements one by one (Adam, weight decay, a learning rate): each replica
+computes its block of the whole value's result. An operation that combines the elements of a block along
+the split axis (a norm, a mean, an RMS, a trust ratio: `optax.clip_by_global_norm`, `clip_by_block_rms`,
+`scale_by_trust_ratio`, `adafactor`'s update clipping) computes a statistic of this replica's block, not of
+the value: the result then depends on how the value was split, and is wrong, silently. A statistic summed
+over the replicas (`tpustrat.global_norm`: a `psum` of the blocks' partial sums) is the value's, and right.
+
+`mixed_results(jaxpr, split)` follows each split input through the equations, as `batch_rows` follows a
+batch's rows: each value is
+
+* free: computed from no split input, or from a statistic summed over the replicas (any collective over
+  the replica axis ends a block statistic: its result is the whole value's);
+* ``Split(axis)``: element for element a block, split along `axis` (a `psum_scatter` over the replicas
+  makes one);
+* ``Mixed(via)``: computed from a combination of a block's elements along its split axis (a reduction or
+  contraction over it, a cumulative sum, a sort), by the equation `via` names (its primitive and the first
+  frame of the caller's code that made it: ``optax clip_by_global_norm``);
+* unknown: moved in a way not followed here (a reshape merging the split axis with another, a gather);
+  never reported.
+
+A result that is `Mixed` is reported. Loops (`scan`, `while`) are followed through one iteration of their
+body; `cond` through every branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tpustrat._src import jax_compat as compat
+from tpustrat._src.names import REPLICA_AXIS
+
+__all__ = ["Mixed", "Split", "UNKNOWN", "caller", "mixed_results"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """Element for element a block of a split value, split along `axis`."""
+
+  axis: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Mixed:
+  """Computed from a statistic of one replica's block, by equation `eqn`; `via` says where (its primitive
+  and its caller), read from the equation's traceback only when asked for."""
+
+  eqn: Any
+
+  @property
+  def via(self) -> str:
+    return f"`{self.eqn.primitive.name}` in {caller(self.eqn)}"
+
+
+class _Unknown:
+  def __repr__(self) -> str:
+    return "UNKNOWN"
+
+
+UNKNOWN: Any = _Unknown()
+State = Any  # None (free) | Split | Mixed | UNKNOWN
+
+# Primitives whose result position i reads input position i only (or that pass values through).
+_ELEMENTWISE = frozenset({
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
+    "clamp", "complex", "conj", "convert_element_type", "copy", "copy_p", "cos", "cosh", "device_put", "digamma",
+    "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag", "integer_pow",
+    "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max", "min", "mul", "name", "ne", "neg",
+    "nextafter", "not", "optimization_barrier", "or", "pcast", "pow", "pvary", "real", "reduce_precision",
+    "rem", "round", "rsqrt", "select_n", "sharding_constraint", "sign", "sin", "sinh", "sqrt", "square",
+    "stop_gradient", "sub", "tan", "tanh", "xor", "mesh_cast", "reshard", "polygamma", "igamma", "igammac",
+    "shift_left", "shift_right_arithmetic", "shift_right_logical", "population_count", "clz",
+})
+_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax",
+               "argmin", "reduce_xor")
+_ALONG_ONE_AXIS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
+                   "cumlogsumexp": "axis", "sort": "dimension"}
+_SCATTERS = ("psum_scatter", "reduce_scatter")
+_LIBRARY_DIRS = tuple(os.path.dirname(p) for p in (compat.__file__,))  # tpustrat/_src: not a caller
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+  return tuple(getattr(v.aval, "shape", ()))
+
+
+def caller(eqn: Any) -> str:
+  """The code that made `eqn`, outside JAX and this library: the package (or file) and its functions,
+  innermost first, up to the caller's own (optax's ``clip_by_global_norm.<locals>.update_fn``, through
+  its helpers, is written ``optax tree_sum < tree_norm < clip_by_global_norm < chain``)."""
+  traceback = getattr(eqn.source_info, "traceback", None)
+  where, names = None, []
+  for frame in getattr(traceback, "frames", ()) or ():
+    path = frame.file_name
+    parts = path.replace("\\", "/").split("/")
+    if "jax" in parts or "jaxlib" in parts or path.startswith(_LIBRARY_DIRS):
+      continue
+    package = next((parts[i + 1] for i in range(len(parts) - 1) if parts[i] == "site-packages"), None)
+    here = package if package is not None else f"{os.path.basename(path)}:{getattr(frame, 'start_line', getattr(frame, 'line_num', '?'))}"
+    if where is not None and here != where:
+      break
+    where = here
+    names.append(frame.function_name.split(".<locals>")[0])
+    if package is None or len(names) == 4:
+      break
+  return "an unnamed caller" if where is None else f"{where} {' < '.join(dict.fromkeys(names))}"
+
+
+def _mixed(eqn: Any) -> Mixed:
+  return Mixed(eqn)
+
+
+def _join(states: Sequence[State]) -> State:
+  """The state of a value computed position by position from values in `states`."""
+  for s in states:
+    if isinstance(s, Mixed):
+      return s
+  if any(s is UNKNOWN for s in states):
+    return UNKNOWN
+  axes = {s.axis for s in states if isinstance(s, Split)}
+  if not axes:
+    return None
+  return Split(axes.pop()) if len(axes) == 1 else UNKNOWN
+
+
+def mixed_results(jaxpr: Any, split: Sequence[int | None]) -> list[State]:
+  """The state of each result of the open `jaxpr`, given each input's split axis (None: not split)."""
+  return _run(jaxpr, [None if a is None else Split(a) for a in split])
+
+
+def _run(jaxpr: Any, inputs: Sequence[State]) -> list[State]:
+  env: dict[Any, State] = {}
+
+  def read(atom: Any) -> State:
+    return None if compat.is_literal(atom) else env.get(atom)
+
+  for v, s in zip(jaxpr.invars, inputs):
+    env[v] = s
+  for eqn in jaxpr.eqns:
+    ins = [read(a) for a in eqn.invars]
+    # A reduce-scatter over the replicas makes a block whatever it scatters.
+    free = all(s is None for s in ins) and not eqn.primitive.name.startswith(_SCATTERS)
+    outs = [None] * len(eqn.outvars) if free else _equation(eqn, ins)
+    for v, s in zip(eqn.outvars, outs):
+      if not compat.is_drop_var(v):
+        env[v] = s
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _equation(eqn: Any, ins: list[State]) -> list[State]:
+  name = eqn.primitive.name
+  params = eqn.params
+  n_out = len(eqn.outvars)
+  axes = compat.collective_axes(eqn)
+  if axes is not None and REPLICA_AXIS in axes:
+    if name.startswith(_SCATTERS):  # a reduce-scatter's result is this replica's block of the sum
+      return [Split(int(params.get("scatter_dimension", 0)))] * n_out
+    return [None] * n_out  # summed or gathered over the replicas: the whole value's statistic
+  body = compat.call_body(eqn)
+  if body is not None:
+    sub, _ = body
+    return _run(sub, ins) if len(sub.invars) == len(ins) else [_join(ins)] * n_out
+  if name == "cond":
+    if isinstance(ins[0], Mixed):
+      return [ins[0]] * n_out
+    branches = [_run(compat.open_jaxpr(b)[0], ins[1:]) for b in params.get("branches", ())]
+    return [_join(list(rs)) for rs in zip(*branches)] if branches else [_join(ins)] * n_out
+  if compat.is_scan(eqn) or name == "while":
+    mixed = [s for s in ins if isinstance(s, Mixed)]
+    if mixed:
+      return [mixed[0]] * n_out
+    bodies = [params[k] for k in ("jaxpr", "body_jaxpr", "cond_jaxpr") if k in params]
+    for b in bodies:
+      sub = compat.open_jaxpr(b)[0]
+      found = [s for s in _run(sub, [UNKNOWN if s is not None else None for s in ins[:len(sub.invars)]]
+                               + [None] * max(0, len(sub.invars) - len(ins))) if isinstance(s, Mixed)]
+      if found:
+        return [found[0]] * n_out
+    return [UNKNOWN if any(s is not None for s in ins) else None] * n_out
+  if name in _ELEMENTWISE:
+    if n_out > 1:
+      return list(ins) if len(ins) == n_out else [_join(ins)] * n_out
+    return [_join(ins)]
+  if any(isinstance(s, Mixed) for s in ins):
+    return [next(s for s in ins if isinstance(s, Mixed))] * n_out
+  if any(s is UNKNOWN for s in ins):
+    return [UNKNOWN] * n_out
+  x = ins[0]
+  if name.startswith(_REDUCTIONS):
+    reduced = tuple(params.get("axes", ()))
+    if not isinstance(x, Split):
+      return [UNKNOWN] * n_out
+    if x.axis in reduced:
+      return [_mixed(eqn)] * n_out
+    return [Split(x.axis - sum(1 for a in reduced if a < x.axis))] * n_out
+  if name in _ALONG_ONE_AXIS:
+    ndim = len(_shape(eqn.invars[0]))
+    dim = int(params.get(_ALONG_ONE_AXIS[name], 0)) % max(ndim, 1)
+    split = [s for s in ins if isinstance(s, Split)]
+    if any(s.axis == dim for s in split):
+      return [_mixed(eqn)] * n_out
+    return [_join(ins)] * n_out
+  if name == "dot_general":
+    return [_dot_general(eqn, ins)]
+  if name == "broadcast_in_dim" and isinstance(x, Split):
+    dims = tuple(params.get("broadcast_dimensions", ()))
+    return [Split(dims[x.axis])] if x.axis < len(dims) else [UNKNOWN]
+  if name == "transpose" and isinstance(x, Split):
+    return [Split(tuple(params["permutation"]).index(x.axis))]
+  if name == "reshape" and isinstance(x, Split) and params.get("dimensions") is None:
+    op, out = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    before = math.prod(op[:x.axis])
+    for j in range(len(out)):
+      if math.prod(out[:j]) == before and out[j] == op[x.axis]:
+        return [Split(j)]
+    return [UNKNOWN]
+  if name == "squeeze" and isinstance(x, Split):
+    dims = tuple(params.get("dimensions", ()))
+    return [UNKNOWN] if x.axis in dims else [Split(x.axis - sum(1 for d in dims if d < x.axis))]
+  return [UNKNOWN if any(s is not None for s in ins) else None] * n_out
+
+
+def _dot_general(eqn: Any, ins: list[State]) -> State:
+  """Result axes: the batch dimensions, then lhs's free dimensions, then rhs's."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lhs_free = [d for d in range(len(_shape(eqn.invars[0]))) if d not in lc and d not in lb]
+  rhs_free = [d for d in range(len(_shape(eqn.invars[1]))) if d not in rc and d not in rb]
+
+  def place(s: State, contract: Sequence[int], batch: Sequence[int], free: list[int], offset: int) -> State:
+    if not isinstance(s, Split):
+      return s
+    if s.axis in contract:
+      return _mixed(eqn)
+    if s.axis in batch:
+      return Split(list(batch).index(s.axis))
+    return Split(len(lb) + offset + free.index(s.axis))
+
+  return _join([place(ins[0], lc, lb, lhs_free, 0), place(ins[1], rc, rb, rhs_free, len(lhs_free))])
