@@ -16,12 +16,14 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -449,19 +451,28 @@ def test_failed_save_keeps_the_last_good_checkpoint(strategy, tmp_path, monkeypa
 
   def save_then_fail(self, directory, args=None):
     original(self, directory, args)  # the iterator state is on disk (in the temporary directory)...
-    raise OSError("disk full")  # ...and then the save fails
+    raise OSError(28, "No space left on device")  # ...and then the save fails
 
   monkeypatch.setattr(handler, "save", save_then_fail)
   next(it)
-  with pytest.raises(OSError, match="disk full"):
+  start = time.monotonic()
+  with pytest.raises(checkpoint_lib.CheckpointSaveError,
+                     match=rf"could not write checkpoint 2 at {tmp_path / '2'} \(OSError: \[Errno 28\] No space "
+                           r"left on device\)\. The previous checkpoints are intact \(steps \[1\]\)") as raised:
     manager.save(2, {"w": jnp.arange(4.0) + 100, "step": jnp.int32(2)}, iterator=it)
     manager.wait_until_finished()
+  assert time.monotonic() - start < 10  # at once, not after the deadline
+  assert isinstance(raised.value.__cause__, OSError)
   monkeypatch.undo()
   manager.close()
   assert not (tmp_path / "2").exists()
   assert _tmp_dirs(tmp_path, 2), sorted(p.name for p in tmp_path.iterdir())  # what was written stays aside
 
-  with CheckpointManager(tmp_path, strategy) as fresh:
+  with pytest.warns(tpustrat.checkpoint.DamagedCheckpointWarning,
+                    match=rf"removed the unfinished save of step 2 at {tmp_path / '2'}.orbax-checkpoint-tmp"):
+    fresh = CheckpointManager(tmp_path, strategy)
+  with fresh:
+    assert not _tmp_dirs(tmp_path, 2)  # the leftover is gone at the next start
     assert fresh.all_steps() == [1]
     resumed = iter(dist)
     state = fresh.restore(target={"w": jnp.zeros(4), "step": jnp.int32(0)}, iterator=resumed)
@@ -470,6 +481,66 @@ def test_failed_save_keeps_the_last_good_checkpoint(strategy, tmp_path, monkeypa
     assert fresh.save(2, {"w": jnp.arange(4.0) + 100, "step": jnp.int32(2)})  # the step can be saved again
     fresh.wait_until_finished()
     assert fresh.all_steps() == [1, 2]
+
+
+def _tmpfs(directory: pathlib.Path, size: str) -> None:
+  """Mounts a tmpfs of `size` on `directory`, or skips the test where mounting is not permitted."""
+  directory.mkdir()
+  try:
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+                          capture_output=True, text=True, timeout=30)
+  except FileNotFoundError:
+    pytest.skip("no mount command on this machine")
+  if done.returncode != 0:
+    pytest.skip(f"mounting a tmpfs is not permitted here: {done.stderr.strip()}")
+
+
+@pytest.mark.parametrize("mode", ["inject", "full", "readonly"])
+def test_a_save_the_storage_refuses_stops_the_job_at_once_as_a_failed_save(strategy, tmp_path, mode):
+  """Process 1's write fails (an injected OSError), or the disk is full, or read-only: every process stops
+  with status 74 within seconds (not the timeout), naming the step, path and OS error; steps 1 and 2 stay
+  intact and restore to the saved values."""
+  spec = importlib.util.spec_from_file_location("failed_save", SCRIPTS / "failed_save.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  mount = tmp_path / "disk"
+  if mode == "inject":
+    mount.mkdir()
+  else:
+    _tmpfs(mount, "3m")
+  ckpt = mount / "ckpt"
+  timeout = 40
+  command = [sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "2", str(SCRIPTS / "failed_save.py"),
+             str(ckpt), mode, str(timeout), str(mount)]
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_") and k != "XLA_FLAGS"}
+  try:
+    start = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 74, done.stderr[-3000:]
+    assert "NOT STOPPED" not in done.stdout
+    for p in (0, 1):
+      assert f"process {p} saved checkpoint 2" in done.stdout and f"process {p} saved checkpoint 3" not in done.stdout
+    oserror = {"inject": "No space left on device (injected)", "full": "No space left on device",
+               "readonly": "Read-only file system"}[mode]
+    assert re.search(rf"tpustrat: checkpoint save failed: process \d could not write checkpoint 3 at "
+                     rf"{re.escape(str(ckpt / '3'))} \(.*{re.escape(oserror)}", done.stderr), done.stderr[-3000:]
+    assert "failed to save a checkpoint" in done.stderr  # the launcher's report of status 74
+    assert "checkpoint timeout" not in done.stderr and "stuck" not in done.stderr
+    assert elapsed < timeout, f"{elapsed:.1f} s"  # ended at once, not by the deadline
+    if mode == "readonly":
+      subprocess.run(["mount", "-o", "remount,rw", str(mount)], check=True)
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["1", "2"]
+    target = {"w": tpustrat.Mirrored(jnp.zeros(script.values(1, mode).shape, jnp.float32))}
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", tpustrat.checkpoint.DamagedCheckpointWarning)  # the leftover of step 3
+      with CheckpointManager(ckpt, strategy) as manager:
+        for step in (1, 2):
+          got = manager.restore(step, target=target)
+          np.testing.assert_array_equal(np.asarray(got["w"].tree), script.values(step, mode))
+  finally:
+    if mode != "inject":
+      subprocess.run(["umount", "-l", str(mount)], capture_output=True, check=False)
 
 
 def test_killed_save_keeps_the_last_good_checkpoint(strategy, reference, tmp_path):
@@ -503,7 +574,11 @@ def test_killed_save_keeps_the_last_good_checkpoint(strategy, reference, tmp_pat
   assert_bitwise([ref[f"arr_{i}"] for i in range(len(ref.files))], reference["states"][1])
   _, fresh = common.init_state(seed=1)
   it = iter(strategy.experimental_distribute_dataset(common.dataset()))
-  with CheckpointManager(directory, strategy) as manager:
+  with pytest.warns(tpustrat.checkpoint.DamagedCheckpointWarning,
+                    match=rf"removed the unfinished save of step 2 at {tmp[0]} \(a process stopped while saving it"):
+    manager = CheckpointManager(directory, strategy)
+  with manager:
+    assert not _tmp_dirs(directory, 2)  # removed by the next start (process 0)
     assert manager.latest_step() == 1
     state = manager.restore(target=fresh, iterator=it)
   assert_bitwise(common.host(state), reference["states"][1])
@@ -631,8 +706,8 @@ def test_flipped_bytes_in_a_data_chunk_are_found_and_the_previous_step_restored(
       manager.restore(2, target=target)
     it = iter(dist)
     with pytest.warns(tpustrat.checkpoint.DamagedCheckpointWarning,
-                      match=rf"checkpoint 2 at {step_dir} is damaged: .*'w'.* Falling back to checkpoint 1; the "
-                            rf"damaged step is moved aside to {step_dir}.damaged"):
+                      match=rf"checkpoint 2 at {step_dir} is damaged: .*'w'.* Restored checkpoint 1 instead; the "
+                            rf"damaged step was moved aside to {step_dir}.damaged\.$"):
       state = manager.restore(target=target, iterator=it)
     assert manager.last_restored_step == 1
     assert_bitwise([strategy.experimental_local_results(state["w"])[0]], [values[0]])
@@ -661,6 +736,63 @@ def test_an_empty_step_directory_is_named_with_its_path(strategy, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3.damaged"]
 
 
+def test_a_step_whose_iterator_item_was_deleted_is_damaged_and_the_previous_one_restored(strategy, tmp_path):
+  """Its metadata lists an iterator item: a missing ``iterator/`` is damage, not a step saved without one."""
+  values = [np.arange(4, dtype=np.float32) + i for i in range(2)]
+  dist = _saved_twice(strategy, tmp_path, values)
+  shutil.rmtree(tmp_path / "2" / "iterator")
+  target = {"w": tpustrat.Mirrored(jnp.zeros(4, jnp.float32))}
+  with CheckpointManager(tmp_path, strategy) as manager:
+    with pytest.raises(tpustrat.checkpoint.DamagedCheckpointError,
+                       match=rf"checkpoint 2 at {tmp_path / '2'} is damaged: its 'iterator' item is missing \(it was "
+                             r"saved with one\)"):
+      manager.restore(2, target=target, iterator=iter(dist))
+    it = iter(dist)
+    with pytest.warns(tpustrat.checkpoint.DamagedCheckpointWarning, match=rf"checkpoint 2 at {tmp_path / '2'} is "
+                                                                          r"damaged: its 'iterator' item is missing"):
+      state = manager.restore(target=target, iterator=it)
+    assert manager.last_restored_step == 1
+    assert_bitwise([strategy.experimental_local_results(state["w"])[0]], [values[0]])
+    assert float(strategy.experimental_local_results(next(it))[0][0]) == 1.0  # the batch after step 1's
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_step_whose_checksums_were_deleted_is_damaged_and_the_previous_one_restored(strategy, tmp_path, swap):
+  """Its metadata lists checksums: without them the step cannot be verified, so it is damaged; with its
+  ``state/`` swapped for step 1's as well, restoring it would give step 1's values with step 2's position."""
+  values = [np.arange(4, dtype=np.float32) + i for i in range(2)]
+  dist = _saved_twice(strategy, tmp_path, values)
+  shutil.rmtree(tmp_path / "2" / "checksums")
+  if swap:
+    shutil.rmtree(tmp_path / "2" / "state")
+    shutil.copytree(tmp_path / "1" / "state", tmp_path / "2" / "state")
+  target = {"w": tpustrat.Mirrored(jnp.zeros(4, jnp.float32))}
+  with CheckpointManager(tmp_path, strategy) as manager:
+    with pytest.raises(tpustrat.checkpoint.DamagedCheckpointError,
+                       match=rf"checkpoint 2 at {tmp_path / '2'} is damaged: its 'checksums' item is missing \(it "
+                             r"was saved with one\)"):
+      manager.restore(2, target=target)
+    it = iter(dist)
+    with pytest.warns(tpustrat.checkpoint.DamagedCheckpointWarning, match="its 'checksums' item is missing"):
+      state = manager.restore(target=target, iterator=it)
+    assert manager.last_restored_step == 1
+    assert_bitwise([strategy.experimental_local_results(state["w"])[0]], [values[0]])
+    assert float(strategy.experimental_local_results(next(it))[0][0]) == 1.0
+
+
+@pytest.mark.parametrize("item,file", [("iterator", "process_0-of-1.json"), ("checksums", "checksums.json")])
+def test_a_json_file_that_does_not_decode_is_named_with_its_path(strategy, tmp_path, item, file):
+  values = [np.arange(4, dtype=np.float32) + i for i in range(2)]
+  dist = _saved_twice(strategy, tmp_path, values)
+  path = tmp_path / "2" / item / file
+  path.write_text(path.read_text()[:-3])  # truncated
+  with CheckpointManager(tmp_path, strategy) as manager:
+    with pytest.raises(tpustrat.checkpoint.DamagedCheckpointError,
+                       match=rf"checkpoint 2 at {tmp_path / '2'} is damaged: ValueError: {re.escape(str(path))} is "
+                             r"not valid JSON \(JSONDecodeError: "):
+      manager.restore(2, target={"w": tpustrat.Mirrored(jnp.zeros(4, jnp.float32))}, iterator=iter(dist))
+
+
 def test_deleted_files_fall_back_step_by_step_and_every_damaged_step_is_named(strategy, tmp_path):
   values = [np.arange(4, dtype=np.float32) + i for i in range(2)]
   _saved_twice(strategy, tmp_path, values)
@@ -676,17 +808,25 @@ def test_deleted_files_fall_back_step_by_step_and_every_damaged_step_is_named(st
     messages = [str(w.message) for w in caught]
     assert len(messages) == 2, messages
     assert messages[0].startswith(f"CheckpointManager.restore: checkpoint 3 at {tmp_path / '3'} is damaged: ")
-    assert "checksums.json" in messages[0] and "Falling back to checkpoint 2" in messages[0]
+    assert "checksums" in messages[0] and "Restored checkpoint 1 instead" in messages[0]
+    assert messages[0].endswith(f"moved aside to {tmp_path / '3.damaged'}.")
     assert messages[1].startswith(f"CheckpointManager.restore: checkpoint 2 at {tmp_path / '2'} is damaged: ")
-    assert "Falling back to checkpoint 1" in messages[1]
+    assert messages[1].endswith(f"Restored checkpoint 1 instead; the damaged step was moved aside to "
+                                f"{tmp_path / '2.damaged'}.")
     assert manager.last_restored_step == 1
     assert_bitwise([strategy.experimental_local_results(state["w"])[0]], [values[0]])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2.damaged", "3.damaged"]
   shutil.rmtree(tmp_path / "1" / "state")
+  shutil.move(tmp_path / "2.damaged", tmp_path / "2")
   with CheckpointManager(tmp_path, strategy) as manager:
-    with pytest.raises(tpustrat.checkpoint.DamagedCheckpointError,
-                       match=rf"every checkpoint in {tmp_path} is damaged \(checkpoint 1 at {tmp_path / '1'}: "):
-      manager.restore(target=target)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      with pytest.raises(tpustrat.checkpoint.DamagedCheckpointError,
+                         match=rf"every checkpoint in {tmp_path} is damaged \(checkpoint 2 at {tmp_path / '2'}: .*; "
+                               rf"checkpoint 1 at {tmp_path / '1'}: .*\); none was moved aside\.$"):
+        manager.restore(target=target)
+    assert not caught, [str(w.message) for w in caught]  # no message says a step was moved
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3.damaged"]
 
 
 def test_the_preemption_handler_resumes_from_the_newest_intact_step(strategy, tmp_path):
@@ -761,7 +901,8 @@ def test_a_checkpoint_operation_stuck_on_one_process_stops_the_job_naming_it(tmp
 def test_a_stuck_operation_of_one_process_is_reported_and_ends_it(strategy, tmp_path, monkeypatch):
   ended, release = [], threading.Event()
 
-  def record(message):  # instead of os._exit: record, and let the stuck get_state return
+  def record(message, status):  # instead of os._exit: record, and let the stuck get_state return
+    assert status == 124
     ended.append(message)
     release.set()
 
@@ -772,12 +913,12 @@ def test_a_stuck_operation_of_one_process_is_reported_and_ends_it(strategy, tmp_
       release.wait(30)
       return {"position": 1}
 
-  with CheckpointManager(tmp_path, strategy, timeout=0.5) as manager:
-    assert manager.timeout == 0.5
+  with CheckpointManager(tmp_path, strategy, timeout=1) as manager:
+    assert manager.timeout == 1
     manager.save(1, {"w": jnp.zeros(2)}, iterator=StuckPosition())
   assert len(ended) == 1, ended
   assert ended[0].startswith("tpustrat: checkpoint timeout: process 0 has waited ")
-  assert f"s for the save of step 1 in {tmp_path} (checkpoint timeout 0.5 s: CheckpointManager(timeout=...))." in ended[0]
+  assert f"s for the save of step 1 in {tmp_path} (checkpoint timeout 1 s: CheckpointManager(timeout=...))." in ended[0]
   assert "stuck: process 0 is taking the iterator's position for step 1 (for " in ended[0]
   assert ended[0].endswith("Every process of the job stops with status 124.")
 
@@ -791,6 +932,11 @@ def test_the_timeout_is_the_step_timeout_unless_given(strategy, tmp_path, monkey
     assert manager.timeout == 7.5
   with CheckpointManager(tmp_path, strategy, timeout=30) as manager:
     assert manager.timeout == 30.0
-  for bad in (0, -1, float("inf"), float("nan"), True, "10"):
-    with pytest.raises(ValueError, match=r"timeout must be a positive, finite number of seconds or None, got "):
+  with CheckpointManager(tmp_path, strategy, timeout=names.MAX_TIMEOUT_SECONDS) as manager:
+    assert manager.timeout == 2**31 - 1
+  # The step timeout's range (the launcher's, the resolver's): under a second fires on a healthy save, and
+  # JAX's runtime takes int32 seconds.
+  for bad in (1e-300, 0.5, 0, -1, 2**40, 2**31, float("inf"), float("nan"), True, "10"):
+    with pytest.raises(ValueError, match=r"^CheckpointManager: timeout must be a positive number of seconds in "
+                                         rf"\[1, 2147483647\], got {re.escape(repr(bad))}\.$"):
       CheckpointManager(tmp_path, strategy, timeout=bad)

@@ -376,3 +376,24 @@ def test_a_target_of_another_logical_shape_is_an_error_even_when_its_blocks_fit(
   with CheckpointManager(tmp_path, four) as manager:  # the right shape restores, bit for bit
     got = manager.restore(1, target={"a": four.experimental_shard(np.zeros((3, 2), np.float32), lambda *_: 0)})
   np.testing.assert_array_equal(np.asarray(got["a"]), w)
+
+
+def test_a_value_saved_split_on_one_axis_restores_into_a_target_split_on_another(strategy, tmp_path):
+  """Saved as blocks along axis 0, restored into a `ShardedVariable` of the same shape split along axis 1
+  (and back), on 8 replicas and on 4: read on the host and re-split, as through a `Mirrored` target."""
+  rng = np.random.default_rng(11)
+  w = rng.normal(size=(13, 10)).astype(np.float32)  # 8 blocks of 2 rows, or of 2 columns (both padded)
+  for saved_axis, target_axis in ((0, 1), (1, 0)):
+    directory = tmp_path / f"split{saved_axis}"
+    with CheckpointManager(directory, strategy) as manager:
+      manager.save(1, {"w": strategy.experimental_shard(w, lambda *_, a=saved_axis: a)})
+    for n in (8, 4):
+      loader = make_strategy(strategy, n)
+      target = {"w": loader.experimental_shard(np.zeros_like(w), lambda *_, a=target_axis: a)}
+      with CheckpointManager(directory, loader) as manager:
+        got = manager.restore(1, target=target)
+      assert_placed_like(got, target)
+      assert isinstance(got["w"], ShardedVariable) and got["w"].axis == target_axis and got["w"].num_replicas == n
+      np.testing.assert_array_equal(np.asarray(got["w"]), w)
+      blocks = np.stack([np.asarray(b) for b in got["w"].values])
+      np.testing.assert_array_equal(blocks, numpy_blocks(w, target_axis, n))  # padding is zeros

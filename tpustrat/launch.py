@@ -396,6 +396,8 @@ _MEANINGS = {
     names.EXIT_RESTART: "the preemption handler saved a checkpoint and asked to be restarted",
     names.EXIT_STEP_TIMEOUT: ("its step watchdog or checkpoint deadline fired: a step, save or restore waited "
                               "longer than its timeout"),
+    names.EXIT_CHECKPOINT_FAILED: ("it failed to save a checkpoint: the storage refused a write (disk full, "
+                                   "read-only file system, I/O error); the previous checkpoints are intact"),
 }
 
 

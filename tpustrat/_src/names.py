@@ -51,3 +51,16 @@ EXIT_RESTART = 42
 # Exit status of a process whose step watchdog fired: a step waited longer than the step timeout for its
 # peers (`watchdog.py`). 124 is what `timeout(1)` (and the launcher's own --timeout) exits with.
 EXIT_STEP_TIMEOUT = 124
+
+# The line with which a firing step watchdog names the processes it finds holding the job up (inside a
+# host callback that has not returned, behind on their step counters or their devices, compiling past the
+# compile bound), `stuck` being "process 1" or "processes 1, 3" (`watchdog.py`). Every process of the job
+# prints it (the firing one, and the others with the abort message they read); the launcher reads it from
+# the output of the process that ended first, to blame the right one (`launch._culprit`).
+WATCHDOG_BLAMES = "tpustrat: step watchdog of process {firing}: holding the job up: {stuck}."
+
+# Exit status of a process whose checkpoint save failed in the storage (disk full, read-only file system, a
+# write error: `CheckpointManager`), in a multi-process job: every process stops with it at once, rather than
+# waiting at orbax's barriers for the deadline (124, which would blame a hang). 74 is sysexits.h's EX_IOERR
+# ("an error occurred while doing I/O on some file").
+EXIT_CHECKPOINT_FAILED = 74

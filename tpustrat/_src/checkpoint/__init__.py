@@ -50,8 +50,12 @@ orbax is imported on first use (it is a few hundred milliseconds), not by ``impo
 """
 
 from tpustrat._src.checkpoint.deadlines import DEFAULT_TIMEOUT
-from tpustrat._src.checkpoint.handlers import DamagedCheckpointError, DamagedCheckpointWarning
+from tpustrat._src.checkpoint.handlers import (
+           CheckpointSaveError,
+           DamagedCheckpointError,
+           DamagedCheckpointWarning,
+)
 from tpustrat._src.checkpoint.manager import CheckpointManager, bounded_operation
 
-__all__ = ["DEFAULT_TIMEOUT", "CheckpointManager", "DamagedCheckpointError", "DamagedCheckpointWarning",
-           "bounded_operation"]
+__all__ = ["DEFAULT_TIMEOUT", "CheckpointManager", "CheckpointSaveError", "DamagedCheckpointError",
+           "DamagedCheckpointWarning", "bounded_operation"]

@@ -8,10 +8,15 @@ key-value store, prints it and ends the process with status 124 (`names.EXIT_STE
 operation runs, a process that finds that key published ends the same way, so the whole job stops. The
 process is ended (``os._exit``) rather than raised into: its main thread is then blocked in orbax, in a
 barrier that is a device collective, where no exception reaches it.
+
+A save that fails in the storage (`abort`, from `CheckpointManager`) ends the job the same way, at once and
+with its own status (74, `names.EXIT_CHECKPOINT_FAILED`): the abort key holds the status with the message.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import threading
 import time
@@ -20,9 +25,9 @@ from typing import Any
 
 import jax
 
-from tpustrat._src import jax_compat, watchdog
+from tpustrat._src import jax_compat, names, watchdog
 
-__all__ = ["DEADLINES", "DEFAULT_TIMEOUT", "KEY", "Operation", "Store", "check_timeout", "step_timeout"]
+__all__ = ["DEADLINES", "DEFAULT_TIMEOUT", "KEY", "Operation", "Store", "abort", "check_timeout", "step_timeout"]
 
 DEFAULT_TIMEOUT = 1200.0  # seconds, when neither `timeout` nor a step timeout is set (orbax's own async limit)
 KEY = "tpustrat/checkpoint"
@@ -126,10 +131,11 @@ class _Deadlines:
   def _tick(self, ops: list[Operation]) -> None:
     store = ops[0].store
     if store.client is not None:
-      message = store.get(_ABORT_KEY)
-      if message is not None:
-        self._end(ops, f"{message}\ntpustrat: checkpoint timeout: process {store.index} (in the "
-                       f"{ops[0].what}) stops too.")
+      published = store.get(_ABORT_KEY)
+      if published is not None:
+        message, status = _decode(published)
+        self._end(ops, f"{message}\ntpustrat: checkpoint {_WHAT.get(status, 'abort')}: process {store.index} (in the "
+                       f"{ops[0].what}) stops too.", status)
         return
     now = time.monotonic()
     for op in ops:
@@ -137,26 +143,68 @@ class _Deadlines:
       if waited > op.timeout:
         # The innermost operation in flight (a save inside the preemption handler's) says most.
         detail = max((o for o in ops if o.owner is op.owner), key=lambda o: o.start)
-        message = op.report(op, waited, detail)
-        if not store.set_once(_ABORT_KEY, message):  # another process fired first: its message
-          message = (store.get(_ABORT_KEY) or message) + (
-              f"\ntpustrat: checkpoint timeout: process {store.index} (in the {op.what}) stops too.")
-        self._end(ops, message)
+        message, status = _publish(store, op.report(op, waited, detail), names.EXIT_STEP_TIMEOUT, op.what)
+        self._end(ops, message, status)
         return
 
-  def _end(self, ops: list[Operation], message: str) -> None:
+  def _end(self, ops: list[Operation], message: str, status: int) -> None:
     with self._cond:
       for op in ops:
         self._ops.pop(id(op), None)
-    _exit_process(message)
+    _exit_process(message, status)
+
+  def clear(self) -> None:
+    """Forgets every operation in flight (the process is about to end)."""
+    with self._cond:
+      self._ops.clear()
+
+
+_WHAT = {names.EXIT_STEP_TIMEOUT: "timeout", names.EXIT_CHECKPOINT_FAILED: "save failed"}
+
+
+def _decode(published: str) -> tuple[str, int]:
+  """(message, status) of a published abort."""
+  try:
+    value = json.loads(published)
+    return str(value["message"]), int(value["status"])
+  except (ValueError, KeyError, TypeError):
+    return published, names.EXIT_STEP_TIMEOUT
+
+
+def _publish(store: Store, message: str, status: int, what: str) -> tuple[str, int]:
+  """Publishes this process's abort unless another process's came first; the (message, status) to end
+  with: ours, or the first one's with a line saying that this process stops too."""
+  if store.set_once(_ABORT_KEY, json.dumps({"message": message, "status": status})):
+    return message, status
+  first, first_status = _decode(store.get(_ABORT_KEY) or json.dumps({"message": message, "status": status}))
+  return (f"{first}\ntpustrat: checkpoint {_WHAT.get(first_status, 'abort')}: process {store.index} (in the "
+          f"{what}) stops too."), first_status
 
 
 DEADLINES = _Deadlines()
 
 
-def _exit_process(message: str) -> None:
-  """Ends the process with the step-timeout status after printing `message` (patched by tests)."""
-  watchdog.exit_step_timeout(message)
+def abort(store: Store, message: str, what: str) -> None:
+  """Ends this process, and through the published key the job, after a failed save: status
+  `names.EXIT_CHECKPOINT_FAILED` (or the status of another process's abort published first)."""
+  message, status = _publish(store, message, names.EXIT_CHECKPOINT_FAILED, what)
+  DEADLINES.clear()
+  _exit_process(message, status)
+
+
+def _exit_process(message: str, status: int) -> None:
+  """Ends the process with `status` after printing `message` (patched by tests)."""
+  if status == names.EXIT_STEP_TIMEOUT:
+    watchdog.exit_step_timeout(message)
+    return
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except Exception:  # noqa: BLE001
+      pass
+  sys.stderr.write(message + "\n")
+  sys.stderr.flush()
+  os._exit(status)
 
 
 def step_timeout() -> float | None:
@@ -168,10 +216,8 @@ def step_timeout() -> float | None:
 
 
 def check_timeout(value: Any) -> float | None:
+  """`value` (the manager's `timeout`) as a float, or None; the step timeout's range and error
+  (`watchdog.check_timeout`: ``[1, 2**31 - 1]`` seconds), since it bounds the same waits."""
   if value is None:
     return None
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-    raise ValueError(f"CheckpointManager: timeout must be a positive, finite number of seconds or None, got "
-                     f"{value!r}.")
-  return float(value)
-
+  return watchdog.check_timeout(value, "CheckpointManager", "timeout")

@@ -18,11 +18,22 @@ from typing import Any
 
 import jax
 
-__all__ = ["CHECKSUMS", "ITERATOR", "STATE", "DamagedCheckpointError", "DamagedCheckpointWarning",
-           "NotRestorableHere", "SaveTracker", "api"]
+__all__ = ["CHECKSUMS", "ITERATOR", "STATE", "STEP_METADATA", "CheckpointSaveError", "DamagedCheckpointError",
+           "DamagedCheckpointWarning", "NotRestorableHere", "SaveTracker", "api", "read_json"]
 
 STATE, ITERATOR, CHECKSUMS = "state", "iterator", "checksums"
 CHECKSUM_FILE = "checksums.json"
+# orbax's metadata file of a committed step (JSON): its "item_handlers" name every item the save wrote.
+STEP_METADATA = "_CHECKPOINT_METADATA"
+
+
+class CheckpointSaveError(RuntimeError):
+  """A save could not be written (the storage refused a write: disk full, read-only file system, an I/O
+  error). The message names the step, its directory and the error (the cause); the previous checkpoints
+  are intact. Raised in a one-process job; a multi-process job stops with status 74 instead
+  (`tpustrat._src.names.EXIT_CHECKPOINT_FAILED`), since the other processes wait for this one inside
+  orbax, where no exception reaches them.
+  """
 
 
 class DamagedCheckpointError(ValueError):
@@ -39,6 +50,15 @@ class DamagedCheckpointWarning(UserWarning):
 
 class NotRestorableHere(ValueError):
   """The checkpoint is intact but cannot be restored by this job (a user error, not damage)."""
+
+
+def read_json(path: Any) -> Any:
+  """The JSON value of the file at `path`; a ValueError naming the file when it does not decode."""
+  text = path.read_text()
+  try:
+    return json.loads(text)
+  except ValueError as e:
+    raise ValueError(f"{path} is not valid JSON ({type(e).__name__}: {e})") from None
 
 
 @functools.cache
@@ -81,13 +101,13 @@ def api() -> types.SimpleNamespace:
       count = jax.process_count()
       mine = directory / f"process_{jax.process_index()}-of-{count}.json"
       if mine.exists():
-        return json.loads(mine.read_text())
+        return read_json(mine)
       files = sorted(directory.glob("process_*-of-*.json"), key=lambda f: f.name)
       if not files:
         raise FileNotFoundError(f"No iterator state in {directory}.")
       if any(f.name.endswith(f"-of-{count}.json") for f in files):  # saved by as many processes: one is lost
         raise FileNotFoundError(f"The iterator state of this process ({mine.name}) is missing from {directory}.")
-      states = [json.loads(f.read_text()) for f in files]
+      states = [read_json(f) for f in files]
       if any(s != states[0] for s in states[1:]):
         raise NotRestorableHere(
             f"The checkpoint in {directory.parent} holds a different iterator state for each of its "
@@ -116,7 +136,7 @@ def api() -> types.SimpleNamespace:
       path = directory / CHECKSUM_FILE
       if not path.exists():
         raise FileNotFoundError(f"The checksums of the state ({path}) are missing.")
-      return json.loads(path.read_text())
+      return read_json(path)
 
 
   class StateHandler(ocp.StandardCheckpointHandler):
@@ -135,7 +155,7 @@ def api() -> types.SimpleNamespace:
         tracker.done(STATE)
         return futures
       countdown = _Countdown(len(futures), lambda: tracker.done(STATE))
-      return [_CountedFuture(f, countdown) for f in futures]
+      return [_CountedFuture(f, countdown, tracker) for f in futures]
 
   @ocp.args.register_with_handler(StateHandler, for_save=True)
   class StateSave(ocp.args.StandardSave):
@@ -186,13 +206,20 @@ class _Countdown:
 
 
 class _CountedFuture:
-  """One of orbax's commit futures of the state item; ticks its countdown once it has completed."""
+  """One of orbax's commit futures of the state item; ticks its countdown once it has completed, and tells
+  the tracker when it failed (a write the storage refused, in orbax's background thread)."""
 
-  def __init__(self, inner: Any, countdown: _Countdown) -> None:
-    self._inner, self._countdown, self._ticked = inner, countdown, False
+  def __init__(self, inner: Any, countdown: _Countdown, tracker: SaveTracker) -> None:
+    self._inner, self._countdown, self._tracker, self._ticked = inner, countdown, tracker, False
 
   def result(self, timeout: float | None = None) -> Any:
-    out = self._inner.result(timeout=timeout)
+    try:
+      out = self._inner.result(timeout=timeout)
+    except TimeoutError:
+      raise
+    except Exception as e:
+      self._tracker.failed(STATE, e)
+      raise
     if not self._ticked:
       self._ticked = True
       self._countdown.tick()
@@ -203,10 +230,17 @@ class _CountedFuture:
 
 
 class SaveTracker:
-  """The items of one save that this process has still to write; `on_written` runs when none is left."""
+  """The items of one save that this process has still to write; `on_written` runs when none is left,
+  `on_failed(item, error)` when the write of an item failed in a background thread."""
 
-  def __init__(self, items: set[str], on_written: Callable[[], None]) -> None:
+  def __init__(self, items: set[str], on_written: Callable[[], None],
+               on_failed: Callable[[str, BaseException], None] | None = None) -> None:
     self._pending, self._on_written, self._lock = set(items), on_written, threading.Lock()
+    self._on_failed = on_failed
+
+  def failed(self, item: str, error: BaseException) -> None:
+    if self._on_failed is not None:
+      self._on_failed(item, error)
 
   def done(self, item: str) -> None:
     with self._lock:

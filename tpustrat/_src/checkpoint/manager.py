@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ from tpustrat._src.checkpoint.deadlines import (
   KEY,
   Operation,
   Store,
+  abort,
   check_timeout,
   step_timeout,
 )
@@ -38,11 +40,14 @@ from tpustrat._src.checkpoint.handlers import (
   CHECKSUMS,
   ITERATOR,
   STATE,
+  STEP_METADATA,
+  CheckpointSaveError,
   DamagedCheckpointError,
   DamagedCheckpointWarning,
   NotRestorableHere,
   SaveTracker,
   api,
+  read_json,
 )
 from tpustrat._src.input.encoding import bytes_to_text, text_to_bytes
 from tpustrat._src.names import REPLICA_AXIS
@@ -52,8 +57,10 @@ from tpustrat._src.values import Mirrored, PerReplica, ShardedVariable, block_si
 __all__ = ["CheckpointManager", "bounded_operation"]
 
 _POLL_SECONDS = 0.02  # how often a process looks for the others' verdicts
+_TMP_MARK = ".orbax-checkpoint-tmp"  # in the name of the directory orbax writes a step into before its commit
 
 _INSTANCES: collections.Counter[str] = collections.Counter()  # managers per directory in this process
+_OPEN: collections.Counter[str] = collections.Counter()  # of them, those not closed yet
 _INSTANCES_LOCK = threading.Lock()
 
 
@@ -257,6 +264,17 @@ class _Plan:
     want = list(v.shape)
     want[v.axis] = block_size(v.shape[v.axis], shape[0]) if shape and shape[0] else 0
     if len(shape) != len(v.shape) + 1 or list(shape[1:]) != want:
+      saved_axis = _split_axis(shape, tuple(v.shape))
+      if saved_axis is not None:  # split along another axis: the whole value on the host, re-split
+        across = _with_shape({"blocks": _host_item(meta)}, node)
+
+        def finish_across(take: Any) -> ShardedVariable:
+          took = take(across)
+          _check_logical_shape(took, where, v.shape)
+          whole = _whole_from_blocks(np.asarray(took["blocks"]), saved_axis, v.shape[saved_axis])
+          return self._place_sharded(whole, v)
+
+        return across, finish_across
       raise ValueError(
           f"CheckpointManager.restore: the sharded variable at {where} was saved as "
           f"{shape[0] if shape else 0} blocks of shape {list(shape[1:])}, which are not blocks of the target's "
@@ -427,6 +445,12 @@ class CheckpointManager:
       raise ValueError(
           "CheckpointManager: give either `options` or max_to_keep / save_interval_steps / "
           "enable_async_checkpointing, not both (set them in the CheckpointManagerOptions).")
+    # The temporary directories of a save are created in the calling thread: created in orbax's background
+    # thread, a failure there (a read-only or full disk) is only logged, and every process then waits for
+    # the signal that the directories exist until the deadline.
+    async_options = options.async_options or ocp.AsyncOptions()
+    options = dataclasses.replace(
+        options, async_options=dataclasses.replace(async_options, create_directories_asynchronously=False))
     path = os.fspath(directory)
     if "://" not in path:
       path = os.path.abspath(path)
@@ -437,14 +461,19 @@ class CheckpointManager:
     self._state_handler = orbax.StateHandler()
     self._iterator_handler = orbax.IteratorHandler()
     self._checksum_handler = orbax.ChecksumHandler()
-    self._manager = ocp.CheckpointManager(
-        path, options=options,
-        item_handlers={STATE: self._state_handler, ITERATOR: self._iterator_handler,
-                       CHECKSUMS: self._checksum_handler})
     self._store = Store()
     with _INSTANCES_LOCK:
       _INSTANCES[path] += 1
       instance = _INSTANCES[path]
+      _OPEN[path] += 1
+      alone = _OPEN[path] == 1
+    self._closed = False
+    if alone and self._store.index == 0 and not options.read_only:
+      self._remove_unfinished_saves()
+    self._manager = ocp.CheckpointManager(
+        path, options=options,
+        item_handlers={STATE: self._state_handler, ITERATOR: self._iterator_handler,
+                       CHECKSUMS: self._checksum_handler})
     # The same name in every process (the processes create their managers in the same order).
     self._prefix = f"{KEY}/{hashlib.sha1(path.encode()).hexdigest()[:12]}-{instance}"
     self._seq = 0
@@ -481,6 +510,53 @@ class CheckpointManager:
     """`step_path` as orbax's path object (local or remote storage)."""
     return api().ocp.step.build_step_path(self._directory, self._name_format, int(step))
 
+  def _remove_unfinished_saves(self) -> None:
+    """Removes the temporary directories of saves that never committed (``<step>.orbax-checkpoint-tmp``, left
+    by a process killed or failed while saving), with a warning naming each: they hold partial data, and
+    space. Process 0 only, and only when no other manager of the directory is open in this process (it
+    may be writing); a directory is written by one job at a time (another job's save in flight would be
+    removed)."""
+    directory = self._step_epath(0).parent
+    try:
+      leftovers = sorted((p for p in directory.iterdir() if _TMP_MARK in p.name), key=lambda p: p.name)
+    except FileNotFoundError:
+      return
+    for leftover in leftovers:
+      name = leftover.name.split(_TMP_MARK)[0]
+      try:
+        leftover.rmtree()
+      except Exception as e:  # noqa: BLE001  # read-only storage: it stays, and the warning says so
+        warnings.warn(f"CheckpointManager: could not remove the unfinished save of step {name} at {leftover} "
+                      f"({type(e).__name__}: {e}).", DamagedCheckpointWarning, stacklevel=3)
+        continue
+      warnings.warn(f"CheckpointManager: removed the unfinished save of step {name} at {leftover} (a process "
+                    "stopped while saving it, or its write failed); the committed steps are untouched.",
+                    DamagedCheckpointWarning, stacklevel=3)
+
+  def _save_failed(self, op: Operation, step: int, error: BaseException) -> None:
+    """Ends a save whose writing failed (the storage refused a write): raises `CheckpointSaveError` in a
+    one-process job; in a multi-process job ends the job with status 74 (`deadlines.abort`), since the
+    other processes wait for this one inside orbax, where no exception reaches them."""
+    try:
+      steps = [s for s in self.all_steps() if s != step]
+    except Exception:  # noqa: BLE001  # the listing fails too: say nothing about it
+      steps = None
+    text = (f"process {self._store.index} could not write checkpoint {step} at {self.step_path(step)} "
+            f"({type(error).__name__}: {error}). The previous checkpoints are intact"
+            f"{f' (steps {steps})' if steps is not None else ''}; what was written of step {step} stays in its "
+            f"temporary directory ({self.step_path(step)}{_TMP_MARK}), which the next start removes.")
+    if self._store.count > 1:
+      abort(self._store, f"tpustrat: checkpoint save failed: {text}\nEvery process of the job stops with status "
+                         f"{names.EXIT_CHECKPOINT_FAILED}.", op.what)
+    raise CheckpointSaveError(f"CheckpointManager.save: {text}") from error
+
+  def _background_failure(self, op: Operation, step: int, error: BaseException) -> None:
+    """A write of `step` failed in orbax's background thread. With several processes the job ends now
+    (`_save_failed`): the others would wait for this one at orbax's barriers; with one, orbax raises the
+    error at the next wait, where `_wait_pending` turns it into a `CheckpointSaveError`."""
+    if self._store.count > 1:
+      self._save_failed(op, step, error)
+
   def save(self, step: int, state: Any, *, iterator: Any = None, force: bool = False) -> bool:
     """Saves `state` (and `iterator`'s position) as checkpoint `step`, with the checksums of its arrays.
 
@@ -511,12 +587,18 @@ class CheckpointManager:
       self._progress(op, f"computing the checksums of step {step}")
       items[CHECKSUMS] = orbax.ChecksumSave({"algorithm": checksums.ALGORITHM,
                                               "arrays": checksums.compute(checksums.flat_arrays(unwrapped))})
-      tracker = SaveTracker(set(items), lambda: self._mark_done(op.done_key, "written"))
+      tracker = SaveTracker(set(items), lambda: self._mark_done(op.done_key, "written"),
+                            lambda item, error: self._background_failure(op, step, error))
       self._progress(op, f"in orbax's save of step {step} (writing its part, or waiting at orbax's barriers)")
       for handler in (self._state_handler, self._iterator_handler, self._checksum_handler):
         handler.tracker = tracker
       try:
         saved = self._manager.save(step, args=orbax.ocp.args.Composite(**items), force=force)
+      except orbax.ocp.checkpoint_manager.StepAlreadyExistsError:
+        raise
+      except Exception as e:  # noqa: BLE001  # the storage refused a write: the save ends now
+        self._save_failed(op, step, e)
+        raise  # not reached: _save_failed raises or ends the process
       finally:
         for handler in (self._state_handler, self._iterator_handler, self._checksum_handler):
           handler.tracker = None
@@ -586,7 +668,15 @@ class CheckpointManager:
         restored, problem = self._restore_step(op, candidate, target, iterator, strategy)
         if problem is None:
           if problems:
-            self._set_aside(op, [s for s, _ in problems])
+            moved = self._set_aside(op, [s for s, _ in problems])
+            for s, text in problems:  # said once the outcome is known: what was restored, what was moved
+              where = f"checkpoint {s} at {self.step_path(s)}"
+              dest, failure = moved[s]
+              fate = (f"the damaged step was moved aside to {dest}." if dest is not None else
+                      f"it could not be moved aside ({failure}); saving step {s} again will fail until it is "
+                      "removed.")
+              warnings.warn(f"CheckpointManager.restore: {where} is damaged: {text}. Restored checkpoint "
+                            f"{candidate} instead; {fate}", DamagedCheckpointWarning, stacklevel=2)
           if iterator is not None:
             _set_iterator_state(iterator, restored[ITERATOR])
           self._last_restored_step = candidate
@@ -596,14 +686,10 @@ class CheckpointManager:
         where = f"checkpoint {candidate} at {self.step_path(candidate)}"
         if step is not None:
           raise DamagedCheckpointError(f"CheckpointManager.restore: {where} is damaged: {problem}")
-        if attempt + 1 < len(candidates):
-          warnings.warn(
-              f"CheckpointManager.restore: {where} is damaged: {problem}. Falling back to checkpoint "
-              f"{candidates[attempt + 1]}; the damaged step is moved aside to "
-              f"{self._damaged_path(candidate)}.", DamagedCheckpointWarning, stacklevel=2)
     listed = "; ".join(f"checkpoint {s} at {self.step_path(s)}: {p}" for s, p in problems)
     raise DamagedCheckpointError(
-        f"CheckpointManager.restore: every checkpoint in {self._directory} is damaged ({listed}).")
+        f"CheckpointManager.restore: every checkpoint in {self._directory} is damaged ({listed}); none was "
+        "moved aside.")
 
   def latest_step(self) -> int | None:
     """The newest checkpoint's step, or None. Includes a save of this manager still being written (see
@@ -625,8 +711,14 @@ class CheckpointManager:
 
   def close(self) -> None:
     """Waits for pending saves (within `timeout`), then releases orbax's resources."""
-    self._wait_pending()
-    self._manager.close()
+    try:
+      self._wait_pending()
+    finally:
+      self._manager.close()
+      with _INSTANCES_LOCK:
+        if not self._closed:
+          self._closed = True
+          _OPEN[self._directory] -= 1
 
   def __enter__(self) -> CheckpointManager:
     return self
@@ -656,6 +748,18 @@ class CheckpointManager:
         problem = f"it has no {STATE!r} item ({_describe_contents(self._step_epath(step))})"
     except Exception as e:  # noqa: BLE001  # unreadable metadata: damaged
       problem = f"its metadata cannot be read ({type(e).__name__}: {e})"
+    if problem is None:
+      # The items the save wrote (orbax's step metadata): one of them missing is damage, not a step saved
+      # without it (a step without its checksums would restore unverified).
+      try:
+        written = set(read_json(self._step_epath(step) / STEP_METADATA)["item_handlers"])
+      except Exception as e:  # noqa: BLE001  # missing or unreadable: damaged
+        problem = f"its metadata cannot be read ({type(e).__name__}: {e})"
+      else:
+        for item in (ITERATOR, CHECKSUMS):
+          if item in written and item not in metadata and (item != ITERATOR or iterator is not None):
+            problem = f"its {item!r} item is missing (it was saved with one)"
+            break
     if problem is None:
       saved = getattr(saved, "tree", saved)
       if target is None:
@@ -730,25 +834,29 @@ class CheckpointManager:
       path = source.parent / f"{source.name}.damaged-{k}"
     return path
 
-  def _set_aside(self, op: Operation, steps: list[int]) -> None:
-    """Process 0 renames the damaged `steps` to ``<step>.damaged``; every process then forgets them."""
+  def _set_aside(self, op: Operation, steps: list[int]) -> dict[int, tuple[str | None, str | None]]:
+    """Process 0 renames the damaged `steps` to ``<step>.damaged`` and publishes what it did; every process
+    then forgets them. Returns, per step, (where it was moved, None) or (None, why it could not be)."""
     store = self._store
     key = f"{self._prefix}/aside/{op.seq}"
+    text: str | None
     if store.index == 0:
+      outcome: dict[str, list[str | None]] = {}
       for s in steps:
         source, dest = self._step_epath(s), self._damaged_path(s)
         try:
           source.rename(dest)
-        except Exception as e:  # noqa: BLE001  # read-only storage: the step stays, and says so
-          warnings.warn(f"CheckpointManager.restore: could not move the damaged checkpoint {s} at {source} aside "
-                        f"({type(e).__name__}: {e}); saving step {s} again will fail until it is removed.",
-                        DamagedCheckpointWarning, stacklevel=3)
-      store.set(key, "done")
+          outcome[str(s)] = [os.fspath(dest), None]
+        except Exception as e:  # noqa: BLE001  # read-only storage: the step stays, and the warning says so
+          outcome[str(s)] = [None, f"{type(e).__name__}: {e}"]
+      text = json.dumps(outcome)
+      store.set(key, text)
     else:
       self._progress(op, "waiting for process 0 to move the damaged steps aside")
-      while store.get(key) is None:
+      while (text := store.get(key)) is None:
         time.sleep(_POLL_SECONDS)
     self._manager.reload()
+    return {int(s): (dest, failure) for s, (dest, failure) in json.loads(text).items()}
 
   # -- bounded operations ---------------------------------------------------------------------------
 
@@ -790,7 +898,10 @@ class CheckpointManager:
     seq, step = pending
     with self._operation(f"wait for the save of step {step}", done_key=f"{seq}.0") as op:
       self._progress(op, f"waiting for its save of step {step} to be written and committed")
-      self._manager.wait_until_finished()
+      try:
+        self._manager.wait_until_finished()
+      except Exception as e:  # noqa: BLE001  # its writing failed in orbax's background thread
+        self._save_failed(op, step, e)
 
   def _report(self, expired: Operation, waited: float, op: Operation) -> str:
     """The message when `expired` runs past its deadline: which processes have not finished their part of
