@@ -649,9 +649,54 @@ def test_a_second_sigterm_kills_at_once(tmp_path):
   assert elapsed < 15, f"{elapsed:.1f} s"
 
 
-def test_sigterm_to_the_launcher_makes_the_preemption_handler_save_and_exit_42(tmp_path, strategy):
-  # The real handler, 2 processes x 2 devices: SIGTERM to the launcher reaches both processes, which agree
-  # on one call, save it, and exit with 42. The checkpoint holds the count of that call.
+def test_ctrl_c_is_forwarded_as_sigterm_and_the_processes_save(tmp_path):
+  # A terminal's Ctrl-C reaches the launcher only (each process runs in a session of its own). It used to
+  # kill every process at once (130), losing the steps since the last save; now the first one is the
+  # SIGTERM path (issue 31 item 7): every process (and its group) gets SIGTERM and the grace period to save.
+  launcher = _terminated_job(tmp_path, "save", "--termination-grace-period", "60")
+  try:
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=60)
+    elapsed = time.monotonic() - start
+  finally:
+    _stop_and_reap(launcher)
+  assert launcher.returncode == names.EXIT_RESTART, err[-3000:]
+  for i in (0, 1):
+    assert (tmp_path / f"saved{i}").read_text() == f"process {i} saved"
+    assert (tmp_path / f"helper{i}").read_text() == "terminated"
+  assert ("received SIGINT (Ctrl-C): forwarding SIGTERM to the 2 running processes (each with its process "
+          "group); they get 60 s to save and exit") in err, err[-3000:]
+  assert "stopped by SIGINT (Ctrl-C), forwarded as SIGTERM to every process; the launcher exits with 42" in err, (
+      err[-3000:])
+  assert "interrupted" not in err and "killed by the launcher" not in err, err[-3000:]
+  assert elapsed < 30, f"{elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT), (signal.SIGINT, signal.SIGTERM),
+                                           (signal.SIGTERM, signal.SIGINT)])
+def test_a_second_ctrl_c_kills_at_once(tmp_path, first, second):
+  launcher = _terminated_job(tmp_path, "ignore", "--termination-grace-period", "600")
+  try:
+    launcher.send_signal(first)
+    # Process 0 saves (0.5 s) and exits; process 1 ignores the notice. The second signal ends the wait.
+    _wait_until(lambda: (tmp_path / "saved0").exists(), 30, "process 0's save")
+    start = time.monotonic()
+    launcher.send_signal(second)
+    _, err = launcher.communicate(timeout=60)
+    elapsed = time.monotonic() - start
+  finally:
+    _stop_and_reap(launcher)
+  assert launcher.returncode == 128 + second, err[-3000:]
+  assert "interrupted; killing every process." in err, err[-3000:]
+  assert elapsed < 15, f"{elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_sigterm_or_ctrl_c_to_the_launcher_makes_the_preemption_handler_save_and_exit_42(tmp_path, strategy, signum):
+  # The real handler, 2 processes x 2 devices: SIGTERM (or Ctrl-C, forwarded as SIGTERM: issue 31 item 7) to
+  # the launcher reaches both processes, which agree on one call, save it, and exit with 42. The checkpoint
+  # holds the count of that call.
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   import tpustrat  # pylint: disable=import-outside-toplevel
@@ -661,7 +706,7 @@ def test_sigterm_to_the_launcher_makes_the_preemption_handler_save_and_exit_42(t
                              os.path.join(SCRIPTS, "preempted_by_sigterm.py"), str(ckpt))
   try:
     _wait_for_lines(launcher, " ready", 2)
-    launcher.send_signal(signal.SIGTERM)
+    launcher.send_signal(signum)
     out, err = launcher.communicate(timeout=120)
   finally:
     _stop_and_reap(launcher)

@@ -81,6 +81,14 @@ def test_a_hanging_process_is_still_caught_and_named():
   assert re.search(r"step watchdog: process 0 has waited \d+\.\d s for step [34] to finish", done.stderr), (
       done.stderr[-4000:])
   assert "processes behind: process 1 (last step reached: 2)." in done.stderr, done.stderr[-4000:]
+  # The launcher blames the process the watchdog named, not process 0, whose watchdog fired and which
+  # exited first (issue 31 item 9), and exits with the blamed process's status.
+  assert re.search(r"tpustrat\.launch: process 1 failed first: the step watchdog of process 0 named it as "
+                   r"holding the job up", done.stderr), done.stderr[-4000:]
+  assert "the launcher exits with 124, the status of process 1." in done.stderr, done.stderr[-4000:]
+  # Process 0 (the coordinator) outlives the others' reading of the abort: none is aborted by JAX (134).
+  assert "SIGABRT" not in done.stderr and "process 1 (last step reached: 2) stops too" in done.stderr, (
+      done.stderr[-4000:])
 
 
 def test_a_host_callback_that_never_returns_names_its_process_and_the_callback():
@@ -100,6 +108,12 @@ def test_a_host_callback_that_never_returns_names_its_process_and_the_callback()
   assert float(callback.group(1)) > 0
   assert pathlib.Path(callback.group(2)) == SCRIPT and int(callback.group(3)) == stuck_line
   assert "process 1 is inside a host callback that has not returned" in err, err[-4000:]
+  # Whichever watchdog fired first, the launcher's headline blames process 1, as the message does.
+  assert re.search(r"tpustrat\.launch: process 1 failed first: (the step watchdog of process 0 named it as "
+                   r"holding the job up|it exited with status 124)", err), err[-4000:]
+  assert "tpustrat.launch: process 0 failed first" not in err, err[-4000:]
+  assert "the launcher exits with 124, the status of process 1." in err, err[-4000:]
+  assert "SIGABRT" not in err, err[-4000:]
   # Process 0's own devices did not finish step 3 either, and it is in no callback: it is not blamed.
   assert re.search(r"process 0: dispatched step [34], finished step 2 on its devices; its newest program has "
                    r"waited [\d.]+ s\n", err), err[-4000:]
@@ -350,6 +364,7 @@ def test_a_host_callback_that_does_not_return_is_reported_with_the_step(dog_fact
                    r"[\d.]+ s; inside a host callback for [\d.]+ s: never_returns \(" + re.escape(__file__)
                    + r":\d+\)", text), text
   assert "process 0 is inside a host callback that has not returned" in text, text
+  assert "\ntpustrat: step watchdog of process 0: holding the job up: process 0.\n" in text, text
 
 
 def test_a_process_whose_devices_are_behind_is_named(dog_factory):
@@ -368,6 +383,8 @@ def test_a_process_whose_devices_are_behind_is_named(dog_factory):
   assert "  process 0: dispatched step 5, finished step 4 on its devices; its newest program has waited" in text
   assert "  process 1: dispatched step 5, finished step 3 on its devices; its newest program has waited 0.4 s" in text
   assert "process 1 is behind on its devices: it has finished fewer steps than process 0 (step 4)." in text, text
+  # The line the launcher reads to blame the process holding the job up (issue 31 item 9).
+  assert "\ntpustrat: step watchdog of process 0: holding the job up: process 1.\n" in text, text
 
 
 def test_nothing_known_is_said_as_such(dog_factory):
@@ -379,6 +396,7 @@ def test_nothing_known_is_said_as_such(dog_factory):
   assert "  process 1: dispatched step 1; no program of its own waiting longer than 0.15 s, not compiling" in text
   assert ("no process is inside a host callback or compiling, and none is behind: the program itself ran "
           "longer than the timeout") in text, text
+  assert "holding the job up" not in text, text  # nobody to blame: the launcher blames the first to exit
 
 
 def test_busy_entries_come_and_go_and_the_stopping_process_says_what_it_was_doing(dog_factory):

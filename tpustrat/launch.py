@@ -128,6 +128,9 @@ _UNHEALTHY = "stopped sending heartbeats"
 # The coordinator (process 0) is gone, or does not answer heartbeats (it hangs).
 _LEADER_LOST = ("the leader task was preempted", "RPC: /xla.coordination.CoordinationService/Heartbeat")
 _IDS = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*,?\s*$")
+# The line a firing step watchdog names the processes holding the job up with (every process prints it).
+_WATCHDOG_BLAMES = re.compile(re.escape(names.WATCHDOG_BLAMES).replace(re.escape("{firing}"), r"(\d+)").replace(
+    re.escape("{stuck}"), r"process(?:es)? (\d+(?:, \d+)*)") + r"\s*$")
 # How many times a job is started when the port the launcher chose is taken before process 0 binds it.
 _PORT_ATTEMPTS = 3
 # Each process starts as this small program, which asks Linux to SIGKILL it when the launcher dies (even
@@ -361,6 +364,8 @@ class _Proc:
   order: int | None = None  # 0 for the first process of the start to end, then 1, 2, ... (the kernel's order)
   killed: bool = False  # by the launcher
   unhealthy: set = dataclasses.field(default_factory=set)  # processes JAX's errors say are dead
+  blamed: set = dataclasses.field(default_factory=set)  # processes a step watchdog says hold the job up
+  blamed_by: int | None = None  # the process whose step watchdog said so
   _reading_unhealthy: bool = False
 
   @property
@@ -378,7 +383,12 @@ class _Proc:
   def note(self, line: str) -> None:
     """Remembers the processes that JAX's errors report as dead: those listed on the lines after "The
     following tasks are unhealthy (stopped sending heartbeats):", and process 0 (the coordinator) when the
-    other processes lose it."""
+    other processes lose it; and the processes a firing step watchdog names as holding the job up (its
+    line, `names.WATCHDOG_BLAMES`)."""
+    blames = _WATCHDOG_BLAMES.match(line)
+    if blames:
+      self.blamed_by = int(blames.group(1))
+      self.blamed = {int(t) for t in re.findall(r"\d+", blames.group(2))}
     if any(marker in line for marker in _LEADER_LOST):
       self.unhealthy.add(0)
     if _UNHEALTHY in line:
@@ -555,17 +565,25 @@ class _Exits:
 
 
 class _Termination:
-  """Whether and when the launcher received SIGTERM (set by its signal handler, read by `_run`)."""
+  """Whether and when the launcher received SIGTERM or SIGINT (Ctrl-C), and which (set by its signal
+  handler, read by `_run`)."""
 
   def __init__(self) -> None:
     self.at: float | None = None
+    self.signum: int = signal.SIGTERM
 
   def handler(self, signum: int, frame: Any) -> None:
-    """The first SIGTERM is noted (`_run` forwards it); a second one kills the job at once."""
+    """The first SIGTERM or SIGINT is noted (`_run` forwards SIGTERM); a second one of either kills the job
+    at once."""
     del frame
     if self.at is not None:
       raise _Interrupted(signum)
-    self.at = time.monotonic()
+    self.at, self.signum = time.monotonic(), signum
+
+  @property
+  def name(self) -> str:
+    """The signal as the launcher's messages name it."""
+    return "Ctrl-C" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
 
 
 def _ended_after(p: _Proc, q: _Proc) -> bool:
@@ -583,39 +601,62 @@ def _ending(p: _Proc, reference: float, grace_period: float, after: str = "the f
   return f"stopped on its own: it {_describe(p.code)} {p.end_time - reference:+.1f} s after {after}"
 
 
-def _culprit(procs: Sequence[_Proc], first: _Proc) -> _Proc:
-  """The process that failed first: `first`, the first to exit with an error, unless JAX's errors name a
-  process that stopped responding to heartbeats before it."""
+def _culprit(procs: Sequence[_Proc], first: _Proc) -> tuple[_Proc, str]:
+  """The process that failed first, and how it is known: (`first`, the first to exit with an error, "")
+  unless JAX's errors name a process that stopped responding to heartbeats before it ("heartbeats"), or
+  the step watchdog whose message `first` printed names a process holding the job up ("watchdog")."""
+  def later(i: int) -> bool:  # a process that is still running, or ended after `first`
+    return 0 <= i < len(procs) and (procs[i].ended is None or _ended_after(procs[i], first))
+
   # A process that hangs (or is stopped) does not exit: JAX declares it dead when its heartbeats stop and
   # stops the others, so the first process to *exit* is then a victim. JAX's message names the culprit.
-  hung = sorted({i for p in procs for i in p.unhealthy if 0 <= i < len(procs)
-                 and (procs[i].ended is None or _ended_after(procs[i], first))})
-  return procs[hung[0]] if hung else first
+  hung = sorted({i for p in procs for i in p.unhealthy if later(i)})
+  if hung:
+    return procs[hung[0]], "heartbeats"
+  # A live process stuck in a host callback, or behind, keeps its heartbeats: the step watchdog of a process
+  # waiting for it fires, names it (`names.WATCHDOG_BLAMES`, printed by every process) and ends every
+  # process with 124, in any order. The process named is the culprit, even when it is the first to end.
+  stuck = sorted(i for i in first.blamed if i == first.index or later(i))
+  if stuck:
+    culprit = first if first.index in stuck else procs[stuck[0]]
+    return culprit, "" if culprit.index == first.blamed_by else "watchdog"
+  return first, ""
 
 
 def _cause(procs: Sequence[_Proc], first: _Proc) -> str:
   """Why the job failed, in a few words (for the line that announces a restart)."""
-  culprit = _culprit(procs, first)
-  if culprit is not first:
+  culprit, how = _culprit(procs, first)
+  if how == "heartbeats":
     return (f"process {culprit.index} stopped responding to heartbeats (JAX declared it dead; process "
             f"{first.index} then {_describe(first.code)})")
+  if how == "watchdog":
+    return (f"process {culprit.index} held the job up (named by the step watchdog of process "
+            f"{first.blamed_by}; process {culprit.index} then {_describe(culprit.code)})")
   return f"process {first.index} {_describe(first.code)}"
 
 
 def _report(procs: Sequence[_Proc], first: _Proc, start: float, grace_period: float) -> str:
-  """Which process failed first, how, and what became of the others."""
-  culprit = _culprit(procs, first)
-  if culprit is not first:
+  """Which process failed first, how, and what became of the others; the launcher exits with the status
+  of the process named first (`_culprit`)."""
+  culprit, how = _culprit(procs, first)
+  if how == "heartbeats":
     lines = [f"process {culprit.index} failed first: it stopped responding to heartbeats (it hangs, or was "
              f"stopped), so JAX's distributed runtime declared it dead; process {first.index} then "
              f"{_describe(first.code)} after {first.end_time - start:.1f} s. Process {culprit.index} "
              f"{_ending(culprit, first.end_time, grace_period)}."]
+  elif how == "watchdog":
+    lines = [f"process {culprit.index} failed first: the step watchdog of process {first.blamed_by} named it as "
+             f"holding the job up (the message below)"
+             + (f"; process {first.index} then {_describe(first.code)} after {first.end_time - start:.1f} s. "
+                f"Process {culprit.index} {_ending(culprit, first.end_time, grace_period)}."
+                if culprit is not first else f", and it {_describe(first.code)} after {first.end_time - start:.1f} s.")]
   else:
     lines = [f"process {first.index} failed first: it {_describe(first.code)} after "
              f"{first.end_time - start:.1f} s."]
   for p in procs:
     if p is not first and p is not culprit:
       lines.append(f"process {p.index} {_ending(p, first.end_time, grace_period)}.")
+  lines.append(f"the launcher exits with {_exit_status(culprit.code)}, the status of process {culprit.index}.")
   if first.tail:
     lines.append(f"last output of process {first.index}:")
     lines.extend(f"  {line}" for line in first.tail)
@@ -623,16 +664,18 @@ def _report(procs: Sequence[_Proc], first: _Proc, start: float, grace_period: fl
 
 
 def _report_terminated(procs: Sequence[_Proc], first: _Proc | None, forwarded: float, grace: float,
-                       status: int) -> str:
-  """What became of each process after the launcher forwarded SIGTERM, and the status it exits with."""
-  lines = [f"stopped by SIGTERM, forwarded to every process; the launcher exits with {status}"
+                       status: int, received: str = "SIGTERM") -> str:
+  """What became of each process after the launcher forwarded SIGTERM (on `received`: ``"SIGTERM"`` or
+  ``"Ctrl-C"``), and the status it exits with."""
+  how = "SIGTERM, forwarded" if received == "SIGTERM" else f"SIGINT ({received}), forwarded as SIGTERM"
+  lines = [f"stopped by {how} to every process; the launcher exits with {status}"
            + (f", the status of process {first.index}, the first to fail." if first is not None else ".")]
   for p in procs:
     if p.ended is not None and p.ended < forwarded and not p.killed:
       lines.append(f"process {p.index} {_describe(p.returncode) if p.returncode else 'exited normally'}, "
-                   "before the SIGTERM.")
+                   f"before the {received}.")
     else:
-      lines.append(f"process {p.index} {_ending(p, forwarded, grace, 'the SIGTERM')}.")
+      lines.append(f"process {p.index} {_ending(p, forwarded, grace, 'the ' + received)}.")
   return "\n  ".join(lines)
 
 
@@ -757,8 +800,11 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
   used_ports: set[int] = set()
   termination = _Termination()
   handles_sigterm = threading.current_thread() is threading.main_thread()  # Python sets handlers only there
-  if handles_sigterm:
+  if handles_sigterm:  # Ctrl-C too: the processes run in sessions of their own, only the launcher gets it
     previous_handler = signal.signal(signal.SIGTERM, termination.handler)
+    previous_sigint = signal.getsignal(signal.SIGINT)
+    if previous_sigint is not signal.SIG_IGN:  # ignored (a background job of a script): left ignored
+      signal.signal(signal.SIGINT, termination.handler)
   try:
     for restart in range(max_restarts + 1):
       address = f"127.0.0.1:{port or _fresh_port(used_ports)}"
@@ -788,7 +834,7 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
       if cause is None:  # success, --timeout, or stopped
         return status
       if termination.at is not None:
-        output.say("not restarting: the launcher was stopped (SIGTERM).")
+        output.say(f"not restarting: the launcher was stopped ({termination.name}).")
         return status
       if restart == max_restarts:
         if max_restarts:
@@ -805,6 +851,8 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
   finally:
     if handles_sigterm:  # None: a handler set outside Python, which Python cannot put back
       signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_handler is None else previous_handler)
+      if previous_sigint is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous_sigint is None else previous_sigint)
   raise AssertionError("unreachable: the last start returns a status")
 
 
@@ -843,9 +891,11 @@ def _run(argv: list[str], envs: list[dict[str, str]], output: _Output, *, grace_
       if termination.at is not None and forwarded is None:
         forwarded = termination.at
         running = [p for p in procs if p.returncode is None]
-        output.say(f"received SIGTERM: forwarding it to the {len(running)} running processes (each with "
-                   f"its process group); they get {termination_grace_period:g} s to save and exit before they "
-                   "are killed (a second SIGTERM kills them at once).")
+        received = ("SIGTERM: forwarding it" if termination.signum == signal.SIGTERM
+                    else "SIGINT (Ctrl-C): forwarding SIGTERM")
+        output.say(f"received {received} to the {len(running)} running processes (each with its process "
+                   f"group); they get {termination_grace_period:g} s to save and exit before they are killed "
+                   "(a second SIGTERM or Ctrl-C kills them at once).")
         for p in running:
           _signal_group(p, signal.SIGTERM)
       for p in exits.ended(0.05):  # first to end first
@@ -863,7 +913,7 @@ def _run(argv: list[str], envs: list[dict[str, str]], output: _Output, *, grace_
                        f"processes get {grace_period:g} s to stop before they are killed.")
         if forwarded is not None and not p.killed:
           output.say(f"process {p.index} {_describe(rc) if rc else 'exited normally'} "
-                     f"{now - forwarded:.1f} s after the SIGTERM.")
+                     f"{now - forwarded:.1f} s after the {termination.name}.")
       now = time.monotonic()
       if forwarded is not None:
         kill_at: float | None = forwarded + termination_grace_period
@@ -891,19 +941,23 @@ def _run(argv: list[str], envs: list[dict[str, str]], output: _Output, *, grace_
 
   if timed_out and first is None:
     return 124, None
+  if forwarded is None and termination.at is not None and len(procs) < len(envs):
+    forwarded = termination.at  # stopped before the job was started whole
   if forwarded is not None:
     if first is not None:
       status = _exit_status(first.code)
     elif any(p.killed for p in procs) or len(procs) < len(envs):
-      status = 128 + signal.SIGTERM
+      status = 128 + termination.signum
     else:
       status = 0
-    output.say(_report_terminated(procs, first, forwarded, termination_grace_period, status))
+    output.say(_report_terminated(procs, first, forwarded, termination_grace_period, status, termination.name))
     return status, None
   if first is None:
     return 0, None
   output.say(_report(procs, first, start, grace_period))
-  return _exit_status(first.code), None if timed_out else _cause(procs, first)
+  # The status of the process the report names first, which is not the first to exit when that one is a
+  # victim (JAX declared a hung peer dead, or its step watchdog named a stuck peer).
+  return _exit_status(_culprit(procs, first)[0].code), None if timed_out else _cause(procs, first)
 
 
 def _stop(procs: Sequence[_Proc]) -> None:

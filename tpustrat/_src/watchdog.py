@@ -73,12 +73,13 @@ import jax
 
 from tpustrat._src import jax_compat, names
 
-__all__ = ["Watchdog", "activate", "active", "compile_timeout_from_environment", "default_compile_timeout",
-           "note", "start", "stop", "timeout_from_environment"]
+__all__ = ["Watchdog", "activate", "active", "blames_line", "compile_timeout_from_environment",
+           "default_compile_timeout", "note", "start", "stop", "timeout_from_environment"]
 
 _STEPS_KEY = "tpustrat/watchdog/steps/"
 _BUSY_KEY = "tpustrat/watchdog/busy/"
 _ABORT_KEY = "tpustrat/watchdog/abort"
+_STOPPING_KEY = "tpustrat/watchdog/stopping/"  # a process whose watchdog ends it says so here first
 _RECENT = 4  # noted programs whose tokens the thread checks to find the newest finished step
 _LISTED = 32  # processes listed one per line in a firing watchdog's message
 
@@ -351,14 +352,20 @@ class Watchdog:
                    + ".")
     if silent:
       lines.append("processes that never reported a step: " + ", ".join(f"process {p}" for p in silent) + ".")
-    lines.extend(self._what_each_reported(steps, counters, busy, everyone=not behind and not silent))
+    reported, stuck = self._what_each_reported(steps, counters, busy, everyone=not behind and not silent)
+    lines.extend(reported)
+    if not stuck:  # a process in a callback says more than a counter behind (it may be behind because of it)
+      stuck = [p for p, _ in behind] + silent
+    if stuck:
+      lines.append(blames_line(me, stuck))
     lines.append(f"Every process of the job stops with status {names.EXIT_STEP_TIMEOUT}.")
     return "\n".join(lines)
 
   def _what_each_reported(self, steps: int, counters: dict[int, int], busy: dict[int, dict[str, Any]],
-                          everyone: bool) -> list[str]:
+                          everyone: bool) -> tuple[list[str], list[int]]:
     """What each process published about itself, and what follows from it (`everyone`: every process
-    has dispatched step `steps`)."""
+    has dispatched step `steps`): (the lines, the processes they find holding the job up: inside a host
+    callback; else, when every process dispatched the step, behind on its devices, or compiling)."""
     processes = sorted(counters, key=lambda p: ("callback" not in busy.get(p, {}), p not in busy, p))
     lines = [f"every process has dispatched step {steps}; what each one reported:" if everyone
              else "what each process reported:"]
@@ -374,37 +381,65 @@ class Watchdog:
     ahead = max(finished.values(), default=None)
     late = sorted(p for p, f in finished.items() if ahead is not None and f < ahead)
     compiling = sorted(p for p in processes if "compiling" in busy.get(p, {}))
+    stuck: list[int] = []
     if in_callback:
+      stuck = in_callback
       lines.append(f"{_processes(in_callback)} inside a host callback that has not returned: the step cannot "
                    "finish before it returns (or, if it waits for the step, never).")
     elif not everyone:
       pass  # the processes behind are named above
     elif late:
+      stuck = late
       lines.append(f"{_processes(late)} behind on its devices: it has finished fewer steps than process "
                    f"{min(p for p, f in finished.items() if f == ahead)} (step {ahead}).")
     elif compiling:
+      stuck = compiling
       lines.append(f"{_processes(compiling)} compiling beyond what the compile bound "
                    f"({self.compile_timeout:g} s) lets the step wait.")
     else:
       lines.append("no process is inside a host callback or compiling, and none is behind: the program "
                    "itself ran longer than the timeout (raise it if the step is slow), or a device or a "
                    "collective is stuck.")
-    return lines
+    return lines, stuck
 
   def _compile_report(self, seconds: float) -> str:
     return (f"tpustrat: step watchdog: process {self.process_index} has been tracing, lowering or compiling a "
             f"program for {seconds:.1f} s, longer than the compile bound ({self.compile_timeout:g} s; "
             f"{names.ENV_COMPILE_TIMEOUT}, default the larger of 1800 s and 10 x the step timeout).\n"
+            f"{blames_line(self.process_index, [self.process_index])}\n"
             f"Every process of the job stops with status {names.EXIT_STEP_TIMEOUT}.")
 
   def _end(self, message: str, publish: bool = False) -> None:
-    if publish and self._client is not None:
+    client = self._client
+    if client is not None:
+      if publish:
+        try:
+          client.key_value_set(_ABORT_KEY, message)
+        except Exception:  # noqa: BLE001  # another process fired first, or the service is gone
+          pass
       try:
-        self._client.key_value_set(_ABORT_KEY, message)
-      except Exception:  # noqa: BLE001  # another process fired first, or the service is gone
+        client.key_value_set(f"{_STOPPING_KEY}{self.process_index}", "1", allow_overwrite=True)
+      except Exception:  # noqa: BLE001  # the service is gone
         pass
+      if self.process_index == 0:
+        self._outlive_the_others()
     self._stopping.set()
     self._exit(message)
+
+  def _outlive_the_others(self) -> None:
+    """Process 0 runs the coordination service: when it ends, JAX aborts every other process (SIGABRT,
+    134) within a fraction of a second, before their watchdogs read the abort at their next tick. So it
+    waits until every other process has said it stops (``stopping/<process>``), at most two ticks and a
+    second: each process then ends with the watchdog's status and message, and the process the message
+    blames keeps its own status (a process too stuck to answer is not waited for longer)."""
+    others = set(range(self.process_count)) - {self.process_index}
+    deadline = time.monotonic() + 2 * self.interval + 1.0
+    while others and time.monotonic() < deadline:
+      try:
+        others -= {int(key.rsplit("/", 1)[-1]) for key, _ in self._client.key_value_dir_get(_STOPPING_KEY)}
+      except Exception:  # noqa: BLE001  # the service is gone: nothing to wait for
+        return
+      time.sleep(min(0.05, self.interval))
 
 
 def _describe(entry: dict[str, Any], with_steps: bool = True) -> str:
@@ -423,6 +458,15 @@ def _describe(entry: dict[str, Any], with_steps: bool = True) -> str:
                  f"({callback.get('file')}:{callback.get('line')})"
                  + (f", on {threads} threads" if threads != 1 else ""))
   return "; ".join(parts)
+
+
+def blames_line(firing: int, processes: list[int]) -> str:
+  """The line naming the processes the watchdog of process `firing` finds holding the job up, as the
+  launcher reads it (`names.WATCHDOG_BLAMES`): ``tpustrat: step watchdog of process 0: holding the job up:
+  process 1.``"""
+  ordered = sorted(set(processes))
+  stuck = ("process " if len(ordered) == 1 else "processes ") + ", ".join(str(p) for p in ordered)
+  return names.WATCHDOG_BLAMES.format(firing=firing, stuck=stuck)
 
 
 def _processes(indices: list[int]) -> str:
