@@ -22,16 +22,22 @@ and saves, under one step number, three items:
   devices when the state is saved (``checksums.json``, written by process 0). They depend on the
   array's values only, not on its layout, so a restore onto any layout recomputes them and compares.
 
-A save is atomic: orbax writes into a temporary ``<step>.orbax-checkpoint-tmp-*`` directory and renames
+A save is atomic: orbax writes into a temporary ``<step>.orbax-checkpoint-tmp`` directory and renames
 it to ``<step>`` only once every item of every process is written, so a save interrupted by an error or
-a crash leaves the previous checkpoints as they were, and `latest_step` never sees the partial one.
+a crash leaves the previous checkpoints as they were, and `latest_step` never sees the partial one. The
+next start removes such a leftover (process 0, with a warning). A write the storage refuses (disk full,
+read-only file system) ends the save at once: `CheckpointSaveError` naming the step, its directory and
+the error in a one-process job; in a multi-process job every process stops with status 74
+(`names.EXIT_CHECKPOINT_FAILED`), for the same reason as a deadline's 124 below.
 
 Damaged checkpoints. A step whose files were changed, truncated or deleted after the save (a data file
-that no longer decodes, an array whose content no longer matches its checksum, a missing item, an empty
-step directory) is *damaged*. `restore(step)` raises `DamagedCheckpointError` naming the step, its
-directory and what is wrong. `restore()` (the latest step) warns with `DamagedCheckpointWarning`,
-naming the same, moves the damaged step aside (``<step>.damaged``, kept for inspection, so that the
-step can be saved again) and falls back to the next older step, until one is intact. In a multi-process
+that no longer decodes, an array whose content no longer matches its checksum, a missing item, among them
+an iterator position or checksums that the step's metadata lists, an empty step directory) is *damaged*.
+`restore(step)` raises `DamagedCheckpointError` naming the step, its directory and what is wrong.
+`restore()` (the latest step) falls back to the next older step, until one is intact, then moves the
+damaged steps aside (``<step>.damaged``, kept for inspection, so that the step can be saved again) and
+warns with `DamagedCheckpointWarning` for each, naming the same, the step restored and where it was
+moved; when every step is damaged, nothing is moved and the error lists them. In a multi-process
 job every process reads the step, the processes exchange their verdicts through the coordination
 service, and all fall back together when any of them could not read it; the checksums are computed on
 the global arrays, so every process reaches the same verdict on them.

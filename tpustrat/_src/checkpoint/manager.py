@@ -427,9 +427,14 @@ class CheckpointManager:
       ``TPUClusterResolver(step_timeout=...)``), read at each operation, else 1200 s. Give it when a save
       of the state legitimately takes longer than the step timeout.
 
+  A save the storage refuses (disk full, read-only file system) ends at once: `CheckpointSaveError` with one
+  process, status 74 for every process of a multi-process job (see the module docstring). The first
+  manager of a directory opened by process 0 removes the temporary directories of saves that never
+  committed (``<step>.orbax-checkpoint-tmp``), with a `DamagedCheckpointWarning` naming each.
+
   Raises:
-    ValueError: `timeout` is not a positive finite number, or `options` is given with the arguments it
-      replaces.
+    ValueError: `timeout` is not a number of seconds in [1, 2**31 - 1] (the step timeout's range), or
+      `options` is given with the arguments it replaces.
   """
 
   def __init__(self, directory: str | os.PathLike[str], strategy: Any = None, *, max_to_keep: int | None = None,
@@ -616,9 +621,11 @@ class CheckpointManager:
 
     Args:
       step: which checkpoint; None for the newest intact one. A damaged newest step (see the module
-        docstring) is then moved aside to ``<step>.damaged`` with a `DamagedCheckpointWarning` naming it
-        and its directory, and the next older step is tried; `last_restored_step` says which step was
-        restored. Every process of the job restores the same step.
+        docstring) is skipped and the next older step tried; once one restores, the damaged ones are moved
+        aside to ``<step>.damaged``, each with a `DamagedCheckpointWarning` naming it, its directory, the
+        step restored instead and where it was moved. When every step is damaged nothing is moved.
+        `last_restored_step` says which step was restored. Every process of the job restores the same
+        step.
       target: the structure to restore into, usually the freshly initialised state (or the result of
         `run`). Its `Mirrored` values come back `Mirrored`, replicated over the strategy's mesh;
         `PerReplica` values come back `PerReplica`, one component per replica (the replica count must
