@@ -68,6 +68,7 @@ def test_resolver_uses_cluster_detection_unless_local(monkeypatch):
     (dict(process_id=-1), "`process_id` must be an int >= 0, got -1"),
     (dict(num_processes=2, process_id=2), "out of range"),
     (dict(coordinator_address="nohost"), "host:port"),
+    (dict(coordinator_address="h 1:1"), "coordinator_address must be a 'host:port' string, got 'h 1:1'"),
 ])
 def test_resolver_bad_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):

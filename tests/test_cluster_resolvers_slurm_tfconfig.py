@@ -83,6 +83,9 @@ def test_expand_hostlist(text, hosts):
     ("n[]", r"an empty '\[\]'"),
     ("n1 n2", "white space"),
     ("n[0-99999999]", "more than"),
+    # A host named twice is an error (issue 31 item 12), in one entry or across entries.
+    ("node[1,1]", r"SLURM_STEP_NODELIST='node\[1,1\]' names \['node1'\] more than once"),
+    ("n[1-2],n[2-3]", r"SLURM_STEP_NODELIST='n\[1-2\],n\[2-3\]' names \['n2'\] more than once"),
 ])
 def test_expand_hostlist_errors(text, match):
   with pytest.raises(ValueError, match=match):
@@ -175,10 +178,13 @@ def test_slurm_jobs_heterogeneous_nodes_and_arguments(monkeypatch):
   assert r.cluster_spec().as_dict() == {"chief": ["a1:20000"], "worker": ["a1:20001", "a1:20002", "a2:20000"]}
   assert r.master() == "a1:20002" and r.master("chief", 0, "grpc") == "grpc://a1:20000"
   assert r.coordinator_address == "a1:20000"
-  # tasks_per_node as an int and as a dict override the step's variable.
-  monkeypatch.setenv("SLURM_LOCALID", "1")
+  # tasks_per_node as an int and as a dict override the step's variable (with 2 per node, task 2 is the
+  # first task of a2).
+  monkeypatch.setenv("SLURM_LOCALID", "0")
+  monkeypatch.setenv("SLURMD_NODENAME", "a2")
   assert SlurmClusterResolver(tasks_per_node=2).cluster_spec().as_dict() == {
       "worker": ["a1:8888", "a1:8889", "a2:8888", "a2:8889"]}
+  monkeypatch.setenv("SLURMD_NODENAME", "a1")
   assert SlurmClusterResolver(tasks_per_node={"a2": 1, "a1": 3}).cluster_spec().as_dict() == {
       "worker": ["a1:8888", "a1:8889", "a1:8890", "a2:8888"]}  # the step's node order, not the dict's
 
@@ -236,6 +242,11 @@ def test_tpu_strategy_takes_a_slurm_resolver(monkeypatch):
     (dict(SLURM_LOCALID="4"), {}, RuntimeError, "SLURM_LOCALID=4 is out of range for the 4 tasks"),
     (dict(SLURMD_NODENAME="elsewhere"), {}, RuntimeError, "SLURMD_NODENAME='elsewhere', which is not one"),
     (dict(SLURM_PROCID="0", SLURMD_NODENAME="node002"), {}, RuntimeError, "task 0 runs on 'node002'"),
+    # Every task is checked against the node the block distribution puts it on (issue 31 item 12).
+    (dict(SLURMD_NODENAME="node001"), {}, RuntimeError,
+     "task 5 runs on 'node001', not on 'node002', the node of tasks 4-7 under Slurm's default"),
+    (dict(SLURM_PROCID="3", SLURM_LOCALID="3", SLURMD_NODENAME="node002"), {}, RuntimeError,
+     "task 3 runs on 'node002', not on 'node001', the node of tasks 0-3 under Slurm's default"),
     (dict(SLURM_GPUS_ON_NODE="2"), {}, RuntimeError, "2 GPUs per node .* cannot be shared by 4 tasks"),
     ({}, dict(gpus_per_node=4, gpus_per_task=2), RuntimeError, "more GPUs per node than available: 4 tasks x 2"),
     (dict(CUDA_VISIBLE_DEVICES="0,1,2"), dict(gpus_per_task=1), RuntimeError,
@@ -341,6 +352,12 @@ def test_tf_config_connects_through_the_common_interface(monkeypatch):
     ({"cluster": {"worker": ["w:1", "w2"]}}, {}, r"TF_CONFIG\['cluster'\]\['worker'\]\[1\] must be a \"host:port\""),
     ({"cluster": {"worker": ["w:1", 5]}}, {}, r"\['worker'\]\[1\] must be a \"host:port\" address, got 5"),
     ({"cluster": {"worker": ["w:port"]}}, {}, r"\['worker'\]\[0\] must be a \"host:port\""),
+    # White space, an empty host, a port that is not plain ASCII digits (issue 31 item 12).
+    ({"cluster": {"worker": ["h 1:1"]}}, {}, r"\['worker'\]\[0\] must be a \"host:port\" address, got 'h 1:1'"),
+    ({"cluster": {"worker": ["w:1", "w:2 "]}}, {}, r"\['worker'\]\[1\] must be a \"host:port\" address"),
+    ({"cluster": {"worker": ["\tw:1"]}}, {}, r"\['worker'\]\[0\] must be a \"host:port\" address"),
+    ({"cluster": {"worker": ["w:\u0661\u0662"]}}, {}, r"\['worker'\]\[0\] must be a \"host:port\" address"),
+    ({"cluster": {"worker": ["[]:1"]}}, {}, r"\['worker'\]\[0\] must be a \"host:port\" address"),
     ({"cluster": {"worker": {"x": "w:1"}}}, {}, r"\['worker'\] has the task index 'x'"),
     ({"cluster": CLUSTER, "task": "worker"}, {}, r"TF_CONFIG\['task'\] must be an object"),
     ({"cluster": CLUSTER, "task": {"type": 3, "index": 0}}, {}, r"TF_CONFIG\['task'\]\['type'\] must be a job"),

@@ -10,8 +10,10 @@ the handler's API with a watcher function and an exit function that does not exi
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -405,6 +407,19 @@ def test_bad_arguments_are_named(tmp_path):
       handler.run(lambda s: s, {"w": 1})
     with pytest.raises(TypeError, match="must have get_state"):
       handler.restore({}, iterator=iter([1]))
+
+
+@pytest.mark.parametrize("value, error", [
+    (-1, ValueError), (math.inf, ValueError), (math.nan, ValueError), (2**40, ValueError),
+    (names.MAX_TIMEOUT_SECONDS + 1, ValueError), ("30", TypeError), (True, TypeError),
+])
+def test_grace_period_is_range_checked_like_every_timeout(value, error):
+  # inf and 2**40 used to be accepted (issue 31 item 8); the range is every timeout's: [0, 2**31 - 1] s.
+  with pytest.raises(error, match=re.escape(
+      f"TerminationConfig: grace_period must be a number of seconds in [0, {names.MAX_TIMEOUT_SECONDS}], got ")):
+    tpustrat.TerminationConfig(grace_period=value)
+  for bound in (0, 0.5, names.MAX_TIMEOUT_SECONDS):
+    assert tpustrat.TerminationConfig(grace_period=bound).grace_period == bound
 
 
 # -- the step watchdog in this process ---------------------------------------------------------------

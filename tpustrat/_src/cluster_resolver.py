@@ -65,17 +65,26 @@ def _is_loopback(host: str) -> bool:
 
 
 def _check_address(value: Any, what: str, where: str = _WHERE) -> str:
-  if not isinstance(value, str) or ":" not in value:
+  if not is_address(value):
     raise ValueError(f"{where}: {what} must be a 'host:port' string, got {value!r}.")
   return value
 
 
 def is_address(value: Any) -> bool:
-  """Whether `value` is a ``host:port`` string with a non-empty host and a port in [0, 65535]."""
+  """Whether `value` is a ``host:port`` string: a non-empty host without white space or control characters
+  (an IPv6 host in brackets, ``[::1]:80``), and a port of ASCII digits in [0, 65535].
+
+  >>> is_address("10.0.0.1:8476"), is_address("[::1]:80"), is_address("h 1:1"), is_address("h:port")
+  (True, True, False, False)
+  """
   if not isinstance(value, str):
     return False
   host, sep, port = value.rpartition(":")
-  return bool(sep and host.strip("[]") and port.isdigit() and int(port) <= 65535)
+  if not (sep and port.isascii() and port.isdigit() and int(port) <= 65535):
+    return False
+  if host.startswith("[") or host.endswith("]"):  # an IPv6 address: [::1]
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else ""
+  return bool(host) and host.isprintable() and not any(ch.isspace() or ch in "[]" for ch in host)
 
 
 def _check_ids(value: Any) -> list[int]:

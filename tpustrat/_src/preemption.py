@@ -61,7 +61,7 @@ from typing import Any
 
 import jax
 
-from tpustrat._src import jax_compat, names, termination_notice
+from tpustrat._src import jax_compat, names, termination_notice, validation
 from tpustrat._src.checkpoint import CheckpointManager, bounded_operation
 
 __all__ = ["PreemptionCheckpointHandler", "TerminationConfig"]
@@ -84,9 +84,11 @@ class TerminationConfig:
       (`names.EXIT_RESTART`), which ``python -m tpustrat.launch --max-restarts N`` treats as "restart
       me" (TF's ``sys.exit(42)``, here with JAX's distributed runtime shut down first and ``os._exit``:
       `atexit` handlers do not run). If it returns, training goes on (the notice is consumed).
-    grace_period: seconds between the notice and the actual termination (default 0). When positive,
-      the handler saves once at the first agreed call, keeps training, and saves again and exits when
-      the period is nearly over (see the module docstring).
+    grace_period: seconds between the notice and the actual termination (default 0), in
+      ``[0, 2**31 - 1]`` (`names.MAX_TIMEOUT_SECONDS`, the bound of every timeout; a `ValueError` names the
+      value otherwise, a `TypeError` a value that is not a number). When positive, the handler saves once
+      at the first agreed call, keeps training, and saves again and exits when the period is nearly over
+      (see the module docstring).
     save_fn: ``save_fn(step, state, iterator)`` saves in place of the default
       ``checkpoint_manager.save(step, state, iterator=iterator, force=True)`` (TF's `save_fn` takes the
       arguments of the save; here those are the step, the state and the iterator, or None). It must be
@@ -100,10 +102,14 @@ class TerminationConfig:
                      ("save_fn", save_fn)):
       if fn is not None and not callable(fn):
         raise TypeError(f"TerminationConfig: {name} must be callable or None, got {fn!r:.100}.")
-    if grace_period is not None and (isinstance(grace_period, bool) or not isinstance(grace_period, (int, float))
-                                     or not grace_period >= 0):
-      raise ValueError(f"TerminationConfig: grace_period must be a number of seconds >= 0 or None, got "
-                       f"{grace_period!r}.")
+    if grace_period is not None:
+      # Every timeout's rule (`validation.check_seconds`): [0, 2**31 - 1] s, the bound of every timeout of
+      # the job; inf, NaN or 2**40 would never end the first save's round.
+      what = "TerminationConfig: grace_period"
+      if isinstance(grace_period, str):
+        raise TypeError(f"{what} must be a number of seconds in [0, {names.MAX_TIMEOUT_SECONDS}], got str "
+                        f"{grace_period!r:.60}.")
+      grace_period = validation.check_seconds(grace_period, what, minimum=0, maximum=names.MAX_TIMEOUT_SECONDS)
     self.termination_watcher_fn = termination_watcher_fn
     self.exit_fn = exit_fn
     self.grace_period = 0.0 if grace_period is None else float(grace_period)

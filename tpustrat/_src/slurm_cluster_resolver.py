@@ -29,6 +29,7 @@ Host lists (``node[001-003,007],gpu-a[1-2]``) and task counts (``2(x3),1``) are 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import re
@@ -86,7 +87,7 @@ def _expand_range(body: str, text: str, what: str) -> list[str]:
 
 
 def expand_hostlist(hostlist: str, what: str = "hostlist") -> list[str]:
-  """Slurm's compressed host list as a list of host names, in order (nothing sorted or removed).
+  """Slurm's compressed host list as a list of distinct host names, in order (nothing sorted).
 
   Each comma-separated entry is literal text and bracketed number sets (``[1-3,7]``); several bracket
   sets give every combination, the first varying slowest (``rack[1-2]-n[1-2]``: rack1-n1, rack1-n2,
@@ -101,7 +102,8 @@ def expand_hostlist(hostlist: str, what: str = "hostlist") -> list[str]:
 
   Raises:
     ValueError: an empty list or entry, an unbalanced or nested bracket, a bracket item that is not a
-      number or a range of numbers, a range that ends before it starts, or white space.
+      number or a range of numbers, a range that ends before it starts, white space, or a host named more
+      than once (``node[1,1]``, ``n[1-2],n2``: Slurm lists each node of a step once).
 
   >>> expand_hostlist("n[1-2],m5,o[3-4,6]")
   ['n1', 'n2', 'm5', 'o3', 'o4', 'o6']
@@ -132,6 +134,10 @@ def expand_hostlist(hostlist: str, what: str = "hostlist") -> list[str]:
       hosts.append("".join(combination))
       if len(hosts) > _MAX_HOSTS:
         raise ValueError(f"{_WHERE}: the host list {what}={text!r} names more than {_MAX_HOSTS} hosts.")
+  if len(set(hosts)) != len(hosts):
+    twice = [h for h, n in collections.Counter(hosts).items() if n > 1]
+    raise ValueError(f"{_WHERE}: the host list {what}={text!r} names {twice} more than once; each host must "
+                     "appear once.")
   return hosts
 
 
@@ -351,10 +357,19 @@ class SlurmClusterResolver(ClusterResolver):
     if node is not None and node[1] not in self._hosts:
       raise RuntimeError(f"{_WHERE}: this task runs on SLURMD_NODENAME={node[1]!r}, which is not one of the "
                          f"step's nodes {self._hosts[:8]}{' ...' if len(self._hosts) > 8 else ''}.")
-    if rank == 0 and node is not None and node[1] != self._hosts[0]:
+    # Slurm's default (block) distribution puts tasks sum(counts[:k]) .. sum(counts[:k + 1]) - 1 on node k:
+    # task 0 on the first node, where the other tasks look for the coordinator, and task i where
+    # `cluster_spec` says it is. Every task checks its own node.
+    starts = list(itertools.accumulate(counts, initial=0))  # the first task of each node
+    k = next(k for k in range(len(counts)) if rank < starts[k + 1])  # rank < num_tasks: there is one
+    if node is not None and node[1] != self._hosts[k]:
+      first, last = starts[k], starts[k + 1] - 1
+      tasks = f"tasks {first}-{last}" if last > first else f"task {first}"
       raise RuntimeError(
-          f"{_WHERE}: task 0 runs on {node[1]!r}, not on the first node of the step ({self._hosts[0]!r}), "
-          "where the other tasks look for the coordinator. Use Slurm's default task distribution (block).")
+          f"{_WHERE}: task {rank} runs on {node[1]!r}, not on {self._hosts[k]!r}, the node of {tasks} under "
+          f"Slurm's default task distribution (block) (SLURMD_NODENAME={node[1]!r}, SLURM_PROCID={rank}), which "
+          "the coordinator (task 0, on the first node) and `cluster_spec` assume. Use the block distribution "
+          "(srun's default; not --distribution=cyclic or arbitrary).")
     tasks_here = counts[self._hosts.index(node[1])] if node is not None else max_tasks
     local = _env_count("SLURM_LOCALID")
     if local is not None and local[1] >= tasks_here:
@@ -375,9 +390,6 @@ class SlurmClusterResolver(ClusterResolver):
     nodelist = _env("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     hosts = None if nodelist is None else expand_hostlist(nodelist[1], nodelist[0])
     nodes = "" if nodelist is None else f"{nodelist[0]}={nodelist[1]!r}"  # for messages
-    if hosts is not None and len(set(hosts)) != len(hosts):
-      twice = sorted({h for h in hosts if hosts.count(h) > 1})
-      raise ValueError(f"{_WHERE}: the node list {nodes} names {twice} more than once.")
     if isinstance(tasks_per_node, dict):
       config = _check_counts(tasks_per_node, "tasks_per_node", minimum=1)
       if hosts is None:
