@@ -15,6 +15,9 @@ Runtime is XLA compilation, about one program per replica count: the step functi
 (`model`) and shared by the tests.
 """
 
+import re
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -896,3 +899,78 @@ def test_check_ids_takes_one_distributed_value_of_the_features_and_reads_sequenc
     emb.check_ids(strategy.experimental_distribute_values_from_function(bad_on_replica_1))
   with pytest.raises(ValueError, match=rf"feature 's' holds id {V + 5}"):
     emb.check_ids({"f": good[:, :1], "s": np.concatenate([good[:, 2:], good[:, :1]], axis=1)})
+
+
+# -- padding examples of a partial batch touch no row -----------------------------------------------------
+
+PADDING_OPTIMIZERS = {
+    "ftrl": lambda: emb_lib.FTRL(learning_rate=0.5, l1_regularization_strength=0.01),
+    "lazy-adam": lambda: emb_lib.Adam(learning_rate=0.1),
+    "adagrad-momentum": lambda: emb_lib.AdagradMomentum(learning_rate=0.1, momentum=0.9),
+}
+# How the step hands the batch's ids to the embedding: as the batch holds them, or computed from them.
+PADDING_IDS = {
+    "as-given": lambda ids: ids,
+    "computed": lambda ids: ids + 1,  # elementwise: the batch's rows, traced through the program (padding: row 1)
+    "masked-by-the-caller": lambda ids: jnp.where(tpustrat.valid_mask(ids), ids, -1),
+}
+
+
+@pytest.mark.parametrize("how", sorted(PADDING_IDS))
+@pytest.mark.parametrize("opt", sorted(PADDING_OPTIMIZERS))
+@pytest.mark.parametrize("layout", EMBEDDING_LAYOUTS)
+def test_padding_examples_of_a_partial_batch_touch_no_row(strategy, layout, opt, how):
+  # A 50 x 2 table on 8 replicas; batches of 16 and 13 examples (2 per replica: the second is padded with
+  # zeros, id 0, on replicas 6 and 7). The padding's row (0, or 1 for ids computed as ids + 1) is looked up
+  # by no real example of the second batch. For lazy Adam and AdagradMomentum real examples of the first
+  # batch look it up, so that its momentum is not zero (a touched row would move on it); for FTRL none
+  # does (a touched row would be reset to FTRL's closed form, 0 for a row without gradients).
+  rng = np.random.default_rng(3)
+  first = rng.integers(1, 49, size=16).astype(np.int32)
+  if opt != "ftrl":
+    first[[2, 9]] = 0
+  second = rng.integers(1, 49, size=13).astype(np.int32)
+  compute = PADDING_IDS[how]
+  real_second = np.unique(np.asarray(compute(jnp.asarray(second))))
+  padding_row = int(np.asarray(compute(jnp.zeros((1,), jnp.int32)))[0])
+  assert padding_row not in real_second
+  assert (padding_row in np.asarray(compute(jnp.asarray(first)))) == (opt != "ftrl")
+  emb = embedding_layout(emb_lib.TPUEmbedding(
+      {"f": emb_lib.FeatureConfig(emb_lib.TableConfig(50, 2, optimizer=PADDING_OPTIMIZERS[opt](), name="t"))},
+      strategy=strategy), layout)
+  state = emb.build(seed=0)
+
+  def step(state, batch):
+    ids = compute(batch["ids"])
+    acts = emb.lookup(state, {"f": ids})
+    # The loss masks the padding examples, as the guides teach: d(sum of real activations) / d(activations).
+    grads = jnp.where(tpustrat.valid_mask(batch["ids"])[:, None], jnp.ones_like(acts["f"]), 0.0)
+    return emb.apply_gradients(state, {"f": ids}, {"f": grads})
+
+  batches = iter(strategy.experimental_distribute_dataset([{"ids": first}, {"ids": second}]))
+  state = strategy.run(step, args=(state, next(batches)))
+  after_first = emb.embedding_tables(state)["t"].copy()
+  state = strategy.run(step, args=(state, next(batches)))
+  after_second = emb.embedding_tables(state)["t"]
+  # Row 0 (and every row no real example of the second batch looked up) is as the first step left it.
+  untouched = np.setdiff1d(np.arange(50), real_second)
+  np.testing.assert_array_equal(after_second[untouched], after_first[untouched])
+  assert not np.allclose(after_second[real_second], after_first[real_second])  # the real rows did move
+
+
+def test_ids_whose_rows_cannot_be_traced_warn_and_keep_every_row(strategy):
+  emb = emb_lib.TPUEmbedding({"f": emb_lib.FeatureConfig(emb_lib.TableConfig(50, 2, optimizer=emb_lib.SGD(0.1),
+                                                                             name="t"))}, strategy=strategy)
+  state = emb.build(seed=0)
+  ids = np.arange(1, 14, dtype=np.int32)
+  batch = next(iter(strategy.experimental_distribute_dataset([{"ids": ids}])))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    acts = strategy.run(lambda s, b: emb.lookup(s, {"f": jnp.sort(b["ids"])}), args=(state, batch))
+  messages = [str(w.message) for w in caught if issubclass(w.category, tpustrat.BatchRowsWarning)]
+  # One for the ids, one for the output (whose rows are the sorted ids').
+  assert any(re.search(r"the ids of feature \"\['f'\]\" .* cannot be traced to one batch: they pass through "
+                       r"`sort`.*valid_mask", m) for m in messages), messages
+  # Nothing left out: replica 6's padding row (id 0 after the sort) is looked up, row 0 of the table.
+  table = emb.embedding_tables(state)["t"]
+  np.testing.assert_allclose(np.asarray(acts["f"].values[6]), table[[0, 13]], rtol=1e-6)

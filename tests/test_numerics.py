@@ -295,6 +295,38 @@ def test_padding_rows_of_a_partial_batch_are_not_checked(strategy):
       strategy.gather(out, axis=0))])))
 
 
+@pytest.mark.parametrize("move", [
+    pytest.param(lambda x: jnp.flip(x, 0), id="flip"),
+    pytest.param(lambda x: jnp.roll(x, 1, axis=0), id="roll"),
+    pytest.param(lambda x: jnp.take(x, jnp.array([1, 0]), axis=0), id="take"),
+    pytest.param(lambda x: jnp.sort(x, axis=0), id="sort"),
+])
+def test_a_nan_the_step_moved_into_a_padding_slot_is_found(strategy, move):
+  # 13 rows over 8 replicas, 2 per replica: replica 6 holds row 12 and one padding row, replica 7 only padding.
+  data = np.ones((13, 2), np.float32)
+  data[12, 1] = np.nan  # replica 6's first (and only real) row
+  batch = next(iter(strategy.experimental_distribute_dataset([data])))
+  with pytest.warns(tpustrat.BatchRowsWarning, match="cannot be traced"):
+    out = strategy.run(lambda x: move(x), args=(batch,), options=CHECK)  # moves replica 6's row 0 to row 1
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.experimental_run_wait()
+  e = info.value
+  assert e.replicas == (6,) and e.outputs == [("<root>", "PerReplica", (6,), True, False)]
+  message = str(e)
+  assert "could not be traced to the argument at [0][0]" in message
+  assert "only in rows past the real rows" in message and "tpustrat.per_example(x, batch=...)" in message
+  del out
+
+
+def test_padding_rows_are_skipped_where_the_rows_are_traced_in_place(strategy):
+  # The same batch, rows kept in place (elementwise): the padding row's log(0) = -inf is not reported.
+  data = np.ones((13, 2), np.float32)
+  batch = next(iter(strategy.experimental_distribute_dataset([data])))
+  out = strategy.run(lambda x: jnp.log(x), args=(batch,), options=CHECK)
+  strategy.experimental_run_wait()
+  assert np.asarray(out.values[7]).shape == (2, 2) and np.isneginf(np.asarray(out.values[7])).all()
+
+
 def test_off_is_the_same_program_and_cache_entry(strategy):
   engine = strategy.extended.engine
   x = per_replica(strategy, [1.0] * N)

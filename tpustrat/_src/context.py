@@ -205,6 +205,12 @@ class ReplicaContext:
     """(array, index into `real_rows`, or None where the rows must be traced) for each array
     `tpustrat.per_example` marked in this step."""
     self._batch_of: dict[int, tuple[Any, int]] = {}
+    self.row_queries: list[tuple[Any, str]] = []
+    """(array, what it is) for each array whose padded batch library code asked for (`padding_count`) and
+    that is not one of the step's batch arrays: `run` traces its rows to a batch (`batch_rows`) and traces
+    the step again with the answers in `row_answers`."""
+    self.row_answers: list[int | None] | None = None
+    self._asked = 0
 
   def note_batch_leaves(self, leaves: Any, index: int) -> None:
     """Records that the arrays `leaves` (as the step function receives them) are rows of padded batch
@@ -217,6 +223,28 @@ class ReplicaContext:
     function received), or None."""
     hit = self._batch_of.get(id(x))
     return hit[1] if hit is not None and hit[0] is x else None
+
+  def padding_count(self, x: Any, what: str) -> Any:
+    """This replica's real rows of the padded batch whose rows array `x` holds on axis 0, or None where
+    it holds no padded batch's rows (every row of it is real).
+
+    The batch is found by the array itself (one the step received as part of a padded batch) or, for an
+    array computed in the step, by following its rows through the step's program: the first trace asks
+    (`row_queries`, and answers None), and `run` traces the step a second time with the answers
+    (`row_answers`), so that what the answer decides (a mask) is in the program that runs. Never by size
+    alone. `what` names `x` in a warning where its rows cannot be traced."""
+    b = self.batch_index(x)
+    if b is not None:
+      return self.real_rows[b][1]
+    sizes = [k for k, _ in self.real_rows]
+    if not sizes or getattr(x, "ndim", 0) == 0 or x.shape[0] not in sizes:
+      return None
+    if self.row_answers is None:
+      self.row_queries.append((x, what))
+      return None
+    answer = self.row_answers[self._asked] if self._asked < len(self.row_answers) else None
+    self._asked += 1
+    return None if answer is None else self.real_rows[answer][1]
 
   @property
   def strategy(self) -> Strategy:

@@ -730,7 +730,11 @@ class TPUEmbedding:
     self.check_ids(features)
     weight_list = [None] * len(ids_list) if weights is None else self._flatten_features(weights, where, "weights")
     out = []
+    ctx = context_lib.get_replica_context()
     for f, fname, ids, w in zip(self._features, self._feature_names, ids_list, weight_list):
+      # A padded batch's padding examples (zeros: id 0) touch no row, whatever the caller masks: the rows
+      # past this replica's real ones are found from the batch the ids are (or were computed from).
+      real = None if ctx is None else ctx.padding_count(ids, f"TPUEmbedding.{where}: the ids of feature {fname!r}")
       ids = jnp.asarray(ids)
       if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.ndim not in (1, 2):
         raise ValueError(f"TPUEmbedding.{where}: the ids of feature {fname!r} must be int [b] or [b, L], got "
@@ -740,6 +744,8 @@ class TPUEmbedding:
       ids2 = ids2.astype(jnp.promote_types(ids2.dtype, jnp.int32))
       # An id outside [0, V) cannot be checked while traced: it counts as padding (no row, no weight).
       ids2 = jnp.where((ids2 >= 0) & (ids2 < f.table.vocabulary_size), ids2, -1).astype(jnp.int32)
+      if real is not None:
+        ids2 = jnp.where(lax.broadcasted_iota(jnp.int32, ids2.shape, 0) < real, ids2, -1)
       if w is not None:
         w = jnp.asarray(w, jnp.float32)
         w = w[:, None] if w.ndim == 1 else w
@@ -885,10 +891,16 @@ class TPUEmbedding:
     ``ids[i, j]`` (times its weight, if weighted), zeros for ``-1``; ids beyond ``max_sequence_length``
     are dropped and shorter sequences padded, as in TF.
 
-    A partial batch from a distributed dataset is padded with zeros, so its padding examples carry id 0:
-    mask them, ``jnp.where(tpustrat.valid_mask(ids)[:, None], ids, -1)``, in `lookup` and
-    `apply_gradients` alike, or lazy Adam and Adagrad would count row 0 as touched (their gradient is
-    zero when the loss masks them too).
+    A partial batch from a distributed dataset is padded with zeros, so its padding examples carry id 0.
+    They touch no row, in `lookup` and `apply_gradients` alike: the ids of the padding examples count as
+    ``-1`` (zeros out, no gradient, no row counted as touched by lazy Adam, FTRL or AdagradMomentum). The
+    padding examples are known from the batch the ids are (the batch's own array), or were computed from
+    (their rows followed through the step's program, as for `run`'s outputs: an elementwise function of
+    the batch's ids, a `jnp.where` mask, a slice of columns); never from a size alone. Ids whose rows
+    cannot be followed there (a sort or gather along the examples) have the padding's size but no known
+    padding: a `BatchRowsWarning` says so, and nothing is left out; mask them yourself with
+    ``jnp.where(tpustrat.valid_mask(batch)[:, None], ids, -1)``. (With logical cores only the batch's
+    own arrays are recognised.)
     """
     prepared = self._prepare(state, features, weights, "lookup")
     routes, wholes, spread, empty = self._routes(state, prepared, "lookup")

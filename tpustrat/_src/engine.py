@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 import types
 import warnings
@@ -804,17 +805,25 @@ class Engine:
         # Padding follows an output only as the user said: (batch, True) for a marked per-example output;
         # (batch, False), batch rows for `axis=0`, for an unmarked one whose axis 0 the program shows to
         # hold one padded batch's rows (`batch_rows`: traced, not read off its size).
+        guessed: set[int] = set()  # outputs whose padding is assumed from their size, not traced
         record["padded"] = _output_padding(out_leaves, paths, [v and sh is None for v, sh in zip(is_varying, shards)],
-                                           marked, sizes, names, rows)  # blocks are never a batch's rows
+                                           marked, sizes, names, rows, guessed)  # blocks are never a batch's rows
         invariant = tuple(x for x, v in zip(out_leaves, is_varying) if not v)
         varying = tuple(x[None] for x, v in zip(out_leaves, is_varying) if v)
         if numerics is None:
           return invariant, varying
-        row_counts = [counts[p[0]] if p is not None and v and sh is None else None
-                      for p, v, sh in zip(record["padded"], is_varying, shards)]
+        # Padding rows are skipped only where the program shows the rows to be the batch's (or the user
+        # marked them): an output whose rows were moved in a way not traced (a flip, a sort) is checked
+        # whole, and a NaN past the real rows is reported as possibly padding.
+        out_batch = [p if p is not None and v and sh is None else None
+                     for p, v, sh in zip(record["padded"], is_varying, shards)]
+        row_counts = [counts[p[0]] if p is not None and i not in guessed else None for i, p in enumerate(out_batch)]
+        untraced = [counts[p[0]] if p is not None and i in guessed else None for i, p in enumerate(out_batch)]
         # A block's padding rows (past the logical size) are not data: checked without them.
         checked_leaves = [LocalShard(x, *sh).real_block() if sh is not None else x for x, sh in zip(out_leaves, shards)]
-        flags, checked = numerics_lib.replica_flags(checked_leaves, is_varying, row_counts, axis, n)
+        flags, checked = numerics_lib.replica_flags(checked_leaves, is_varying, row_counts, axis, n, untraced)
+        numerics.untraced = [names[ob[0]] if (ob := out_batch[i]) is not None and i in guessed else None
+                             for i in checked]
         numerics.paths = [paths[i] for i in checked]
         numerics.kinds = ["ShardedVariable" if shards[i] is not None else "PerReplica" if is_varying[i]
                           else "Mirrored" for i in checked]
@@ -1109,9 +1118,12 @@ class _StepJaxpr:
     where = [(i, batch_at[id(x)]) for i, x in enumerate(leaves) if id(x) in batch_at]
     num = len(leaves)
 
-    def flat_fn(*flat: Any) -> list[Any]:
+    queries: list[tuple[Any, str]] = []
+
+    def flat_fn(*flat: Any, answers: list[int | None] | None = None) -> list[Any]:
       ctx = make_context(list(zip(sizes, flat[num:])))
       ctx.batch_names = names
+      ctx.row_answers = answers
       for i, b in where:
         ctx.note_batch_leaves([flat[i]], b)
       args, kwargs = jax.tree.unflatten(outer, jax.tree.unflatten(treedef, list(flat[:num])))
@@ -1125,16 +1137,43 @@ class _StepJaxpr:
       self.shards = [(x.shape, x.axis) if isinstance(x, LocalShard) else None for x in out_leaves]
       # `tpustrat.per_example` marks arrays by identity: resolved to output positions here.
       self.marked = {i: j for i, x in enumerate(out_leaves) for m, j in ctx.per_example_marks if x is m}
-      return [x.block if isinstance(x, LocalShard) else _as_output_array(x, p)
-              for x, p in zip(out_leaves, self.paths)]
+      results = [x.block if isinstance(x, LocalShard) else _as_output_array(x, p)
+                 for x, p in zip(out_leaves, self.paths)]
+      if answers is None and ctx.row_queries:  # traced once more to follow them (`ReplicaContext.padding_count`)
+        queries[:] = ctx.row_queries
+        results += [jnp.asarray(x) for x, _ in ctx.row_queries]
+      return results
 
     self._args = [*leaves, *counts]
+    in_rows = labels + [Rows.NONE] * len(counts)
     self._jaxpr, self._consts = open_jaxpr(jax.make_jaxpr(flat_fn)(*self._args))
-    self.rows = leading_rows(self._jaxpr, labels + [Rows.NONE] * len(counts))
+    self.rows = leading_rows(self._jaxpr, in_rows)
+    if queries and not quiet:
+      # Arrays computed in the step whose padded batch library code asked for: their rows, traced here,
+      # answer the question in a second trace, whose program is the one that runs.
+      answers = [self._answer(r, x, what, sizes, names) for r, (x, what) in zip(self.rows[-len(queries):], queries)]
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the first trace has said what it had to say
+        self._jaxpr, self._consts = open_jaxpr(jax.make_jaxpr(functools.partial(flat_fn, answers=answers))(*self._args))
+      self.rows = leading_rows(self._jaxpr, in_rows)
     # The split axis of each input leaf that is a block of a sharded value (`LocalShard`).
     self._split = [x.axis if isinstance(x, LocalShard) else None
                    for x in jax.tree.leaves(nodes, is_leaf=lambda x: isinstance(x, LocalShard))]
     self._split += [None] * len(counts)
+
+  @staticmethod
+  def _answer(r: Rows, x: Any, what: str, sizes: list[int], names: tuple[str, ...]) -> int | None:
+    """The padded batch whose rows `x` (asked about by `what`) holds on axis 0, from its traced rows."""
+    if not r.is_unknown and len(r.batches) == 1 and r.axis == 0 and sizes[next(iter(r.batches))] == x.shape[0]:
+      return next(iter(r.batches))
+    if r.carries_rows:
+      how = (f"they pass through `{r.unknown_via}`, whose effect on axis 0 is not traced" if r.is_unknown
+             else "it combines the rows of " + " and ".join(names[b] for b in sorted(r.batches)))
+      warnings.warn(
+          f"strategy.run: {what} ({x.dtype}{list(x.shape)}): axis 0 has the per-replica size of a padded batch, "
+          f"but its rows cannot be traced to one batch: {how}. Its padding rows cannot be told from real ones, "
+          "so none is left out: mask them yourself (tpustrat.valid_mask(batch)).", BatchRowsWarning, stacklevel=4)
+    return None
 
   def check_block_statistics(self) -> None:
     """A ValueError, while the step is traced, if a block the step returns (a `LocalShard`: new sharded
@@ -1164,10 +1203,11 @@ class _StepJaxpr:
 
 def _output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[bool],
                     marked: dict[int, int | None], sizes: list[int], names: tuple[str, ...],
-                    rows: list[Rows] | Callable[[], list[Rows]]) -> list[Any]:
+                    rows: list[Rows] | Callable[[], list[Rows]], guessed: set[int] | None = None) -> list[Any]:
   """For each output leaf: None (whole), ``(batch, True)`` (marked per-example: its padding skipped
   everywhere) or ``(batch, False)`` (axis 0 holds that batch's rows: skipped along ``axis=0``).
-  `rows`: the `Rows` of every output, or a function that traces them when first needed."""
+  `rows`: the `Rows` of every output, or a function that traces them when first needed. The positions of
+  outputs whose batch is only assumed from their size (their rows were not traced) go into `guessed`."""
   traced: list[list[Rows]] = []  # the rows, once known
 
   def rows_of(i: int) -> Rows:
@@ -1217,6 +1257,8 @@ def _output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[bo
           f"will {effect}. Mark it with tpustrat.per_example(x, batch=...) to say whose rows it holds.",
           BatchRowsWarning, stacklevel=2)
       result.append(None if chosen is None else (chosen, False))
+      if chosen is not None and guessed is not None:
+        guessed.add(i)
     else:
       result.append(None)  # its axis 0 is not a batch's rows, whatever its size
   return result

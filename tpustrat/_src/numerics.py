@@ -5,8 +5,10 @@ one `uint8` per floating output leaf (bit 1: a NaN, bit 2: an Inf), and `gather_
 one invariant ``[num_replicas, L]`` array: every device, so every process, holds every replica's flags. A
 `Mirrored` (invariant) output is the same on every replica, so each replica checks only its ``1/N`` slice of
 it (the host ORs the slices); a per-replica output is checked whole by its replica, without the padding
-rows of a padded batch it holds, and a `ShardedVariable`'s block without its padding rows past the logical
-size (neither is data).
+rows of a padded batch whose rows the program shows it to hold in place (`batch_rows`, or a
+`per_example` mark), and a `ShardedVariable`'s block without its padding rows past the logical size
+(neither is data). An output that only has a padded batch's size, its rows moved in a way not traced, is
+checked whole; a NaN / Inf only past the real rows sets `PAST_REAL`, and the error explains the padding.
 
 On the host: the flags array is the step's wait token (`engine.InFlight`): when the steps-in-flight bound
 waits on step ``t`` (before dispatching step ``t + k``), or `experimental_run_wait` drains it, `Check` reads
@@ -48,6 +50,7 @@ __all__ = ["NumericsError", "Outputs", "Check", "TracedChecks", "replica_flags",
            "collect", "replica_processes"]
 
 NAN, INF = 1, 2
+PAST_REAL = 4  # the NaN / Inf lies only in rows past the real rows of a batch whose rows were not traced
 _SLICE_MIN = 4096  # a Mirrored output of at least this many elements is checked a 1/N slice per replica
 
 
@@ -85,6 +88,9 @@ class Outputs:
   kinds: list[str]
   processes: tuple[int, ...]
   what: str
+  untraced: list[str | None] = dataclasses.field(default_factory=list)
+  """Per checked leaf: the padded batch its size matches where its rows could not be traced to it (it is
+  checked whole, padding included), else None."""
   calls: int = 0  # concrete dispatches so far
   steps: int = 0  # steps run by them (more than `calls` for experimental_run_steps)
 
@@ -100,12 +106,17 @@ def _leaf_code(x: jax.Array) -> jax.Array:
 
 
 def replica_flags(leaves: Sequence[Any], is_varying: Sequence[bool], row_counts: Sequence[Any | None],
-                  axis: str, n: int) -> tuple[jax.Array | None, list[int]]:
+                  axis: str, n: int, untraced: Sequence[Any | None] | None = None,
+                  ) -> tuple[jax.Array | None, list[int]]:
   """This replica's flags (`uint8[L]`) for the floating leaves among `leaves` (one replica's outputs, in
   the `shard_map` body), and their positions. `row_counts[i]`: this replica's real rows of a padded batch
-  whose rows leaf `i`'s axis 0 holds (rows past it are padding and not checked), else None."""
+  whose rows leaf `i`'s axis 0 holds, traced through the program (rows past it are padding and not
+  checked), else None. `untraced[i]`: the real rows of a padded batch whose size leaf `i`'s axis 0 has but
+  whose rows could not be traced there: the leaf is checked whole, and `PAST_REAL` is set where it is bad
+  only past those rows (perhaps padding, perhaps a real row the step moved there)."""
   codes, checked = [], []
-  for i, (x, v, rows) in enumerate(zip(leaves, is_varying, row_counts)):
+  untraced = [None] * len(leaves) if untraced is None else untraced
+  for i, (x, v, rows, maybe) in enumerate(zip(leaves, is_varying, row_counts, untraced)):
     if not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
       continue
     if not v:
@@ -117,6 +128,11 @@ def replica_flags(leaves: Sequence[Any], is_varying: Sequence[bool], row_counts:
     elif rows is not None and x.ndim:
       real = lax.broadcasted_iota(jnp.int32, (x.shape[0],) + (1,) * (x.ndim - 1), 0) < rows
       code = _leaf_code(jnp.where(real, x, jnp.zeros((), x.dtype)))
+    elif maybe is not None and x.ndim:
+      code = _leaf_code(x)
+      real = lax.broadcasted_iota(jnp.int32, (x.shape[0],) + (1,) * (x.ndim - 1), 0) < maybe
+      in_real = _leaf_code(jnp.where(real, x, jnp.zeros((), x.dtype)))
+      code = code | jnp.where((code != 0) & (in_real == 0), jnp.uint8(PAST_REAL), jnp.uint8(0))
     else:
       code = _leaf_code(x)
     codes.append(code)
@@ -329,7 +345,16 @@ def _describe(flags: np.ndarray, out: Outputs) -> tuple[
       who = tuple(int(r) for r in np.flatnonzero(column))
       replicas.update(who)
       processes.update(out.processes[r] for r in who)
-      lines.append(f"  {path}: {what} in a {kind} value, on {_replica_list(who, out.processes)}")
+      line = f"  {path}: {what} in a {kind} value, on {_replica_list(who, out.processes)}"
+      if j < len(out.untraced) and out.untraced[j] is not None:
+        past = tuple(int(r) for r in np.flatnonzero(column & PAST_REAL))
+        note = (f"; on {_replica_list(past, out.processes)} only in rows past the real rows of "
+                f"{out.untraced[j]}" if past else "")
+        line += (f" (its rows could not be traced to {out.untraced[j]}, whose size it has, so every row was "
+                 f"checked, padding included{note}: rows there are padding if the step kept rows in place, "
+                 "a real example's if it moved them; mark the output with tpustrat.per_example(x, batch=...) "
+                 "if its rows are the batch's)")
+      lines.append(line)
     bad.append((path, kind, who, nan, inf))
   if not replicas:  # only Mirrored outputs: every process holds them
     processes.update(out.processes)
