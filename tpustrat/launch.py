@@ -22,8 +22,10 @@ devices, joined into one job by JAX's distributed runtime (`jax.distributed`):
   (``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``), so `psum` and friends cross process boundaries over
   loopback TCP, as they would cross hosts;
 * their output is streamed line by line with a ``[proc i]`` prefix (stdout to stdout, stderr to stderr);
-* the launcher exits with 0 if every process does, else with the status of the process that failed
-  first (in the last start, with ``--max-restarts``), in the order the processes really ended: on Linux
+* the launcher exits with 0 if every process does, else with the status of the process its report names
+  as the one that failed first (in the last start, with ``--max-restarts``): the first to end with an
+  error, unless JAX's errors name a process that stopped heartbeating, or the step watchdog names one
+  holding the job up (below). Processes are taken in the order they really ended: on Linux
   the kernel's order (a pidfd per process in an epoll set), even when they ended within microseconds of
   each other or while the launcher was not scheduled, so a process killed by SIGKILL (137) or stopped by
   its step watchdog (124) just before another exits with 1 is the one named, and its status is the
@@ -36,8 +38,10 @@ PID 1) is forwarded to every process, to its whole process group, and the proces
 `tpustrat.PreemptionCheckpointHandler` every process saves at one agreed step and exits with 42. Then
 whatever still runs is killed (SIGKILL). The launcher exits with the processes' status, as above (42 when
 they saved: a supervisor restarts the job), 0 if they all exited with 0, 143 (128 + SIGTERM) if none
-failed but some had to be killed, and never restarts the job. A second SIGTERM, SIGHUP or Ctrl-C kills
-every process at once and exits with 128 + the signal.
+failed but some had to be killed, and never restarts the job. Ctrl-C (SIGINT) is the same: each process
+runs in a session of its own, so a terminal's Ctrl-C reaches the launcher only, and the first one is
+forwarded as SIGTERM, so that the processes save (130 instead of 143 if some had to be killed). A second
+SIGTERM or Ctrl-C, or a SIGHUP, kills every process at once and exits with 128 + the signal.
 
 Timeouts are checked before anything starts, with an error naming the flag, the value and the range:
 ``--heartbeat-timeout``, ``--initialization-timeout`` and ``--shutdown-timeout`` are whole seconds in
@@ -56,9 +60,11 @@ the process with status 1 (`tpustrat._src.distributed`); set the variable to ``0
 environment to leave `sys.excepthook` alone. The launcher is the last line of defence:
 once a process has failed, the others get ``--grace-period`` seconds (default: the heartbeat timeout
 plus 10 s) to stop on their own, then are killed (SIGKILL), and the launcher reports which process
-failed first and how; a process that hangs is named from JAX's errors, since it is not the first to
-exit. ``--timeout`` bounds the whole run (for hangs that keep every heartbeat alive, such as a deadlock
-in Python code).
+failed first and how, and exits with that process's status; a process that hangs is named from JAX's
+errors, since it is not the first to exit, and a process that a firing step watchdog names as holding
+the job up (its line ``names.WATCHDOG_BLAMES``, which every process prints) is named too, whichever
+process's watchdog fired. ``--timeout`` bounds the whole run (for hangs that keep every heartbeat alive,
+such as a deadlock in Python code).
 
 Restarts. With ``--max-restarts N``, a job that failed (a process exited with a non-zero status, such as
 42, ``tpustrat._src.names.EXIT_RESTART``, with which `tpustrat.PreemptionCheckpointHandler` asks to be
@@ -245,9 +251,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="seconds the other processes get to stop on their own after one failed, before "
                            "the launcher kills them (0 to 2147483647; default: heartbeat timeout + 10)")
   parser.add_argument("--termination-grace-period", type=_seconds("termination_grace_period"), default=30.0,
-                      help="when the launcher gets SIGTERM, it forwards it to every process (group) and "
-                           "gives them this many seconds to save and exit before it kills them (0 to "
-                           "2147483647)")
+                      help="when the launcher gets SIGTERM or Ctrl-C, it forwards SIGTERM to every process "
+                           "(group) and gives them this many seconds to save and exit before it kills them (0 "
+                           "to 2147483647; a second SIGTERM or Ctrl-C kills at once)")
   parser.add_argument("--timeout", type=_seconds("timeout"), default=None,
                       help="kill every process after this many seconds, start-up attempts and restarts "
                            "included (1 to 2147483647; default: no limit)")
@@ -492,8 +498,8 @@ def _kill(proc: _Proc) -> None:
 
 
 class _Interrupted(KeyboardInterrupt):
-  """The launcher received `signum` (SIGHUP, or a second SIGTERM): it kills the job at once and exits with
-  128 + signum."""
+  """The launcher received `signum` (SIGHUP, or a second SIGTERM or SIGINT): it kills the job at once and
+  exits with 128 + signum."""
 
   def __init__(self, signum: int) -> None:
     super().__init__(signum)
@@ -705,11 +711,12 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
   restart it with `max_restarts`. Each start gets a fresh random job identity (``TPUSTRAT_JOB_ID``): no
   process of it joins another job's coordinator, even on the same port (see `tpustrat._src.distributed`).
 
-  Called from the main thread, it handles SIGTERM while it runs (the previous handler is put back when it
-  returns): the first SIGTERM is forwarded to every process's process group, and the processes get
-  `termination_grace_period` seconds to save and exit (`tpustrat.PreemptionCheckpointHandler` saves and
-  exits with 42) before they are killed; the launch then returns their status (42 when they all saved) and
-  does not restart. A second SIGTERM kills them at once (``128 + 15``).
+  Called from the main thread, it handles SIGTERM and SIGINT while it runs (the previous handlers are put
+  back when it returns; a SIGINT ignored stays ignored): the first SIGTERM or SIGINT (Ctrl-C) is forwarded
+  as SIGTERM to every process's process group, and the processes get `termination_grace_period` seconds
+  to save and exit (`tpustrat.PreemptionCheckpointHandler` saves and exits with 42) before they are
+  killed; the launch then returns their status (42 when they all saved) and does not restart. A second
+  one of either kills them at once (``128 +`` that signal).
 
   Args:
     command: the program and its arguments, as `subprocess.Popen` takes them.
@@ -753,10 +760,12 @@ def launch(command: Sequence[str], *, num_processes: int = 2, devices_per_proces
 
   Returns:
     The launcher's exit status, of the last start when the job was restarted: 0 if every process
-    succeeded; else the status of the process that failed first, in the order the processes really
-    ended (``128 + signal`` for a signal), 124 when `timeout` ran out, or ``128 + signal`` when the
-    launcher itself was interrupted (130 for Ctrl-C; after a forwarded SIGTERM, the processes' status as
-    above, or 143 if none failed but some had to be killed). Whatever the processes started and left
+    succeeded; else the status of the process the report names as the one that failed first (the
+    first to end with an error, in the order the processes really ended, unless JAX's errors or a step
+    watchdog name another; ``128 + signal`` for a signal), 124 when `timeout` ran out, or ``128 +
+    signal`` when the launcher itself was killed by a second signal (130 for Ctrl-C); after a forwarded
+    SIGTERM or Ctrl-C, the processes' status as above, or 143 (130 after Ctrl-C) if none failed but some
+    had to be killed. Whatever the processes started and left
     running is killed when the job ends, and on Linux the processes die with the launcher if it is
     killed. Safe to call from a program with threads (no `preexec_fn`).
 
@@ -864,9 +873,10 @@ def _run(argv: list[str], envs: list[dict[str, str]], output: _Output, *, grace_
   failed and the job may be restarted, else None), or None when process 0 found the coordinator's port
   taken (its first failure, with status `names.EXIT_START_FAILED`) and `retry_taken_port`.
 
-  Processes are taken in the order they really ended (`_Exits`), so the first to fail is the one named,
-  and its status is the launch's. Once `termination` says the launcher got SIGTERM, it is forwarded to
-  every running process's group, and they get `termination_grace_period` seconds before they are killed.
+  Processes are taken in the order they really ended (`_Exits`), so the first to fail is the one named
+  (unless JAX's errors or a step watchdog name another, `_culprit`), and its status is the launch's. Once
+  `termination` says the launcher got SIGTERM or SIGINT, SIGTERM is forwarded to every running process's
+  group, and they get `termination_grace_period` seconds before they are killed.
   """
   termination = termination or _Termination()
   procs: list[_Proc] = []
@@ -874,14 +884,14 @@ def _run(argv: list[str], envs: list[dict[str, str]], output: _Output, *, grace_
   start = time.monotonic()
   first: _Proc | None = None
   timed_out = False
-  forwarded: float | None = None  # when the launcher received the SIGTERM it forwarded
+  forwarded: float | None = None  # when the launcher received the SIGTERM (or SIGINT) it forwarded
   ends = 0
   try:
     for i, env in enumerate(envs):
       if termination.at is not None:  # stopped while starting: start no more
         break
       # A session of its own: the launcher kills a process with everything it started (os.killpg), and
-      # a Ctrl-C in the terminal reaches the launcher only, which then kills the processes.
+      # a Ctrl-C in the terminal reaches the launcher only, which forwards it as SIGTERM (`_Termination`).
       popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, start_new_session=True)
       procs.append(_Proc(i, popen, time.monotonic()))

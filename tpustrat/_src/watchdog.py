@@ -35,13 +35,18 @@ tpustrat's). A daemon thread wakes every ``min(1, S / 10)`` seconds (a *tick*) a
   which processes are behind and the last step each reached (counted from 1: the number of steps it
   dispatched), then what each process reported (a host callback that has not returned names the stuck
   process even when every counter is equal; else the newest step each finished says whose devices are
-  behind), publishes the message under ``tpustrat/watchdog/abort``, and ends the process with status
-  124 (`names.EXIT_STEP_TIMEOUT`);
+  behind), ends it with the line ``tpustrat: step watchdog of process P: holding the job up: process Q.``
+  (`names.WATCHDOG_BLAMES`: the processes in a callback, else those behind, else those behind on their
+  devices or compiling; the launcher reads it to blame Q, whichever process ended first), publishes the
+  message under ``tpustrat/watchdog/abort``, and ends the process with status 124
+  (`names.EXIT_STEP_TIMEOUT`);
 * fires too when this process has spent longer than the compile bound in one phase of a compile (a trace
   that never returns, a compiler that hangs): a compile that never ends is caught, later than a hang;
 * ends the process the same way, with the firing process's message, when another process has published
   ``tpustrat/watchdog/abort``, so that the whole job stops within ``S`` plus a few seconds, the stuck
-  process included.
+  process included. Each process says so under ``tpustrat/watchdog/stopping/<process>`` before it ends,
+  and process 0, whose end takes JAX's coordination service with it (JAX then aborts the others with
+  SIGABRT before they read the abort), waits for the others' word first, at most two ticks and a second.
 
 It ends the process (``os._exit``) rather than raising: the main thread is blocked inside XLA, waiting
 for a collective that cannot finish, where no exception can reach it. A legitimate program slower than
