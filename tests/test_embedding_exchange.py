@@ -15,7 +15,10 @@ buckets, and sparse in-place updates, each against a dense numpy reference.
 """
 
 import collections
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -602,3 +605,31 @@ def test_a_table_without_ids_in_a_step_looks_up_nothing_and_only_non_lazy_adam_m
     assert lazy or not np.allclose(got[touched], emb.embedding_tables(
         strategy.run(step, args=(emb.build(), distribute_batch(strategy, some),
                                  distribute_batch(strategy, grads)))[0])["t"][touched])
+
+
+_BOUND_FAILS_THEN_EXITS = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import numpy as np, jax, tpustrat
+from tpustrat import embedding as E
+s = tpustrat.TPUStrategy()
+emb = E.TPUEmbedding({"f": E.FeatureConfig(E.TableConfig(64, 2, max_ids_per_partition=2, name="t"))}, E.SGD(0.1), s)
+ids = s.experimental_distribute_values_from_function(lambda ctx: np.zeros((4,), np.int32))  # 4 ids to owner 0
+s.run(lambda state, f: emb.lookup(state, {"f": f}), args=(emb.build(), ids))
+try:
+  s.experimental_run_wait()
+except jax.errors.JaxRuntimeError as e:
+  print("CAUGHT", "max_ids_per_partition=2" in str(e))
+"""
+
+
+def test_a_failed_bound_check_is_reported_once_not_again_at_exit(tmp_path):
+  # The caller caught the error where tpustrat raised it: JAX must not print it again at exit ("Exception
+  # ignored in atexit callback", twice, from its record of the failed program).
+  script = tmp_path / "bound.py"
+  script.write_text(_BOUND_FAILS_THEN_EXITS)
+  done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.strip() == "CAUGHT True"
+  assert "Exception ignored" not in done.stderr, done.stderr[-3000:]

@@ -77,19 +77,25 @@ from tpustrat._src import numerics as numerics_lib
 from tpustrat._src import step_stats as step_stats_lib
 from tpustrat._src.batch_rows import BatchRowsWarning, Rows, leading_rows
 from tpustrat._src.block_statistics import Mixed, mixed_results
-from tpustrat._src.jax_compat import eval_closed_jaxpr, open_jaxpr, to_varying, varying_axes
+from tpustrat._src.jax_compat import (
+  eval_closed_jaxpr,
+  forget_failed_programs,
+  open_jaxpr,
+  to_varying,
+  varying_axes,
+)
 from tpustrat._src.logical import LayoutMap, check_layout_map, layout_spec
 from tpustrat._src.logical_interpreter import place_on_logical_devices
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.validation import check_fits_32_bits, check_int, tree_path
 from tpustrat._src.values import (
-    LocalShard,
-    Mirrored,
-    PerReplica,
-    ShardedVariable,
-    check_components,
-    is_distributed,
-    stacked_steps,
+  LocalShard,
+  Mirrored,
+  PerReplica,
+  ShardedVariable,
+  check_components,
+  is_distributed,
+  stacked_steps,
 )
 
 __all__ = ["RunOptions", "Engine", "InFlight", "check_not_deleted", "dispatch", "donated_leaves", "donation_used", "wait_leaf",
@@ -389,9 +395,15 @@ class InFlight:
 
 
 def _wait(token: jax.Array) -> None:
-  """Waits for a program's output (skipped if it was deleted)."""
+  """Waits for a program's output (skipped if it was deleted). When the program failed, its error is
+  raised here, to the caller: JAX's own record of the failure, which it would report again at exit, is
+  dropped (`jax_compat.forget_failed_programs`)."""
   if not token.is_deleted():
-    token.block_until_ready()
+    try:
+      token.block_until_ready()
+    except Exception:
+      forget_failed_programs()
+      raise
 
 
 _PROCESS_IN_FLIGHT = InFlight()  # for programs dispatched without an engine (cross-replica reductions)

@@ -38,6 +38,7 @@ __all__ = [
     "call_body",
     "close_jaxpr",
     "collective_axes",
+    "forget_failed_programs",
     "coordination_client",
     "eval_jaxpr",
     "host_callback_frames",
@@ -464,6 +465,32 @@ def host_callback_frames() -> list[tuple[int, Any, Any]]:
     own = next((f for f in inner if not f.f_code.co_filename.startswith(jax_dir)), stack[entry])
     found.append((ident, stack[entry], own))
   return found
+
+
+def forget_failed_programs() -> None:
+  """Forgets JAX's record of the programs with host callbacks that failed, once their error has been
+  raised to the caller.
+
+  JAX keeps the runtime token of the last program with host callbacks on each device
+  (``jax._src.dispatch.runtime_tokens.output_runtime_tokens``, JAX 0.10.2 and 0.12.0.1) and waits on them
+  at exit, twice (its ``clean_up`` and ``wait_for_tokens`` exit handlers): a program whose callback raised
+  (an embedding bound check) prints its error again there, as two "Exception ignored in atexit"
+  tracebacks, after the caller has handled it. The tokens of the failed programs are dropped here; the
+  others are waited for (their programs were dispatched before this call), and kept if they finish. A
+  JAX without that record is left alone.
+  """
+  try:
+    from jax._src import dispatch as jax_dispatch  # pylint: disable=import-outside-toplevel
+  except ImportError:  # pragma: no cover - private module moved
+    return
+  tokens = getattr(getattr(jax_dispatch, "runtime_tokens", None), "output_runtime_tokens", None)
+  if not isinstance(tokens, dict):
+    return
+  for device, token in list(tokens.items()):
+    try:
+      token.block_until_ready()
+    except Exception:  # noqa: BLE001 - the program failed: its error has been raised where it was waited for
+      tokens.pop(device, None)
 
 
 # -- the profiler and the persistent compilation cache ------------------------------------------------------
