@@ -3,6 +3,7 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("KERAS_BACKEND", "jax")  # Keras 3 models in the tests run on JAX (the `keras` extra)
 
 import jax  # noqa: E402
 

@@ -28,6 +28,7 @@ mean one of two things, and nothing else decides which:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeGuard
 
@@ -197,6 +198,21 @@ class PerReplica(DistributedValues):
     """See `DistributedValues.map_global`; the real-row counts and their meaning are kept."""
     return PerReplica._wrap(jax.tree.map(fn, self._value), None if self._valid is None else fn(self._valid),
                             self._host_valid, per_example=self._per_example, tag=self._tag)
+
+  def _refuse_conversion(self) -> Any:
+    raise TypeError(
+        f"A PerReplica value ({self!r:.100}) holds one (possibly different) component per replica, so it does "
+        "not convert to one array: combine the components with strategy.reduce(op, v, axis=...) or "
+        "strategy.gather(v, axis=0), or read them with strategy.experimental_local_results(v).")
+
+  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    return self._refuse_conversion()
+
+  def __jax_array__(self) -> Any:
+    return self._refuse_conversion()
+
+  def __float__(self) -> float:
+    return self._refuse_conversion()
 
   @property
   def real_rows_array(self) -> Any:
@@ -382,6 +398,61 @@ class Mirrored(DistributedValues):
     n = max(len(p) for p in per_leaf)  # a leaf held once (a host value) is the same on every replica
     return tuple(jax.tree.unflatten(treedef, [p[i] if len(p) > 1 else p[0] for p in per_leaf])
                  for i in range(n))
+
+  # -- conversion: a Mirrored of one array converts like that array (TF's Mirrored converts to its value) --
+
+  def _array(self, what: str) -> Any:
+    """The one array this value holds (a replicated global array, a host value or a tracer); a TypeError
+    naming `what` where it holds a pytree of several leaves (convert those one by one)."""
+    leaves, treedef = jax.tree.flatten(self._value)
+    if treedef.num_leaves != 1 or treedef.num_nodes != 1:
+      raise TypeError(
+          f"{what}: this Mirrored holds a pytree ({treedef}), not one array; convert its leaves, e.g. "
+          "jax.tree.map(np.asarray, m.values[0]), or read it with strategy.experimental_local_results(m)[0].")
+    return leaves[0]
+
+  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    """``np.asarray(m)``: the value (one copy, on the host)."""
+    out = np.asarray(jax.device_get(self._array("np.asarray(Mirrored)")))
+    return out if dtype is None else out.astype(dtype, copy=False)
+
+  def __jax_array__(self) -> Any:
+    """``jnp.asarray(m)``: the value as a `jax.Array`, replicated on the devices it is on (no copy)."""
+    x = self._array("jnp.asarray(Mirrored)")
+    return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The value's shape (a Mirrored of one array)."""
+    return tuple(np.shape(self._array("Mirrored.shape")))
+
+  @property
+  def dtype(self) -> Any:
+    """The value's dtype (a Mirrored of one array)."""
+    return jnp.result_type(self._array("Mirrored.dtype"))
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  def __float__(self) -> float:
+    return float(np.asarray(self))
+
+  def __int__(self) -> int:
+    return int(np.asarray(self))
+
+  def __complex__(self) -> complex:
+    return complex(np.asarray(self))
+
+  def __bool__(self) -> bool:
+    return bool(np.asarray(self))
+
+  def __index__(self) -> int:
+    return operator.index(np.asarray(self)[()])
 
   def __repr__(self) -> str:
     leaves = jax.tree.leaves(self._value)
