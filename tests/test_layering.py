@@ -23,10 +23,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpustrat._src.context",),
     # Collectives and reductions.
     ("tpustrat._src.gradient_semantics", "tpustrat._src.groups", "tpustrat._src.grouped_sums",
-     "tpustrat._src.collectives", "tpustrat._src.all_reduce", "tpustrat._src.reduce"),
+     "tpustrat._src.collectives", "tpustrat._src.all_reduce", "tpustrat._src.reduce", "tpustrat._src.losses"),
     # The engine (a mesh and a replica count), and the logical-core annotations it honours.
     ("tpustrat._src.logical", "tpustrat._src.logical_interpreter", "tpustrat._src.batch_rows",
-     "tpustrat._src.block_statistics", "tpustrat._src.numerics",
+     "tpustrat._src.block_statistics", "tpustrat._src.padding_reads", "tpustrat._src.numerics",
      "tpustrat._src.engine"),
     # Input, and the stacked-steps layout it shares with multistep.
     ("tpustrat._src.steps", "tpustrat._src.input"),

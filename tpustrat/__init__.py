@@ -42,8 +42,11 @@ from tpustrat._src.input import num_valid_examples as num_valid_examples
 from tpustrat._src.input import per_example as per_example
 from tpustrat._src.input import valid_mask as valid_mask
 from tpustrat._src.logical import LayoutMap as LayoutMap
+from tpustrat._src.losses import compute_average_loss as compute_average_loss
+from tpustrat._src.losses import scale_regularization_loss as scale_regularization_loss
 from tpustrat._src.mirrored_strategy import MirroredStrategy as MirroredStrategy
 from tpustrat._src.numerics import NumericsError as NumericsError
+from tpustrat._src.padding_reads import PaddingReadWarning as PaddingReadWarning
 from tpustrat._src.preemption import PreemptionCheckpointHandler as PreemptionCheckpointHandler
 from tpustrat._src.preemption import TerminationConfig as TerminationConfig
 from tpustrat._src.reduce_op import ReduceOp as ReduceOp
@@ -98,6 +101,7 @@ __all__ = [
     "LocalShard",
     "MinSizePartitioner",
     "LayoutMap",
+    "PaddingReadWarning",
     "PerReplica",
     "ShardedVariable",
     "read_values",
@@ -121,6 +125,7 @@ __all__ = [
     "ValueContext",
     "checkpoint",
     "cluster_resolver",
+    "compute_average_loss",
     "embedding",
     "experimental",
     "experimental_connect_to_cluster",
@@ -134,6 +139,7 @@ __all__ = [
     "num_valid_examples",
     "ops",
     "per_example",
+    "scale_regularization_loss",
     "stack_steps",
     "unstack_steps",
     "valid_mask",

@@ -34,7 +34,7 @@ from jax import lax
 
 from tpustrat._src import jax_compat as compat
 
-__all__ = ["BatchRowsWarning", "Rows", "leading_rows", "same_rows"]
+__all__ = ["BatchRowsWarning", "Rows", "equation_rows", "leading_rows", "same_rows"]
 
 
 class BatchRowsWarning(UserWarning):
@@ -164,6 +164,14 @@ def leading_rows(jaxpr: Any, inputs: Sequence[Rows]) -> list[Rows]:
       if not compat.is_drop_var(v):
         env[v] = r if _shape(v) or r.item else Rows.NONE  # a scalar holds no rows
   return [read(v) for v in jaxpr.outvars]
+
+
+def equation_rows(eqn: Any, ins: list[Rows]) -> list[Rows]:
+  """The `Rows` of `eqn`'s results given those of its inputs (one equation of `leading_rows`), for
+  analyses that follow the rows alongside something else (`padding_reads`)."""
+  if not any(r.carries_rows for r in ins):
+    return [Rows.NONE] * len(eqn.outvars)
+  return [r if _shape(v) or r.item else Rows.NONE for v, r in zip(eqn.outvars, _equation(eqn, ins))]
 
 
 def _join_all(rows: Sequence[Rows], via: str) -> Rows:

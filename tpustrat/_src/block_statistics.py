@@ -105,7 +105,10 @@ def caller(eqn: Any) -> str:
     if where is not None and here != where:
       break
     where = here
-    names.append(frame.function_name.split(".<locals>")[0])
+    # A package's closures are named for the function that made them (optax's `update_fn` of
+    # `clip_by_global_norm`); the user's own code by the innermost function (`loss` in `step`).
+    parts_of_name = frame.function_name.split(".<locals>.")
+    names.append(parts_of_name[0] if package is not None else parts_of_name[-1])
     if package is None or len(names) == 4:
       break
   return "an unnamed caller" if where is None else f"{where} {' < '.join(dict.fromkeys(names))}"

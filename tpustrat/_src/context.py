@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tpustrat._src.jax_compat import primal_value
 from tpustrat._src.reduce_op import ReduceOp
 from tpustrat._src.validation import normalize_axis
 from tpustrat._src.values import LocalShard
@@ -240,7 +241,7 @@ class ReplicaContext:
     if not sizes or getattr(x, "ndim", 0) == 0 or x.shape[0] not in sizes:
       return None
     if self.row_answers is None:
-      self.row_queries.append((x, what))
+      self.row_queries.append((primal_value(x), what))  # under jax.grad: the forward value
       return None
     answer = self.row_answers[self._asked] if self._asked < len(self.row_answers) else None
     self._asked += 1

@@ -76,17 +76,19 @@ from tpustrat._src import host_memory, profiler, watchdog
 from tpustrat._src import numerics as numerics_lib
 from tpustrat._src import step_stats as step_stats_lib
 from tpustrat._src.batch_rows import BatchRowsWarning, Rows, leading_rows
-from tpustrat._src.block_statistics import Mixed, mixed_results
+from tpustrat._src.block_statistics import Mixed, caller, mixed_results
 from tpustrat._src.jax_compat import (
   eval_closed_jaxpr,
   forget_failed_programs,
   open_jaxpr,
+  same_trace,
   to_varying,
   varying_axes,
 )
 from tpustrat._src.logical import LayoutMap, check_layout_map, layout_spec
 from tpustrat._src.logical_interpreter import place_on_logical_devices
 from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.padding_reads import PaddingReadWarning, Value, padding_reads
 from tpustrat._src.validation import check_fits_32_bits, check_int, tree_path
 from tpustrat._src.values import (
   LocalShard,
@@ -529,8 +531,12 @@ class Engine:
     if _DONATION_USED[0]:  # a donated array passed again: XLA:CPU crashes on it (JAX 0.10.2), so say so first
       check_not_deleted(leaves, lambda i: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}")
     if checked:
-      return self.dispatch(program, leaves, limit=limit, steps=1, numerics=program.numerics_check)
-    return self.dispatch(program, leaves, limit=limit, steps=1)
+      out = self.dispatch(program, leaves, limit=limit, steps=1, numerics=program.numerics_check)
+    else:
+      out = self.dispatch(program, leaves, limit=limit, steps=1)
+    if program.notes.get("padding_reads"):
+      _warn_padding_reads(program.notes, args, kwargs)
+    return out
 
   def dispatch(self, program: Callable[..., tuple[Any, Any]], *args: Any, limit: int | None = None,
                steps: int = 0, numerics: Callable[[Any], Callable[..., None] | None] | None = None) -> Any:
@@ -709,6 +715,9 @@ class Engine:
     flags of the floating outputs (`numerics.replica_flags`), and records in `numerics` which outputs
     they describe."""
     name = getattr(fn, "__name__", "fn")
+    # What the trace found that is said when a call shows it matters: the padding-read warning, said at
+    # the first call whose batch is partial (a program made on a full batch serves the partial one too).
+    notes: dict[str, str | None] = {}
     fn = weak_callable(fn)  # the cache must not keep the user's function (and its closure) alive
     make_context, mesh, axis = self._make_context, self._mesh, self._axis
     n = self._num_replicas
@@ -784,6 +793,7 @@ class Engine:
           # alone, `block_statistics`), and evaluated here: `fn` is still traced once.
           step = _StepJaxpr(fn, nodes, outer, batch_leaves, sizes, counts, names, make_context)
           step.check_block_statistics()
+          notes["padding_reads"] = step.padding_reads_message()
           out_leaves = step.evaluate()
           out_tree, paths, marked = step.tree, step.paths, step.marked
           rows: list[Rows] | Callable[[], list[Rows]] = step.rows
@@ -860,6 +870,7 @@ class Engine:
 
     program.__name__ = f"run_{name}"
     program.__qualname__ = program.__name__
+    program.notes = notes  # type: ignore[attr-defined]  # read by `Engine.run` (`_warn_padding_reads`)
     return program
 
 
@@ -937,6 +948,7 @@ class _FlatProgram:
     self._record: dict[str, tuple[Any, int] | None] = {"traced": None, "out": None}
     self._fallback: Callable[..., Any] | None = None
     self._structured, self._seen_tree, self._checked = structured, seen_tree, checked
+    self.notes: dict[str, str | None] = getattr(structured, "notes", {})
     self._traced_numerics = traced_numerics
     self.numerics_check = None if checked is None else numerics_lib.make_check(checked, traced=traced_numerics)
 
@@ -1130,7 +1142,7 @@ class _StepJaxpr:
     where = [(i, batch_at[id(x)]) for i, x in enumerate(leaves) if id(x) in batch_at]
     num = len(leaves)
 
-    queries: list[tuple[Any, str]] = []
+    queries: list[tuple[Any, str, bool]] = []
 
     def flat_fn(*flat: Any, answers: list[int | None] | None = None) -> list[Any]:
       ctx = make_context(list(zip(sizes, flat[num:])))
@@ -1152,18 +1164,22 @@ class _StepJaxpr:
       results = [x.block if isinstance(x, LocalShard) else _as_output_array(x, p)
                  for x, p in zip(out_leaves, self.paths)]
       if answers is None and ctx.row_queries:  # traced once more to follow them (`ReplicaContext.padding_count`)
-        queries[:] = ctx.row_queries
-        results += [jnp.asarray(x) for x, _ in ctx.row_queries]
+        # Only values of this program can be followed (not one traced inside a loop body or a vmap).
+        queries[:] = [(x, what, bool(flat) and same_trace(x, flat[0])) for x, what in ctx.row_queries]
+        results += [jnp.asarray(x) for x, _, here in queries if here]
       return results
 
     self._args = [*leaves, *counts]
     in_rows = labels + [Rows.NONE] * len(counts)
+    self._batch_labels, self._names = labels, names
     self._jaxpr, self._consts = open_jaxpr(jax.make_jaxpr(flat_fn)(*self._args))
     self.rows = leading_rows(self._jaxpr, in_rows)
     if queries and not quiet:
       # Arrays computed in the step whose padded batch library code asked for: their rows, traced here,
       # answer the question in a second trace, whose program is the one that runs.
-      answers = [self._answer(r, x, what, sizes, names) for r, (x, what) in zip(self.rows[-len(queries):], queries)]
+      followed = iter(self.rows[len(self.rows) - sum(here for *_, here in queries):])
+      answers = [self._answer(next(followed) if here else Rows.unknown("a loop or vmap around it"), x, what, sizes,
+                              names) for x, what, here in queries]
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first trace has said what it had to say
         self._jaxpr, self._consts = open_jaxpr(jax.make_jaxpr(functools.partial(flat_fn, answers=answers))(*self._args))
@@ -1172,6 +1188,28 @@ class _StepJaxpr:
     self._split = [x.axis if isinstance(x, LocalShard) else None
                    for x in jax.tree.leaves(nodes, is_leaf=lambda x: isinstance(x, LocalShard))]
     self._split += [None] * len(counts)
+
+  def padding_reads_message(self) -> str | None:
+    """The `PaddingReadWarning` message naming the outputs that sum a padded batch's rows with padding
+    rows no mask removed (`padding_reads`), and the fix; None where there are none."""
+    if not self._batch_labels or not any(r.batches for r in self._batch_labels):
+      return None
+    inputs = [Value(rows=r, zero=True) if r.batches else Value() for r in self._batch_labels]
+    inputs += [Value(mask=True)] * (len(self._split) - len(self._batch_labels))
+    found = [(p, v.read) for p, v in zip(self.paths, padding_reads(self._jaxpr, inputs)) if v.read is not None]
+    if not found:
+      return None
+    eqn, batches = found[0][1]
+    where = ", ".join(p for p, _ in found[:3]) + (f" (and {len(found) - 3} more)" if len(found) > 3 else "")
+    return (
+        f"strategy.run: the output{'s' if len(found) > 1 else ''} at {where} "
+        f"{'are' if len(found) > 1 else 'is'} computed from a sum over the rows of the padded batch "
+        f"{' and '.join(self._names[b] for b in sorted(batches))} that includes its padding rows (`"
+        f"{eqn.primitive.name}` in {caller(eqn)}): on a partial batch the padding examples (the zero rows "
+        "the dataset adds; TF hands a replica only its real rows, so TF code never masks) count as examples "
+        "and are trained on. Scale the per-example loss with tpustrat.compute_average_loss(per_example_loss, "
+        "global_batch_size=...), which leaves them out, or mask it: jnp.where(tpustrat.valid_mask(batch), "
+        "per_example_loss, 0).")
 
   @staticmethod
   def _answer(r: Rows, x: Any, what: str, sizes: list[int], names: tuple[str, ...]) -> int | None:
@@ -1274,6 +1312,19 @@ def _output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[bo
     else:
       result.append(None)  # its axis 0 is not a batch's rows, whatever its size
   return result
+
+
+def _warn_padding_reads(notes: dict[str, str | None], args: Any, kwargs: Any) -> None:
+  """Says the program's padding-read warning (`_StepJaxpr.padding_reads_message`) once, at the first call
+  whose padded batch is partial: a dataset whose batches are all full never pads, and is not warned."""
+  for node in jax.tree.leaves((args, kwargs), is_leaf=is_distributed):
+    if isinstance(node, PerReplica) and node.padding_is_marked:
+      leaves = jax.tree.leaves(node.tree)
+      k = leaves[0].shape[1] if leaves and leaves[0].ndim >= 2 else None
+      if k is not None and (node.host_real_rows() < k).any():
+        message, notes["padding_reads"] = notes["padding_reads"] or "", None
+        warnings.warn(message, PaddingReadWarning, stacklevel=4)
+        return
 
 
 def _check_padded(leaves: list[Any], path: str) -> None:

@@ -39,7 +39,10 @@ __all__ = [
     "close_jaxpr",
     "collective_axes",
     "forget_failed_programs",
+    "primal_value",
+    "same_trace",
     "coordination_client",
+    "coordinator_address",
     "eval_jaxpr",
     "host_callback_frames",
     "identity_primitive",
@@ -383,6 +386,19 @@ def coordination_client() -> Any | None:
   return getattr(jax_distributed.global_state, "client", None)
 
 
+def coordinator_address() -> str | None:
+  """The ``host:port`` of the coordinator this process's `jax.distributed` runtime was started with, or
+  None (not started, or the attribute moved). ``jax._src.distributed.global_state.coordinator_address`` in
+  JAX 0.10.2 and 0.12; read only to describe a job that the user started with `jax.distributed.initialize`.
+  """
+  try:
+    from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+  except ImportError:  # pragma: no cover - private module moved
+    return None
+  address = getattr(jax_distributed.global_state, "coordinator_address", None)
+  return address if isinstance(address, str) and address else None
+
+
 # -- what this process is doing: compiling, or running a host callback (the step watchdog's view) -------
 
 # The phases of turning a `jax.jit` call into an executable, as JAX names them in `jax.monitoring`
@@ -465,6 +481,22 @@ def host_callback_frames() -> list[tuple[int, Any, Any]]:
     own = next((f for f in inner if not f.f_code.co_filename.startswith(jax_dir)), stack[entry])
     found.append((ident, stack[entry], own))
   return found
+
+
+def primal_value(x: Any) -> Any:
+  """`x` with the tracers of `jax.grad` / `jax.jvp` taken off (``.primal`` of JAX's `JVPTracer` and
+  `LinearizeTracer`, JAX 0.10.2 and 0.12.0.1): the value in the trace that encloses the differentiation,
+  whose program holds the forward computation. Anything else is returned as it is."""
+  while type(x).__name__ in ("JVPTracer", "LinearizeTracer") and hasattr(x, "primal"):
+    x = x.primal
+  return x
+
+
+def same_trace(x: Any, y: Any) -> bool:
+  """Whether tracers `x` and `y` belong to one trace (``_trace``, JAX 0.10.2 and 0.12.0.1): a value traced
+  inside a loop body or a `vmap` is not in the trace of the program around it."""
+  trace = getattr(x, "_trace", None)
+  return trace is not None and trace is getattr(y, "_trace", None)
 
 
 def forget_failed_programs() -> None:

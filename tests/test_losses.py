@@ -1,0 +1,152 @@
+"""TF's loss scaling: `tpustrat.compute_average_loss` and `tpustrat.scale_regularization_loss`.
+
+References: TF's documented rule (``sum(per_example_loss * sample_weight) / global_batch_size``, the default
+``rows * num_replicas``, zero for a zero batch size) computed with numpy on the same inputs, and one-device
+numpy gradients. TF's partial batch hands each replica fewer rows; tpustrat pads, and the padding rows must
+weigh nothing: the literal port of TF's ``compute_loss`` (no mask) on a partial batch gives the one-device
+loss and gradient.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close
+
+import tpustrat
+
+N = 8
+GLOBAL_BATCH_SIZE = 16
+
+
+def test_tfs_documented_rule_outside_run():
+  losses = np.array([1.0, 2.0, 3.0, 6.0], np.float32)
+  assert float(tpustrat.compute_average_loss(losses)) == pytest.approx(losses.mean())
+  assert float(tpustrat.compute_average_loss(losses, global_batch_size=8)) == pytest.approx(12.0 / 8)
+  assert float(tpustrat.compute_average_loss(losses, global_batch_size=0)) == 0.0  # TF's div_no_nan
+  weights = np.array([2.0, 0.0, 1.0, 0.5], np.float32)
+  assert float(tpustrat.compute_average_loss(losses, sample_weight=weights)) == pytest.approx((losses * weights).sum() / 4)
+  # Weights per example for a [b, t] loss get a trailing axis (TF's squeeze_or_expand_dimensions).
+  per_token = np.arange(8, dtype=np.float32).reshape(4, 2)
+  assert float(tpustrat.compute_average_loss(per_token, sample_weight=weights)) == pytest.approx(
+      (per_token * weights[:, None]).sum() / 4)
+  assert float(tpustrat.scale_regularization_loss(np.array([1.0, 2.0]))) == 3.0
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    (dict(per_example_loss=np.float32(1.0)), ValueError, "at least rank 1"),
+    (dict(global_batch_size=8.0), TypeError, "must be an integer, got 8.0"),
+    (dict(global_batch_size=True), TypeError, "must be an integer"),
+    (dict(global_batch_size=np.array([8])), TypeError, "integer scalar"),
+    (dict(global_batch_size=-1), ValueError, "non-negative, got -1"),
+    (dict(sample_weight=np.ones(3, np.float32)), ValueError, r"sample_weight of shape \[3\] does not broadcast"),
+])
+def test_bad_arguments_are_errors_naming_them(bad, error, message):
+  args = {"per_example_loss": np.ones(4, np.float32), **bad}
+  with pytest.raises(error, match=message):
+    tpustrat.compute_average_loss(**args)
+
+
+def test_cross_replica_context_is_tfs_runtime_error(strategy):
+  with strategy.scope():
+    with pytest.raises(RuntimeError, match="compute_average_loss` in cross replica context"):
+      tpustrat.compute_average_loss(np.ones(4, np.float32))
+    with pytest.raises(RuntimeError, match="scale_regularization_loss` in cross replica context"):
+      tpustrat.scale_regularization_loss(np.float32(1.0))
+
+
+def _data(rows, seed=0):
+  rng = np.random.default_rng(seed)
+  return rng.normal(size=(rows, 3)).astype(np.float32), rng.normal(size=(rows,)).astype(np.float32)
+
+
+W0 = np.array([0.5, -1.0, 2.0], np.float32)
+B0 = np.float32(0.3)  # the bias makes the padding examples' loss nonzero: (0 + b - 0)^2
+
+
+def _per_example_loss(w, b, x, y):
+  return (x @ w + b - y) ** 2
+
+
+def _numpy_loss_and_grads(x, y, denominator):
+  err = x.astype(np.float64) @ W0 + B0 - y
+  return (err ** 2).sum() / denominator, 2 * x.T.astype(np.float64) @ err / denominator, 2 * err.sum() / denominator
+
+
+@pytest.mark.parametrize("rows", [16, 13], ids=["full", "partial"])
+def test_the_literal_port_of_tfs_compute_loss_trains_on_real_examples_only(strategy, rows):
+  # TF's tutorial: compute_loss(labels, predictions) = compute_average_loss(per_example_loss,
+  # global_batch_size=GLOBAL_BATCH_SIZE), no mask; the gradients summed over the replicas.
+  x, y = _data(rows)
+  batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+  params = strategy.experimental_mirror({"w": W0, "b": B0})
+
+  def step(p, batch):
+    features, labels = batch
+
+    def compute_loss(p):
+      return tpustrat.compute_average_loss(_per_example_loss(p["w"], p["b"], features, labels),
+                                           global_batch_size=GLOBAL_BATCH_SIZE)
+    loss, grads = jax.value_and_grad(compute_loss)(p)  # grads w.r.t. Mirrored params: summed over replicas
+    return loss, grads
+
+  loss, grads = strategy.run(step, args=(params, batch))
+  want_loss, want_w, want_b = _numpy_loss_and_grads(x, y, GLOBAL_BATCH_SIZE)
+  assert_close(float(strategy.reduce("sum", loss, axis=None)), want_loss, rtol=1e-5, scale=want_loss)
+  assert_close(np.asarray(grads["w"]), want_w, rtol=1e-5, scale=np.abs(want_w).max())
+  assert_close(float(grads["b"]), want_b, rtol=1e-5, scale=abs(want_b) + 1)
+
+
+def test_the_default_denominator_is_tfs_rows_times_replicas(strategy):
+  # 13 rows, 2 per replica: replicas 0-5 hold 2 real rows, replica 6 one, replica 7 none. TF hands each
+  # replica its real rows only, and divides by that count times N (replica 7: zero, div_no_nan).
+  x, y = _data(13)
+  batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+  out = strategy.run(lambda b: tpustrat.compute_average_loss(_per_example_loss(W0, B0, *b)), args=(batch,))
+  err2 = (x.astype(np.float64) @ W0 + B0 - y) ** 2
+  real = [2, 2, 2, 2, 2, 2, 1, 0]
+  starts = np.cumsum([0] + real[:-1])
+  want = [err2[s:s + n].sum() / (n * N) if n else 0.0 for s, n in zip(starts, real)]
+  got = [float(v) for v in strategy.experimental_local_results(out)]
+  assert_close(np.asarray(got), np.asarray(want), rtol=1e-5, scale=max(want))
+
+
+def test_sample_weight_and_a_loss_computed_from_the_batch(strategy):
+  x, y = _data(13, seed=1)
+  weights = np.linspace(0.5, 2.0, 13).astype(np.float32)
+  batch = next(iter(strategy.experimental_distribute_dataset([(x, y, weights)])))
+
+  def step(b):
+    features, labels, w = b
+    per_example = jnp.log1p(_per_example_loss(W0, B0, features, labels))  # rows followed through log1p
+    return tpustrat.compute_average_loss(per_example, sample_weight=w, global_batch_size=GLOBAL_BATCH_SIZE)
+
+  total = strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None)
+  want = (np.log1p((x.astype(np.float64) @ W0 + B0 - y) ** 2) * weights).sum() / GLOBAL_BATCH_SIZE
+  assert_close(float(total), want, rtol=1e-5, scale=want)
+
+
+def test_a_loss_whose_rows_cannot_be_followed_is_taken_whole_with_a_warning(strategy):
+  x, y = _data(13)
+  batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+
+  def step(b):
+    per_example = jnp.sort(_per_example_loss(W0, B0, *b))  # sorted: its rows are no longer the batch's
+    return tpustrat.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH_SIZE)
+
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    total = strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None)
+  assert any("compute_average_loss: per_example_loss" in str(w.message) and "`sort`" in str(w.message)
+             for w in caught), [str(w.message) for w in caught]
+  padded = np.concatenate([x, np.zeros((3, 3), np.float32)]), np.concatenate([y, np.zeros(3, np.float32)])
+  want = ((padded[0].astype(np.float64) @ W0 + B0 - padded[1]) ** 2).sum() / GLOBAL_BATCH_SIZE  # padding counted
+  assert_close(float(total), want, rtol=1e-5, scale=want)
+
+
+def test_scale_regularization_loss_counts_it_once_over_the_replicas(strategy):
+  w = np.array([1.0, -2.0, 0.5], np.float32)
+  out = strategy.run(lambda: tpustrat.scale_regularization_loss(jnp.sum(jnp.asarray(w) ** 2)))
+  assert_close(float(strategy.reduce("sum", out, axis=None)), float((w ** 2).sum()), rtol=1e-6)
