@@ -140,3 +140,40 @@ def test_reiterable_source_still_gives_a_new_pass_per_iter(strategy):
   assert it2 is not it1
   assert [_values(strategy, b)[0] for b in it2] == [0.0, 1.0, 2.0, 3.0]
   assert [_values(strategy, b)[0] for b in it1] == [1.0, 2.0, 3.0]
+
+
+def _batches(n):
+  return [np.full((16,), float(8 * i) / 16, np.float32) for i in range(n)]  # batch i sums to 8 * i
+
+
+def test_next_inside_jit_is_an_error_showing_the_pattern_that_works(strategy):
+  # TF's TPU guide: @tf.function def train_step(iterator): strategy.run(step_fn, args=(next(iterator),)).
+  # Ported with jax.jit, next() would run once, at trace time, and every step would get the first batch.
+  iterator = iter(strategy.experimental_distribute_dataset(_batches(3)))
+
+  @jax.jit
+  def train_step_reading_the_iterator():
+    return strategy.run(lambda x: x.sum(), args=(next(iterator),))
+
+  with pytest.raises(RuntimeError, match=r"next\(iterator\) was called while JAX traces a program.*every call of it "
+                                         r"would train on that same batch.*batch = next\(iterator\); train_step\(batch\)"):
+    train_step_reading_the_iterator()
+  with pytest.raises(RuntimeError, match=r"take_steps was called while JAX traces"):
+    jax.jit(lambda: iterator.take_steps(2))()
+
+  # The pattern that works: read outside, pass the batch in. Each step gets its own batch: sums 0, 8, 16.
+  @jax.jit
+  def train_step(batch):
+    return strategy.run(lambda x: x.sum(), args=(batch,))
+
+  sums = [float(strategy.reduce("sum", train_step(next(iterator)), axis=None)) for _ in range(3)]
+  assert sums == [0.0, 8.0, 16.0]
+
+
+def test_next_inside_the_step_function_of_run_is_an_error(strategy):
+  iterator = iter(strategy.experimental_distribute_dataset(_batches(2)))
+  with pytest.raises(RuntimeError, match=r"next\(iterator\) was called while JAX traces"):
+    strategy.run(lambda: next(iterator))
+  # Eager transformations are not staging: jax.grad of a function that reads a batch reads it each call.
+  got = [float(jax.grad(lambda w: w * strategy.reduce("sum", next(iterator), axis=0))(1.0)) for _ in range(2)]
+  assert got == [0.0, 8.0]

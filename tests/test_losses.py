@@ -150,3 +150,55 @@ def test_scale_regularization_loss_counts_it_once_over_the_replicas(strategy):
   w = np.array([1.0, -2.0, 0.5], np.float32)
   out = strategy.run(lambda: tpustrat.scale_regularization_loss(jnp.sum(jnp.asarray(w) ** 2)))
   assert_close(float(strategy.reduce("sum", out, axis=None)), float((w ** 2).sum()), rtol=1e-6)
+
+
+def _literal_step(kind):
+  def step(p, batch):
+    features, labels = batch
+
+    def loss(p):
+      per_example = _per_example_loss(p["w"], p["b"], features, labels)
+      if kind == "unmasked":  # TF's code, ported literally: TF has no padding rows to mask
+        return jnp.sum(per_example) / GLOBAL_BATCH_SIZE
+      if kind == "valid_mask":
+        return jnp.sum(jnp.where(tpustrat.valid_mask(features), per_example, 0.0)) / GLOBAL_BATCH_SIZE
+      return tpustrat.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH_SIZE)
+
+    return jax.value_and_grad(loss)(p)
+  return step
+
+
+def test_a_sum_over_padding_rows_warns_once_at_the_first_partial_batch(strategy):
+  x, y = _data(29, seed=2)  # batches of 16 and 13: the second is padded
+  params = strategy.experimental_mirror({"w": W0, "b": B0})
+  step = _literal_step("unmasked")
+  batches = iter(strategy.experimental_distribute_dataset([(x[:16], y[:16]), (x[16:], y[16:]), (x[16:], y[16:])]))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    strategy.run(step, args=(params, next(batches)))  # a full batch: nothing padded, nothing said
+  with pytest.warns(tpustrat.PaddingReadWarning) as caught:
+    loss, grads = strategy.run(step, args=(params, next(batches)))
+  message = str(caught[0].message)
+  # The loss and the bias's gradient read the padding (the padding examples' loss is B0^2, not 0); the
+  # weight's gradient does not (x is zero there).
+  assert "outputs at [0], [1]['b'] are computed from a sum over the rows" in message
+  assert "`reduce_sum` in test_losses.py" in message and "compute_average_loss" in message
+  err = x[16:].astype(np.float64) @ W0 + B0 - y[16:]
+  padded = (err ** 2).sum() + 3 * B0 ** 2  # what the unmasked step computes: 3 padding rows
+  assert_close(float(strategy.reduce("sum", loss, axis=None)), padded / GLOBAL_BATCH_SIZE, rtol=1e-5, scale=padded)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    strategy.run(step, args=(params, next(batches)))  # once per program
+
+
+@pytest.mark.parametrize("kind", ["valid_mask", "compute_average_loss"])
+def test_masked_steps_do_not_warn(strategy, kind):
+  x, y = _data(13, seed=3)
+  params = strategy.experimental_mirror({"w": W0, "b": B0})
+  batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    loss, grads = strategy.run(_literal_step(kind), args=(params, batch))
+  want_loss, want_w, want_b = _numpy_loss_and_grads(x, y, GLOBAL_BATCH_SIZE)
+  assert_close(float(strategy.reduce("sum", loss, axis=None)), want_loss, rtol=1e-5, scale=want_loss)
+  assert_close(float(grads["b"]), want_b, rtol=1e-5, scale=abs(want_b) + 1)

@@ -41,6 +41,7 @@ __all__ = [
     "forget_failed_programs",
     "primal_value",
     "same_trace",
+    "staging",
     "coordination_client",
     "coordinator_address",
     "eval_jaxpr",
@@ -481,6 +482,21 @@ def host_callback_frames() -> list[tuple[int, Any, Any]]:
     own = next((f for f in inner if not f.f_code.co_filename.startswith(jax_dir)), stack[entry])
     found.append((ident, stack[entry], own))
   return found
+
+
+def staging() -> bool:
+  """Whether JAX is staging a program now (inside `jax.jit`, `make_jaxpr`, a `lax.scan` / `while` body, or
+  a transformation of them): a Python value read now is baked into the program as a constant, read once
+  per compilation. Eager `jax.grad` / `jax.vmap` are not staging. Read from the current trace and its
+  parents (``jax._src.core.trace_ctx.trace``, ``parent_trace``; JAX 0.10.2 and 0.12.0.1): one is a
+  `DynamicJaxprTrace`."""
+  from jax._src import core as jax_core  # pylint: disable=import-outside-toplevel
+  trace = getattr(getattr(jax_core, "trace_ctx", None), "trace", None)
+  while trace is not None:
+    if type(trace).__name__ == "DynamicJaxprTrace":
+      return True
+    trace = getattr(trace, "parent_trace", None)
+  return False
 
 
 def primal_value(x: Any) -> Any:

@@ -26,6 +26,7 @@ from tpustrat._src import profiler
 from tpustrat._src import steps as steps_lib
 from tpustrat._src.input.encoding import bytes_to_text, text_to_bytes
 from tpustrat._src.input.prefetch import ERROR, ITEM, Prefetcher
+from tpustrat._src.jax_compat import staging
 from tpustrat._src.validation import check_int
 
 __all__ = ["DistributedIterator", "Feed", "Live", "ProduceState"]
@@ -123,7 +124,21 @@ class DistributedIterator:
       raise value
     raise StopIteration
 
+  def _refuse_while_staging(self, what: str) -> None:
+    """Reading a batch while JAX stages a program bakes that batch into it: every call would reuse it."""
+    if staging():
+      raise RuntimeError(
+          f"DistributedIterator: {what} was called while JAX traces a program (inside jax.jit, a lax.scan body "
+          "or the function given to strategy.run). The batch read now would become a constant of the compiled "
+          "program, and every call of it would train on that same batch. TF's `@tf.function def "
+          "train_step(iterator): strategy.run(step_fn, args=(next(iterator),))` reads the iterator on each "
+          "call; in JAX read it outside the traced function and pass the batch in: `batch = next(iterator); "
+          "train_step(batch)` with `@jax.jit def train_step(batch): return strategy.run(step_fn, "
+          "args=(batch,))`, or run k steps per call with strategy.experimental_run_steps(step_fn, iterator, "
+          "steps=k) (TF's `for _ in tf.range(k)` loop).")
+
   def __next__(self) -> Any:
+    self._refuse_while_staging("next(iterator)")
     self._state.grid = (1, 0)
     start = time.perf_counter()  # the wait is counted in the strategy's step statistics (`step_stats`)
     try:
@@ -145,7 +160,13 @@ class DistributedIterator:
       self._position = self._state.positions.popleft()
 
   def get_next(self) -> Any:
-    """Returns the next element, like `next(iterator)` (TF's `get_next`)."""
+    """Returns the next element, like `next(iterator)` (TF's `get_next`).
+
+    Raises:
+      RuntimeError: called while JAX traces a program (inside `jax.jit`, a `lax.scan` body, or the
+        function given to `strategy.run`), where the batch would become a constant of the program and be
+        reused by every call; the message shows the pattern that works (read outside, pass the batch in).
+      StopIteration: no batch is left."""
     return next(self)
 
   def take_steps(self, k: int) -> Any:
@@ -183,6 +204,7 @@ class DistributedIterator:
       ValueError: if `k` < 1.
     """
     k = check_int(k, "take_steps", "k", minimum=1)
+    self._refuse_while_staging("take_steps")
     self._state.grid = (k, self._handed)  # the producer stacks the next batches k at a time
     parts: list[tuple[Any, int | None]] = []
     have = 0
