@@ -99,18 +99,21 @@ def test_the_literal_port_of_tfs_compute_loss_trains_on_real_examples_only(strat
   assert_close(float(grads["b"]), want_b, rtol=1e-5, scale=abs(want_b) + 1)
 
 
-def test_the_default_denominator_is_tfs_rows_times_replicas(strategy):
-  # 13 rows, 2 per replica: replicas 0-5 hold 2 real rows, replica 6 one, replica 7 none. TF hands each
-  # replica its real rows only, and divides by that count times N (replica 7: zero, div_no_nan).
-  x, y = _data(13)
-  batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
-  out = strategy.run(lambda b: tpustrat.compute_average_loss(_per_example_loss(W0, B0, *b)), args=(batch,))
-  err2 = (x.astype(np.float64) @ W0 + B0 - y) ** 2
-  real = [2, 2, 2, 2, 2, 2, 1, 0]
-  starts = np.cumsum([0] + real[:-1])
-  want = [err2[s:s + n].sum() / (n * N) if n else 0.0 for s, n in zip(starts, real)]
-  got = [float(v) for v in strategy.experimental_local_results(out)]
-  assert_close(np.asarray(got), np.asarray(want), rtol=1e-5, scale=max(want))
+def test_the_default_denominator_is_the_global_batchs_real_examples(strategy):
+  # 13 rows, 2 per replica: replicas 0-5 hold 2 real rows, replica 6 one, replica 7 none. Each divides by
+  # the 13 real examples of the global batch (k * N = 16 on a full batch, TF's rule): summed over the
+  # replicas, the mean over the real examples, as on one device.
+  for rows in (13, 16):
+    x, y = _data(rows)
+    batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+    out = strategy.run(lambda b: tpustrat.compute_average_loss(_per_example_loss(W0, B0, *b)), args=(batch,))
+    err2 = (x.astype(np.float64) @ W0 + B0 - y) ** 2
+    real = [min(2, max(0, rows - 2 * r)) for r in range(N)]
+    starts = np.cumsum([0] + real[:-1])
+    want = [err2[s:s + n].sum() / rows for s, n in zip(starts, real)]
+    got = [float(v) for v in strategy.experimental_local_results(out)]
+    assert_close(np.asarray(got), np.asarray(want), rtol=1e-5, scale=max(want))
+    assert_close(sum(got), err2.mean(), rtol=1e-5, scale=err2.mean())
 
 
 def test_sample_weight_and_a_loss_computed_from_the_batch(strategy):

@@ -10,8 +10,8 @@ The one difference from TF is the partial batch. TF hands each replica fewer row
 shapes and pads the batch with zero rows (`tpustrat.valid_mask`). The padding rows weigh nothing here:
 the rows of `per_example_loss` are followed through the step's program to the batch they came from
 (`ReplicaContext.padding_count`, never a size alone), and the rows past this replica's real ones are left
-out. The default denominator is then TF's, computed from the rows TF would have handed the replica: this
-replica's real rows times the number of replicas (``k * N`` for a full batch of ``k`` rows per replica).
+out. The default denominator is TF's on a full batch (``k * N`` for ``k`` rows per replica) and the number
+of real examples of the global batch on a partial one (see `compute_average_loss`).
 """
 
 from __future__ import annotations
@@ -86,11 +86,15 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None, globa
   Args:
     per_example_loss: this replica's per-example losses, the examples on the leading axis (rank >= 1).
     sample_weight: optional weights: a scalar, one per example (``[b]``), or one per loss element, as in TF.
-    global_batch_size: the global batch size (an integer >= 0). By default TF's: the replica's rows times
-      the number of replicas. On a partial batch the rows are this replica's real rows (those TF would
-      have handed it; the padding rows are tpustrat's), so, as in TF, replicas with fewer real rows divide
-      by less: pass the global batch size to weigh every example alike whatever the split (TF's tutorials
-      do, with ``GLOBAL_BATCH_SIZE``).
+    global_batch_size: the global batch size (an integer >= 0). By default TF's, the replica's rows
+      times the number of replicas, for a full batch: ``k * N``. On a partial batch (padded), the number
+      of real examples in the whole global batch (this replica's real rows summed over the replicas: one
+      scalar all-reduce), so the result is the mean over the real examples, as on one device. TF divides
+      by this replica's own rows times ``N``, which is that same number when TF splits the partial batch
+      evenly; tpustrat fills the replicas in order (``k`` rows each, the rest on the next), so TF's
+      per-replica rule would weigh the replicas unevenly here, an artifact of the split, not a meaning.
+      Pass ``global_batch_size`` to divide every batch by the same number (TF's tutorials pass
+      ``GLOBAL_BATCH_SIZE``: a partial batch then weighs less, in TF and here alike).
 
   Padding rows weigh nothing: a partial batch from a distributed dataset is padded with zero rows, and
   the rows of `per_example_loss` are followed through the step's program to that batch, so the rows past
@@ -126,7 +130,9 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None, globa
   if real is not None:
     keep = lax.broadcasted_iota(jnp.int32, losses.shape, 0) < real
     losses = jnp.where(keep, losses, jnp.zeros((), dtype))
-    rows = real
+    if global_batch_size is None:  # the real examples of the whole global batch (k * N when it is full)
+      axis = context_lib.replica_axis(ctx)
+      global_batch_size = real if axis is None else lax.psum(real, axis)
   if global_batch_size is None:
     global_batch_size = rows * _num_replicas("compute_average_loss")
   total = jnp.sum(losses)
