@@ -187,6 +187,36 @@ def test_partial_batches_inside_a_program_are_counted_exactly(strategy):
   assert float(strategy.reduce("SUM", first, axis=0)) == np.arange(16).sum() * 10
 
 
+def test_run_steps_over_a_dataset_with_an_unmasked_mean(strategy):
+  """A classifier step with TF's literal loss (a mean over the batch's rows, no mask: the padding-read
+  analysis marks it) runs inside experimental_run_steps over a dataset: the padding counts are traced values
+  there, not read on the host (this raised a ConcretizationTypeError; issue 32). It equals separate runs."""
+  rng = np.random.default_rng(3)
+  batches = [(rng.normal(size=(GLOBAL, 3)).astype(np.float32), rng.integers(0, 2, GLOBAL).astype(np.int32))
+             for _ in range(4)]  # full batches: no padding rows
+  w0 = rng.normal(size=(3, 2)).astype(np.float32)
+
+  def loss_fn(w, x, y):
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(x @ w), y[:, None], 1))
+
+  def fn(w, batch):
+    loss, g = jax.value_and_grad(loss_fn)(w, *batch)  # g: already summed over the replicas (Mirrored w)
+    return w - LR * g / N, tpustrat.get_replica_context().all_reduce("sum", loss) / N
+
+  w, want = w0, []
+  for batch in strategy.experimental_distribute_dataset(batches):
+    w, loss = strategy.run(fn, args=(w, batch))
+    want.append(float(loss.values[0]))
+  got_w, losses = strategy.experimental_run_steps(fn, iter(strategy.experimental_distribute_dataset(batches)), 4,
+                                                  w0)
+  np.testing.assert_allclose(losses.values[0], want, rtol=1e-5)
+  np.testing.assert_allclose(got_w.values[0], w.values[0], rtol=1e-5, atol=1e-6)
+  x, y = batches[0]  # the first step's loss from numpy: the global batch's mean (equal rows per replica)
+  logits = x @ w0
+  logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+  np.testing.assert_allclose(want[0], -logp[np.arange(GLOBAL), y].mean(), rtol=1e-5)
+
+
 def test_run_steps_traces_fn_once_and_reuses_the_program(strategy):
   traces = []
 

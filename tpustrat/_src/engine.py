@@ -1321,6 +1321,8 @@ def _warn_padding_reads(notes: dict[str, str | None], args: Any, kwargs: Any) ->
     if isinstance(node, PerReplica) and node.padding_is_marked:
       leaves = jax.tree.leaves(node.tree)
       k = leaves[0].shape[1] if leaves and leaves[0].ndim >= 2 else None
+      if isinstance(node.real_rows_array, jax.core.Tracer):  # a run traced inside another program (run_steps):
+        continue  # its counts are not known on the host here
       if k is not None and (node.host_real_rows() < k).any():
         message, notes["padding_reads"] = notes["padding_reads"] or "", None
         warnings.warn(message, PaddingReadWarning, stacklevel=4)
