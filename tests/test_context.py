@@ -62,7 +62,7 @@ def test_mixing_strategies_is_an_error(strategy):
 def test_strategy_attributes(strategy):
   assert strategy.num_replicas_in_sync == 8
   assert strategy.extended.worker_devices == tuple(jax.devices())
-  assert strategy.cluster_resolver is None
+  assert (strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id) == ("worker", 0)  # never None
   assert strategy.mesh.axis_names == ("replica",)
   with pytest.raises(TypeError, match="device_assignment"):
     tpustrat.TPUStrategy(device_assignment="tpu:0")

@@ -585,3 +585,30 @@ def test_launch_reports_a_signal_exit_status():
   from tpustrat import launch
 
   assert launch._exit_status(-signal.SIGTERM) == 143
+
+
+# -- MultiWorkerMirroredStrategy; MirroredStrategy refused in a multi-process job (issue 32) --------------
+
+
+def test_multi_worker_mirrored_strategy_spans_the_job_and_mirrored_strategy_is_refused():
+  out = _launch("--timeout", "120", str(SCRIPTS / "multi_worker_mirrored.py"), timeout=180)
+  assert out.returncode == 0, out.stderr[-4000:]
+  job = _results(out)
+  x = np.arange(8 * 5, dtype=np.float64).reshape(8, 5) ** 1.5
+  for p in (0, 1):
+    got = job[p]
+    # Before: each process made a 4-replica job of its own, silently. Now both paths raise, naming the
+    # strategies that span processes, whether or not the job is connected yet, explicit devices included.
+    assert "TPUSTRAT_NUM_PROCESSES=2" in got["before_connecting"]
+    assert f"process {p} of 2 of a connected multi-process job" in got["connected"]
+    for message in (got["before_connecting"], got["connected"], got["local_devices"]):
+      assert "MultiWorkerMirroredStrategy()" in message and "TPUStrategy" in message
+    assert got["replicas"] == [8, 4]
+    coordinator = got["resolver"]["spec"]["worker"][0]
+    assert got["resolver"] == {"type": "TPUClusterResolver", "task": ["worker", p],
+                               "spec": {"worker": [coordinator, None]}, "accelerators": {"CPU": 4},
+                               "processes": [2, p]}
+    assert coordinator.startswith("127.0.0.1:")
+    for sums in got["sums"]:  # ring (the strategy's options), NCCL (the call's), reduce_to
+      np.testing.assert_allclose(sums, x.sum(0), rtol=1e-6)
+    assert got["ring_lowered"]

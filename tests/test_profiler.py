@@ -142,7 +142,7 @@ def test_two_by_four_job_writes_one_trace_per_process(tmp_path):
     assert r["directory"] == str(tmp_path / "ctx" / f"process_{r['process']}")
     assert step_marks(trace_events(r["directory"])) == [
         ("run_train_step", 0, 1), ("run_train_step", 1, 1), ("run_train_step", 2, 1), ("run_steps_train_step", 3, 4)]
-  # MirroredStrategy over each process's 4 devices, profiled by the launcher (--profile, --profile-steps).
+  # A strategy over each process's own 4 devices, profiled by the launcher (--profile, --profile-steps).
   _launch("--profile", str(tmp_path / "launcher"), "--profile-steps", "4", str(SCRIPT), "mirrored")
   for i in (0, 1):
     events = trace_events(tmp_path / "launcher" / f"process_{i}")

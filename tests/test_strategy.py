@@ -126,3 +126,89 @@ def test_per_replica_components_of_different_dtypes_raise(strategy):
   np.testing.assert_array_equal(np.stack([np.asarray(v) for v in mixed.values]), (np.arange(8) / 3).astype(np.float32))
   out = strategy.run(lambda v: v * 2, args=(mixed,))
   np.testing.assert_array_equal(np.stack([np.asarray(v) for v in out.values]), (np.arange(8) / 3).astype(np.float32) * 2)
+
+
+# -- MultiWorkerMirroredStrategy, MirroredStrategy in a multi-process job, cluster_resolver (issue 32) -----
+
+
+def test_mirrored_strategy_in_a_launched_job_raises_naming_the_multi_process_strategies(monkeypatch):
+  # Under `python -m tpustrat.launch -n 2` it made one independent 4-replica job per process, silently.
+  monkeypatch.setenv("TPUSTRAT_NUM_PROCESSES", "2")
+  for devices in (None, ["/cpu:0", "/cpu:1"], jax.local_devices()):
+    with pytest.raises(ValueError, match=r"TPUSTRAT_NUM_PROCESSES=2.*MultiWorkerMirroredStrategy\(\).*TPUStrategy"):
+      tpustrat.MirroredStrategy(devices)
+
+
+def test_every_strategy_has_a_cluster_resolver_describing_this_process(strategy):
+  # TF's multi-worker tutorial reads task_type, task_id and cluster_spec(); they were None or missing.
+  for s in (strategy, tpustrat.MirroredStrategy(), tpustrat.get_strategy(), tpustrat.MultiWorkerMirroredStrategy()):
+    r = s.cluster_resolver
+    assert isinstance(r, tpustrat.cluster_resolver.ClusterResolver), s
+    assert (r.task_type, r.task_id, r.num_processes, r.process_id) == ("worker", 0, 1, 0)
+    assert r.cluster_spec().as_dict() == {} and not r.cluster_spec()
+    assert r.num_accelerators() == {"CPU": 8}
+
+
+def test_tpu_cluster_resolver_cluster_spec_lists_one_task_per_process():
+  r = tpustrat.cluster_resolver.TPUClusterResolver(coordinator_address="10.0.0.1:1234", num_processes=3,
+                                                   process_id=2)
+  spec = r.cluster_spec()
+  assert spec.as_dict() == {"worker": ["10.0.0.1:1234", None, None]}
+  assert spec.num_tasks("worker") == 3 and spec.task_address("worker", 0) == "10.0.0.1:1234"
+  assert (r.task_type, r.task_id) == ("worker", 2)
+  with pytest.raises(ValueError, match="address of task 1 of job 'worker' is not known"):
+    spec.task_address("worker", 1)
+
+
+def _lowered_run(strategy, fn):
+  x = np.arange(8 * 100, dtype=np.float32).reshape(8, 100)
+  value = strategy.experimental_distribute_values_from_function(lambda ctx: x[ctx.replica_id_in_sync_group])
+  return jax.jit(lambda v: strategy.run(fn, args=(v,))).lower(value).as_text()
+
+
+def test_multi_worker_mirrored_strategy_honours_its_communication_options(strategy):
+  def step(v):
+    return tpustrat.get_replica_context().all_reduce("sum", v)
+
+  ring = tpustrat.MultiWorkerMirroredStrategy(communication_options=tpustrat.CommunicationOptions(implementation="ring"))
+  plain = tpustrat.MultiWorkerMirroredStrategy()
+  assert plain.num_replicas_in_sync == 8 and plain.extended.communication_options == tpustrat.CommunicationOptions()
+  assert "collective_permute" in _lowered_run(ring, step) and "all_reduce" not in _lowered_run(ring, step)
+  assert "all_reduce" in _lowered_run(plain, step) and "collective_permute" not in _lowered_run(plain, step)
+  # A call's own options override the strategy's (TF's merge): NCCL is one all-reduce.
+  nccl = tpustrat.CommunicationOptions(implementation="nccl")
+  text = _lowered_run(ring, lambda v: tpustrat.get_replica_context().all_reduce("sum", v, options=nccl))
+  assert "all_reduce" in text and "collective_permute" not in text
+  # Values: the same sums as the session's TPUStrategy, computed with numpy.
+  x = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+  for s in (ring, plain):
+    v = s.experimental_distribute_values_from_function(lambda ctx: x[ctx.replica_id_in_sync_group])
+    np.testing.assert_allclose(s.experimental_local_results(s.run(step, args=(v,)))[0], x.sum(0))
+    np.testing.assert_allclose(s.experimental_local_results(s.extended.reduce_to("sum", v, destinations=v))[0],
+                               x.sum(0))
+
+
+def test_multi_worker_mirrored_strategy_checks_its_arguments():
+  with pytest.raises(TypeError, match=r"communication_options must be a tpustrat.CommunicationOptions or None, got "
+                                      r"str: 'ring'"):
+    tpustrat.MultiWorkerMirroredStrategy(communication_options="ring")
+  with pytest.raises(TypeError, match=r"cluster_resolver must be None or a tpustrat.cluster_resolver resolver .*got "
+                                      r"dict: \{'worker'"):
+    tpustrat.MultiWorkerMirroredStrategy({"worker": ["h:1"]})
+
+
+def test_multi_worker_mirrored_strategy_reads_tf_config_as_tf_does(monkeypatch):
+  from tpustrat._src import cluster_resolver as cluster_resolver_lib
+  monkeypatch.setattr(cluster_resolver_lib, "_RESOLVER", [])  # keep the session's resolver as it was
+  monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:2222"]}, "task": {"type": "worker", "index": 0}}')
+  s = tpustrat.MultiWorkerMirroredStrategy()
+  r = s.cluster_resolver
+  assert type(r).__name__ == "TFConfigClusterResolver" and (r.task_type, r.task_id) == ("worker", 0)
+  assert r.cluster_spec().as_dict() == {"worker": ["127.0.0.1:2222"]}
+  # TF_CONFIG and the launcher's variables both describing a job: refused before connecting.
+  monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, '
+                                  '"task": {"type": "worker", "index": 1}}')
+  monkeypatch.setenv("TPUSTRAT_NUM_PROCESSES", "2")
+  with pytest.raises(ValueError, match=r"both TF_CONFIG \(a cluster of 2 training tasks\) and "
+                                       r"TPUSTRAT_NUM_PROCESSES=2"):
+    tpustrat.MultiWorkerMirroredStrategy()

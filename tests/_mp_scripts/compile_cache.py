@@ -3,7 +3,8 @@ tests/test_compilation_cache.py.
 
 ``python -m tpustrat.launch -n 2 -d 4 --compilation-cache DIR --max-restarts 1 tests/_mp_scripts/compile_cache.py
 KIND``: every process builds a strategy of KIND (``tpu``: `TPUStrategy` over the job's 8 devices; ``mirrored``:
-`MirroredStrategy` over its own 4), runs two steps (`run`, then `experimental_run_steps`) and prints ``RESULT
+a strategy over its own 4, `TPUStrategy(device_assignment=jax.local_devices())`: `MirroredStrategy` refuses a
+multi-process job), runs two steps (`run`, then `experimental_run_steps`) and prints ``RESULT
 {json}``: its restart count, the cache directory JAX uses, and the persistent cache's hits and misses
 (`jax.monitoring` events). The first start then exits with 42 (the launcher restarts the job); the second
 exits with 0.
@@ -33,7 +34,7 @@ def count(event, **kwargs):
 jax.monitoring.register_event_listener(count)
 if sys.argv[1] == "mirrored":
   tpustrat.experimental_connect_to_cluster(tpustrat.cluster_resolver.TPUClusterResolver())
-  strategy = tpustrat.MirroredStrategy()
+  strategy = tpustrat.TPUStrategy(device_assignment=jax.local_devices())  # this process's 4 alone
 else:
   strategy = tpustrat.TPUStrategy()
 n = strategy.num_replicas_in_sync

@@ -2,8 +2,9 @@
 
 ``python -m tpustrat.launch -n 2 -d 4 [--profile DIR --profile-steps N] tests/_mp_scripts/profile_steps.py
 KIND [LOGDIR]``: every process joins the job, builds a strategy of KIND (``tpu``: `TPUStrategy` over the 8
-devices of the job; ``mirrored``: `MirroredStrategy` over its own 4, after
-`tpustrat.experimental_connect_to_cluster`), then runs 3 steps with `strategy.run` and 4 with
+devices of the job; ``mirrored``: a strategy over its own 4,
+`TPUStrategy(device_assignment=jax.local_devices())` after `tpustrat.experimental_connect_to_cluster`:
+`MirroredStrategy` refuses a multi-process job), then runs 3 steps with `strategy.run` and 4 with
 `experimental_run_steps`, fed by a distributed iterator. With LOGDIR it profiles those steps itself with
 `tpustrat.experimental.profile(LOGDIR)`; without, the launcher's ``--profile`` does. Each process prints
 ``RESULT {json}``: its index, the steps dispatched and the directory its profile went to.
@@ -21,7 +22,7 @@ import tpustrat
 kind = sys.argv[1]
 if kind == "mirrored":
   tpustrat.experimental_connect_to_cluster(tpustrat.cluster_resolver.TPUClusterResolver())
-  strategy = tpustrat.MirroredStrategy()
+  strategy = tpustrat.TPUStrategy(device_assignment=jax.local_devices())  # this process's 4 alone
 else:
   strategy = tpustrat.TPUStrategy()
 n = strategy.num_replicas_in_sync

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from tpustrat._src import distributed as distributed_lib
-from tpustrat._src import names, validation, watchdog
+from tpustrat._src import jax_compat, names, validation, watchdog
 from tpustrat._src.topology import Topology, topology_of_devices
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "ClusterSpec",
     "TPUClusterResolver",
     "connect_from_environment",
+    "current_resolver",
     "experimental_connect_to_cluster",
     "initialize_tpu_system",
 ]
@@ -152,6 +153,11 @@ class ClusterSpec:
   is no TF server to give a proto to. tpustrat's connection never reads it: `experimental_connect_to_cluster`
   uses the resolver's `coordinator_address` (the first task's address), `num_processes` and `process_id`.
 
+  A job described only by its coordinator, its process count and a process id (`TPUClusterResolver`'s
+  arguments or ``TPUSTRAT_*`` variables, as the launcher sets them) has tasks whose addresses no process
+  knows: JAX's runtime reaches every process through the coordinator. `TPUClusterResolver.cluster_spec`
+  lists such tasks with the address None (task 0's is the coordinator's); `task_address` of one raises.
+
   Args:
     cluster: ``{job name: [address, ...]}`` (task ``i`` at position ``i``) or ``{job name: {index:
       address}}`` (sparse, as TF allows; indices may be ints or decimal strings, as JSON writes them), or
@@ -166,7 +172,7 @@ class ClusterSpec:
 
   def __init__(self, cluster: Any) -> None:
     if isinstance(cluster, ClusterSpec):
-      self._jobs: dict[str, dict[int, str]] = {job: dict(tasks) for job, tasks in cluster._jobs.items()}
+      self._jobs: dict[str, dict[int, str | None]] = {job: dict(tasks) for job, tasks in cluster._jobs.items()}
       return
     if not isinstance(cluster, dict):
       raise TypeError(f"ClusterSpec: expected a dict {{job name: [address, ...]}}, got {cluster!r:.200}.")
@@ -196,12 +202,19 @@ class ClusterSpec:
         raise ValueError(f"ClusterSpec: job {job!r} names a task index twice: {tasks!r:.200}.")
       self._jobs[job] = dict(sorted(items))
 
+  @classmethod
+  def _of_processes(cls, job: str, coordinator: str | None, count: int) -> ClusterSpec:
+    """`count` tasks of `job` whose addresses are unknown, but task 0's: the coordinator's (internal)."""
+    spec = cls({})
+    spec._jobs = {job: {i: coordinator if i == 0 else None for i in range(count)}}
+    return spec
+
   @property
   def jobs(self) -> list[str]:
     """The job names, sorted (as TF's `ClusterSpec.jobs`)."""
     return sorted(self._jobs)
 
-  def _job(self, job_name: str) -> dict[int, str]:
+  def _job(self, job_name: str) -> dict[int, str | None]:
     try:
       return self._jobs[job_name]
     except KeyError:
@@ -216,22 +229,31 @@ class ClusterSpec:
     return list(self._job(job_name))
 
   def task_address(self, job_name: str, task_index: int) -> str:
-    """The ``host:port`` of task `task_index` of `job_name` (a `ValueError` if there is no such task)."""
+    """The ``host:port`` of task `task_index` of `job_name` (a `ValueError` if there is no such task, or if
+    its address is not known: see the class docstring)."""
     try:
-      return self._job(job_name)[task_index]
+      address = self._job(job_name)[task_index]
     except KeyError:
       raise ValueError(f"No task with index {task_index!r} in job {job_name!r}") from None
+    if address is None:
+      raise ValueError(
+          f"The address of task {task_index} of job {job_name!r} is not known to this process: the job was "
+          "described by its coordinator, process count and process id only (TPUSTRAT_* variables or "
+          "TPUClusterResolver's arguments), and JAX's runtime reaches every process through the coordinator.")
+    return address
 
   def job_tasks(self, job_name: str) -> list[str | None]:
-    """The addresses of `job_name`'s tasks, by index, with None where a sparse job has no task."""
+    """The addresses of `job_name`'s tasks, by index, with None where a sparse job has no task (or where
+    the task's address is not known)."""
     tasks = self._job(job_name)
     if not tasks:
       return []
     return [tasks.get(i) for i in range(max(tasks) + 1)]
 
-  def as_dict(self) -> dict[str, list[str] | dict[int, str]]:
-    """``{job: [addresses]}``, or ``{job: {index: address}}`` for a sparse job (as TF's `as_dict`)."""
-    out: dict[str, list[str] | dict[int, str]] = {}
+  def as_dict(self) -> dict[str, list[str | None] | dict[int, str | None]]:
+    """``{job: [addresses]}``, or ``{job: {index: address}}`` for a sparse job (as TF's `as_dict`); an
+    address not known is None."""
+    out: dict[str, list[str | None] | dict[int, str | None]] = {}
     for job in self.jobs:
       tasks = self._jobs[job]
       out[job] = list(tasks.values()) if list(tasks) == list(range(len(tasks))) else dict(tasks)
@@ -339,6 +361,20 @@ class ClusterResolver:
   def environment(self) -> str:
     """TF's environment string: ``''`` (not a Google-internal environment)."""
     return ""
+
+  @property
+  def task_type(self) -> str | None:
+    """TF's task type of this process (``'worker'`` unless the resolver says otherwise)."""
+    return "worker"
+
+  @property
+  def task_id(self) -> int | None:
+    """TF's task id of this process: its index in the job, unless the resolver says otherwise."""
+    return self.process_id
+
+  def cluster_spec(self) -> ClusterSpec:
+    """TF's `cluster_spec`: the job's tasks by job name (`ClusterSpec`); each resolver says how."""
+    raise NotImplementedError(f"{type(self).__name__} does not implement cluster_spec.")
 
   def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
                        config_proto: Any = None) -> dict[str, int]:
@@ -492,6 +528,21 @@ class TPUClusterResolver(ClusterResolver):
     """TF's task id: this process's index."""
     return self.process_id
 
+  def cluster_spec(self) -> ClusterSpec:
+    """TF's `cluster_spec`: empty for one process (TF's answer for a local TPU); for several,
+    ``{task_type: one task per process}``, task ``i`` being process ``i``. Only task 0's address is known
+    (the coordinator's): the others' are None, since nothing in the job tells one process where the others
+    are (see `ClusterSpec`). So TF's checks read as in TF: ``cluster_spec.num_tasks('worker')`` is the
+    process count and ``'chief' not in cluster_spec.as_dict()``.
+
+    >>> TPUClusterResolver(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1).cluster_spec()
+    ClusterSpec({'worker': ['10.0.0.1:1234', None]})
+    """
+    coordinator, count, _, _ = self._resolve()
+    if count == 1:
+      return ClusterSpec({})
+    return ClusterSpec._of_processes(self._job_name, coordinator, count)  # pylint: disable=protected-access
+
   def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
     """The coordinator's ``host:port`` for a multi-process job, ``''`` for one process (TF: local TPU)."""
     del task_type, task_id, rpc_layer
@@ -516,6 +567,7 @@ class TPUClusterResolver(ClusterResolver):
 
 
 _CONNECTED: list[tuple[str | None, int, int, Any]] = []  # what experimental_connect_to_cluster started
+_RESOLVER: list[ClusterResolver] = []  # the resolver this process connected with (the newest, for one process)
 _CONNECTED_ONE: list[list[int]] = []  # the local devices a one-process job was restricted to, if any
 
 
@@ -590,6 +642,8 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver: ClusterResolver | 
       _CONNECTED_ONE[:] = [local]
     if step_timeout is not None:
       watchdog.start(step_timeout, process_index=0, process_count=1)
+    if not _CONNECTED:
+      _RESOLVER[:] = [resolver]
     return
   assert coordinator is not None  # a resolver gives every multi-process job a coordinator
   wanted = (coordinator, count, index, None if local is None else tuple(local))
@@ -607,6 +661,7 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver: ClusterResolver | 
           f"{jax.process_index()} of {jax.process_count()}, but the resolver describes process {index} "
           f"of {count}.")
     _CONNECTED.append(wanted)
+    _RESOLVER[:] = [resolver]
     if step_timeout is not None:
       watchdog.start(step_timeout, process_index=index, process_count=count)
     return
@@ -617,6 +672,7 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver: ClusterResolver | 
         "jax.devices() or ran a computation). Connect first, at the top of the program.")
   distributed_lib.initialize(coordinator, count, index, local, **resolver._runtime_options())  # pylint: disable=protected-access
   _CONNECTED.append(wanted)
+  _RESOLVER[:] = [resolver]
   if step_timeout is not None:
     watchdog.start(step_timeout, process_index=index, process_count=count)
 
@@ -633,6 +689,24 @@ def connect_from_environment() -> None:
       watchdog.start(step_timeout, process_index=0, process_count=1)
     return
   experimental_connect_to_cluster(TPUClusterResolver())
+
+
+def current_resolver() -> ClusterResolver:
+  """The resolver that describes this process's job, for `Strategy.cluster_resolver` when a strategy was
+  given none: the one `experimental_connect_to_cluster` connected with (every strategy connects through
+  it); else, when JAX's distributed runtime was started directly (`jax.distributed.initialize`), a
+  `TPUClusterResolver` of that job; else a `TPUClusterResolver` of this one process. Never None.
+
+  >>> current_resolver().task_type, current_resolver().task_id, current_resolver().num_processes
+  ('worker', 0, 1)
+  """
+  count = jax.process_count()
+  if _RESOLVER and _RESOLVER[0].num_processes == count:
+    return _RESOLVER[0]
+  resolver = TPUClusterResolver(tpu="local")
+  coordinator = jax_compat.coordinator_address() if count > 1 else None
+  resolver._resolved = (coordinator, count, jax.process_index(), None)  # the running job, as it is
+  return resolver
 
 
 def initialize_tpu_system(cluster_resolver: ClusterResolver | None = None) -> Topology:

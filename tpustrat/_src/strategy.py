@@ -186,6 +186,7 @@ class Strategy:
     self._mesh = logical_lib.replica_core_mesh(grid)
     self._engine = Engine(self._mesh, self._mesh.shape[REPLICA_AXIS], make_context=self._replica_context)
     self._extended = StrategyExtended(self, list(grid[:, 0]), self._engine)  # replicas' logical core 0, as TF
+    self._cluster_resolver: ClusterResolver | None = None  # a subclass's given resolver; else the job's
     profiler.start_from_environment()  # `launch --profile DIR`: the first strategy starts the process's profile
 
   def _replica_context(self, real_rows: Sequence[tuple[int, Any]]) -> context_lib.ReplicaContext:
@@ -209,6 +210,24 @@ class Strategy:
     """The `jax.sharding.Mesh` the strategy runs on: axis ``'replica'``, then the logical-core axes; None
     for the default strategy (one replica on JAX's default device, no mesh)."""
     return self._mesh
+
+  @property
+  def cluster_resolver(self) -> ClusterResolver:
+    """The `tpustrat.cluster_resolver.ClusterResolver` of this process's job; never None.
+
+    The resolver given to the strategy (`TPUStrategy(resolver)`, `MultiWorkerMirroredStrategy(resolver)`),
+    else the one the job was connected with (`experimental_connect_to_cluster`, `python -m tpustrat.launch`'s
+    variables, ``TF_CONFIG`` for `MultiWorkerMirroredStrategy`), else one describing this process alone
+    (task ``'worker'`` 0 of one, an empty `cluster_spec()`). TF's multi-worker code reads it as in TF:
+    ``task_type``, ``task_id``, ``cluster_spec()``, ``num_accelerators()``. (TF returns None for strategies
+    without a resolver, such as `MirroredStrategy`; here every strategy describes where it runs.)
+
+    >>> r = tpustrat.MirroredStrategy().cluster_resolver
+    >>> r.task_type, r.task_id, r.cluster_spec().as_dict(), r.num_accelerators()
+    ('worker', 0, {}, {'CPU': 8})
+    """
+    resolver = getattr(self, "_cluster_resolver", None)  # the default strategy sets none
+    return resolver if resolver is not None else cluster_resolver_lib.current_resolver()
 
   # -- context --------------------------------------------------------------------------------------
 
@@ -682,13 +701,8 @@ class TPUStrategy(Strategy):
           "device_assignment must be None, a tpustrat.DeviceAssignment or a sequence of jax.Device objects "
           f"(one per replica), got {device_assignment!r:.200}.")
     super().__init__(devices)
-    self._cluster_resolver = tpu_cluster_resolver
+    self._cluster_resolver = tpu_cluster_resolver  # None: the job's (`Strategy.cluster_resolver`)
     self._device_assignment = device_assignment if isinstance(device_assignment, DeviceAssignment) else None
-
-  @property
-  def cluster_resolver(self) -> Any:
-    """The cluster resolver given to the constructor (None if there was none)."""
-    return self._cluster_resolver
 
   @property
   def mesh(self) -> Mesh:

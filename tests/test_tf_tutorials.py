@@ -1,0 +1,221 @@
+"""TF's tutorials ported to tpustrat (`examples/tf_tutorials/`), each run here and compared with one device.
+
+Each port keeps the TF original's structure; the test runs it as the tutorial runs it (the multi-worker one
+as 2 processes x 4 devices, through the launcher and through ``TF_CONFIG``) and compares its losses with
+the same training written independently on one device (f32, rtol 1e-5).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import launched_results
+
+TUTORIALS = pathlib.Path(__file__).resolve().parents[1] / "examples" / "tf_tutorials"
+ROOT = TUTORIALS.parents[1]
+
+
+def _load_tutorial(name: str):
+  spec = importlib.util.spec_from_file_location(f"tf_tutorial_{name}", TUTORIALS / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+def _job_env() -> dict[str, str]:
+  """This environment without what a job's processes get for themselves (and without this process's 8
+  devices)."""
+  return {k: v for k, v in os.environ.items()
+          if not k.startswith("TPUSTRAT_") and k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "TF_CONFIG")}
+
+
+# -- multi_worker_ctl: TF's "Custom training loop with Keras and MultiWorkerMirroredStrategy" -----------
+
+MW_EPOCHS, MW_STEPS, MW_PER_WORKER_BATCH = 2, 2, 16
+MW_ARGS = ["--num-epochs", str(MW_EPOCHS), "--num-steps-per-epoch", str(MW_STEPS),
+           "--per-worker-batch-size", str(MW_PER_WORKER_BATCH), "--json"]
+
+
+@pytest.fixture(scope="module")
+def multi_worker_ctl():
+  return _load_tutorial("multi_worker_ctl")
+
+
+def _one_device_losses(tutorial, *, num_workers: int, epochs: int = MW_EPOCHS, steps: int = MW_STEPS,
+                       per_worker_batch: int = MW_PER_WORKER_BATCH) -> list[float]:
+  """The tutorial's training on one device, written here: the global batch of step ``s`` is examples
+  ``[s * G, (s + 1) * G)`` (each worker's shard of them, every local replica's batch: together those rows),
+  the loss their mean cross-entropy, Keras's RMSprop by hand. Only the initial parameters and the synthetic
+  data come from the port."""
+  global_batch = per_worker_batch * num_workers
+  x, y = tutorial.mnist_dataset(global_batch * steps)
+  params = jax.tree.map(jnp.asarray, tutorial.build_cnn_model(0))
+
+  def logits(p, images):
+    h = jax.lax.conv(images[:, None, :, :], jnp.transpose(p["conv"]["kernel"], (3, 2, 0, 1)), (1, 1), "VALID")
+    h = jax.nn.relu(h + p["conv"]["bias"][None, :, None, None])
+    h = jnp.transpose(h, (0, 2, 3, 1)).reshape(len(images), -1)  # Keras's Flatten of NHWC
+    h = jax.nn.relu(h @ p["dense"]["kernel"] + p["dense"]["bias"])
+    return h @ p["logits"]["kernel"] + p["logits"]["bias"]
+
+  def loss_fn(p, images, labels):
+    log_probs = jax.nn.log_softmax(logits(p, images))
+    return -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], axis=1))
+
+  @jax.jit
+  def step(p, v, images, labels):
+    loss, g = jax.value_and_grad(loss_fn)(p, images, labels)
+    v = jax.tree.map(lambda v, g: 0.9 * v + 0.1 * g * g, v, g)
+    p = jax.tree.map(lambda p, g, v: p - 0.001 * g / (jnp.sqrt(v) + 1e-7), p, g, v)
+    return p, v, loss
+
+  v = jax.tree.map(jnp.zeros_like, params)
+  losses = []
+  for _ in range(epochs):
+    for s in range(steps):
+      rows = slice(s * global_batch, (s + 1) * global_batch)
+      params, v, loss = step(params, v, jnp.asarray(x[rows]), jnp.asarray(y[rows], jnp.int32))
+      losses.append(float(loss))
+  return losses
+
+
+@pytest.fixture(scope="module")
+def mw_reference(multi_worker_ctl) -> list[float]:
+  """One device's losses of 3 epochs at a global batch of 2 x 16 rows: the two-worker runs (2 epochs) and
+  the one-worker run of 32 rows per worker (2 epochs, then a third) train on the same batches."""
+  return _one_device_losses(multi_worker_ctl, num_workers=2, epochs=3)
+
+
+def _check_worker(got: dict, want: list[float], process: int, resolver: str, spec: dict) -> None:
+  np.testing.assert_allclose(got["step_losses"], want, rtol=1e-5, err_msg=f"process {process}")
+  assert got["num_replicas_in_sync"] == 8 and got["resolver"] == resolver
+  assert (got["task_type"], got["task_id"], got["is_chief"]) == ("worker", process, process == 0)
+  assert got["cluster_spec"] == spec
+
+
+def test_multi_worker_ctl_on_two_processes_through_the_launcher(mw_reference, tmp_path):
+  # `MultiWorkerMirroredStrategy()` joins the launcher's job: 8 replicas over 2 processes, one input
+  # pipeline per process; every process holds the job's losses, equal to one device's; both write their
+  # part of one checkpoint per epoch into the one directory.
+  command = [sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "4", "--timeout", "150",
+             str(TUTORIALS / "multi_worker_ctl.py"), *MW_ARGS, "--checkpoint-dir", str(tmp_path / "ckpt")]
+  out = subprocess.run(command, env=_job_env(), cwd=ROOT, capture_output=True, text=True, timeout=200)
+  assert out.returncode == 0, out.stderr[-4000:]
+  results = launched_results(out.stdout)
+  want = mw_reference[:MW_EPOCHS * MW_STEPS]
+  coordinator = results[0]["cluster_spec"]["worker"][0]
+  for p in (0, 1):
+    _check_worker(results[p], want, p, "TPUClusterResolver", {"worker": [coordinator, None]})
+  assert sorted(os.listdir(tmp_path / "ckpt")) == [str(MW_EPOCHS)]  # max_to_keep=1: the last epoch's
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_multi_worker_ctl_on_two_processes_through_tf_config(mw_reference):
+  # The tutorial's own set-up: each worker started by hand with its TF_CONFIG; `MultiWorkerMirroredStrategy()`
+  # reads it (TF's default resolver) and connects the two into one job.
+  workers = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
+  processes = []
+  for index in (0, 1):
+    env = {**_job_env(), "TF_CONFIG": json.dumps({"cluster": {"worker": workers},
+                                                   "task": {"type": "worker", "index": index}}),
+           "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+           "TPUSTRAT_INITIALIZATION_TIMEOUT": "60", "TPUSTRAT_HEARTBEAT_TIMEOUT": "10",
+           "TPUSTRAT_SHUTDOWN_TIMEOUT": "30", "TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION": "1"}
+    processes.append(subprocess.Popen([sys.executable, str(TUTORIALS / "multi_worker_ctl.py"), *MW_ARGS], env=env,
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  outputs = []
+  try:
+    for process in processes:
+      outputs.append(process.communicate(timeout=150))
+  finally:
+    for process in processes:
+      if process.poll() is None:
+        process.kill()
+        process.communicate()
+  for index, (process, (_, stderr)) in enumerate(zip(processes, outputs)):
+    assert process.returncode == 0, f"worker {index}: {stderr[-4000:]}"
+  results = {i: json.loads(stdout.split("RESULT ", 1)[1]) for i, (stdout, _) in enumerate(outputs)}
+  want = mw_reference[:MW_EPOCHS * MW_STEPS]
+  for p in (0, 1):
+    _check_worker(results[p], want, p, "TFConfigClusterResolver", {"worker": workers})
+
+
+def test_multi_worker_ctl_in_one_process_resumes_from_its_checkpoint(multi_worker_ctl, mw_reference, tmp_path):
+  # One worker of 8 devices (no TF_CONFIG, no launcher): the same losses as one device; a second run with
+  # one more epoch restores the saved epoch and trains only the next one, as one device's third epoch.
+  want = mw_reference
+  kwargs = {"num_steps_per_epoch": MW_STEPS, "per_worker_batch_size": 2 * MW_PER_WORKER_BATCH,
+            "checkpoint_dir": str(tmp_path), "verbose": False}
+  first = multi_worker_ctl.train(num_epochs=2, **kwargs)
+  np.testing.assert_allclose(first["step_losses"], want[:2 * MW_STEPS], rtol=1e-5)
+  assert (first["task_type"], first["task_id"], first["is_chief"], first["cluster_spec"]) == ("worker", 0, True, {})
+  resumed = multi_worker_ctl.train(num_epochs=3, **kwargs)
+  assert resumed["start_epoch"] == 2
+  np.testing.assert_allclose(resumed["step_losses"], want[2 * MW_STEPS:], rtol=1e-5)
+
+
+# -- custom_training: TF's "Custom training with tf.distribute.Strategy" -----------------------------------
+
+CT = {"epochs": 2, "global_batch_size": 32, "train_examples": 72, "test_examples": 32}  # batches 32, 32, 8
+
+
+def _custom_training_one_device(tutorial) -> list[float]:
+  """The tutorial's training written here with plain JAX and optax on one device: each global batch (the
+  port's grain dataset, in its order) whole, the mean cross-entropy plus the L2 penalty, Adam. Only the
+  model, the data and the dataset's order come from the port."""
+  import optax
+  from flax import nnx
+
+  import tpustrat
+
+  train_data, _ = tutorial.load_data(CT["train_examples"], CT["test_examples"], 0)
+  graphdef, params = nnx.split(tutorial.create_model(0))
+  tx = optax.adam(0.001)
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, opt_state, images, labels):
+    def loss_fn(p):
+      logits = nnx.merge(graphdef, p)(images)
+      ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+      l2 = sum(1e-5 * jnp.sum(k ** 2) for path, k in jax.tree_util.tree_flatten_with_path(p)[0]
+               if "kernel" in jax.tree_util.keystr(path))
+      return ce + l2
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  losses = []
+  dataset = tutorial.make_dataset(tpustrat.get_strategy(), train_data, CT["global_batch_size"], shuffle_seed=0)
+  for _ in range(CT["epochs"]):
+    for images, labels in dataset:
+      params, opt_state, loss = step(params, opt_state, jnp.asarray(images), jnp.asarray(labels))
+      losses.append(float(loss))
+  return losses
+
+
+def test_custom_training_equals_one_device_with_its_partial_batch(strategy):
+  tutorial = _load_tutorial("custom_training")
+  history = tutorial.train(strategy, **CT)
+  want = _custom_training_one_device(tutorial)
+  assert len(history["step_losses"]) == len(want) == 6  # 3 steps per epoch, the 3rd of 8 examples
+  np.testing.assert_allclose(history["step_losses"], want, rtol=1e-5)
+  assert history["train_loss"][1] < history["train_loss"][0]
+  # The checkpoint of epoch 0, restored without the strategy, is the model the epoch-0 test loop measured.
+  assert history["restored_accuracy"] == history["test_accuracy"][0]
