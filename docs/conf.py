@@ -5,9 +5,12 @@ one page per public name, written under docs/api/_autosummary at build time), an
 rendered by myst-nb with the outputs saved in it (it is executed by tests/test_notebooks.py, not here).
 """
 
+import os
 import pathlib
 import shutil
 import sys
+
+os.environ.setdefault("KERAS_BACKEND", "jax")  # tpustrat.keras.SyncBatchNormalization's page imports Keras
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tpustrat from this checkout, also without `pip install -e .`
@@ -66,28 +69,3 @@ html_theme_options = {
     "max_navbar_depth": 2,
     "collapse_navbar": True,
 }
-
-
-# -- Text kept in one place -------------------------------------------------------------------------------
-# coming_from_tensorflow.md shows "What changes, and why" from the docstring of examples/migration.py, which
-# is its one source (an rST section: its underline cannot be cut off by an include's start-after).
-MIGRATION_NOTES = "<!-- the bullets of examples/migration.py's \"What changes, and why\" (docs/conf.py) -->"
-
-
-def _migration_notes() -> str:
-  import ast
-
-  doc = ast.get_docstring(ast.parse((ROOT / "examples" / "migration.py").read_text()))
-  assert doc is not None, "examples/migration.py has no docstring"
-  notes = doc.split("What changes, and why\n---------------------\n", 1)[1].split("\nRun it::", 1)[0]
-  return notes.strip() + "\n"
-
-
-def _insert_migration_notes(app, docname, source):
-  if docname == "coming_from_tensorflow":
-    assert MIGRATION_NOTES in source[0], f"{docname}.md lost the line {MIGRATION_NOTES}"
-    source[0] = source[0].replace(MIGRATION_NOTES, _migration_notes())
-
-
-def setup(app):
-  app.connect("source-read", _insert_migration_notes)

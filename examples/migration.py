@@ -1,108 +1,13 @@
-r"""Migrating a TF `TPUStrategy` custom training loop to tpustrat: the two programs side by side.
+r"""TF's "Use TPUs" guide, its custom training loop ported to tpustrat.
 
-The left column is the custom training loop of TensorFlow's "Use TPUs" guide (a Keras CNN, a distributed
-`tf.data` pipeline, `strategy.run` inside a multi-step `tf.function`, Keras metrics). The right column is
-its tpustrat twin, which is what this file runs (on scikit-learn's 8x8 digits instead of MNIST, so that it
-needs no download). Numbered blocks correspond.
-
-    TensorFlow                                          | tpustrat
-    --------------------------------------------------- | ------------------------------------------------------
-    # 1. Connect to the TPU; build the strategy.        | # 1. The same calls (jax.distributed underneath).
-    resolver = tf.distribute.cluster_resolver \         | resolver = tpustrat.cluster_resolver \
-        .TPUClusterResolver(tpu="")                     |     .TPUClusterResolver(tpu="")
-    tf.config.experimental_connect_to_cluster(resolver) | tpustrat.experimental_connect_to_cluster(resolver)
-    tf.tpu.experimental.initialize_tpu_system(resolver) | tpustrat.initialize_tpu_system(resolver)
-    strategy = tf.distribute.TPUStrategy(resolver)      | strategy = tpustrat.TPUStrategy(resolver)
-                                                        |
-    # 2. Input: global batches, split over replicas.    | # 2. A grain MapDataset of dicts.
-    ds = (tf.data.Dataset                               | ds = (strategy.experimental_make_numpy_dataset(
-          .from_tensor_slices((images, labels))         |           {"image": images, "label": labels})
-          .shuffle(10_000).repeat()                     |       .shuffle(seed=0).repeat()
-          .batch(GLOBAL_BATCH, drop_remainder=True))    |       .batch(GLOBAL_BATCH, drop_remainder=True))
-    train_iterator = iter(                              | train_iterator = iter(
-        strategy.experimental_distribute_dataset(ds))   |     strategy.experimental_distribute_dataset(ds))
-                                                        |
-    # 3. Model, optimizer, metrics under the scope.     | # 3. Flax NNX + optax: state is a pytree.
-    with strategy.scope():                              | with strategy.scope():
-      model = create_model()             # a Keras CNN  |   graphdef, params = nnx.split(CNN(nnx.Rngs(0)))
-      optimizer = tf.keras.optimizers.Adam(1e-3)        |   tx = optax.adam(1e-3)
-      training_loss = tf.keras.metrics.Mean()           |   state = {"params": params,
-      training_accuracy = tf.keras.metrics \            |            "opt_state": tx.init(params)}
-          .SparseCategoricalAccuracy()                  |   # metrics: step outputs, summed on the host
-                                                        |
-    # 4. One replica's step.                            | # 4. State in, state out: no variables.
-    def step_fn(inputs):                                | def step_fn(state, inputs):
-      images, labels = inputs                           |   images, labels = inputs["image"], inputs["label"]
-      with tf.GradientTape() as tape:                   |   def loss_fn(params):
-        logits = model(images, training=True)           |     logits = nnx.merge(graphdef, params)(images)
-        per_example_loss = tf.keras.losses \            |     per_example_loss = optax \
-            .sparse_categorical_crossentropy(           |         .softmax_cross_entropy_with_integer_labels(
-                labels, logits, from_logits=True)       |             logits, labels)
-        loss = tf.nn.compute_average_loss(              |     loss = jnp.sum(per_example_loss) / GLOBAL_BATCH
-            per_example_loss,                           |     return loss, logits
-            global_batch_size=GLOBAL_BATCH)             |   (loss, logits), grads = jax.value_and_grad(
-      grads = tape.gradient(                            |       loss_fn, has_aux=True)(state["params"])
-          loss, model.trainable_variables)              |   # grads are ALREADY summed over replicas
-      # apply_gradients all-reduces (sums) the grads    |   updates, opt_state = tx.update(
-      optimizer.apply_gradients(                        |       grads, state["opt_state"], state["params"])
-          zip(grads, model.trainable_variables))        |   params = optax.apply_updates(
-      training_loss.update_state(                       |       state["params"], updates)
-          loss * strategy.num_replicas_in_sync)         |   correct = jnp.sum(jnp.argmax(logits, -1) == labels)
-      training_accuracy.update_state(labels, logits)    |   metrics = tpustrat.get_replica_context() \
-                                                        |       .all_reduce("sum", {"loss": loss,
-                                                        |                           "correct": correct})
-                                                        |   return {"params": params,
-                                                        |           "opt_state": opt_state}, metrics
-                                                        |
-    # 5. Many steps per program.                        | # 5. Built in: one jit of a lax.scan over the
-    @tf.function                                        | #    steps; outputs come back stacked per step.
-    def train_multiple_steps(iterator, steps):          | #    strategy.experimental_run_steps(
-      for _ in tf.range(steps):                         | #        step_fn, iterator, steps, init=state)
-        strategy.run(step_fn, args=(next(iterator),))   |
-                                                        |
-    # 6. The loop.                                      | # 6. The loop.
-    for epoch in range(EPOCHS):                         | for epoch in range(EPOCHS):
-      train_multiple_steps(                             |   state, m = strategy.experimental_run_steps(
-          train_iterator, tf.convert_to_tensor(STEPS))  |       step_fn, train_iterator, STEPS, init=state)
-      print(epoch, training_loss.result().numpy(),      |   m = strategy.experimental_local_results(m)[0]
-            training_accuracy.result().numpy())         |   print(epoch, m["loss"].mean(),
-      training_loss.reset_states()                      |         m["correct"].sum() / (STEPS * GLOBAL_BATCH))
-      training_accuracy.reset_states()                  |
-                                                        |
-    # 7. Evaluation.                                    | # 7. Evaluation: padded last batch, masked.
-    @tf.function                                        | def test_fn(params, inputs):
-    def test_step(inputs):                              |   logits = nnx.merge(graphdef, params)(
-      def fn(inputs):                                   |       inputs["image"])
-        images, labels = inputs                         |   hit = jnp.argmax(logits, -1) == inputs["label"]
-        logits = model(images, training=False)          |   return jnp.sum(hit & tpustrat.valid_mask(hit))
-        test_accuracy.update_state(labels, logits)      |
-      strategy.run(fn, args=(inputs,))                  | correct = 0
-                                                        | for inputs in strategy \
-    for inputs in strategy \                            |     .experimental_distribute_dataset(test_ds):
-        .experimental_distribute_dataset(test_ds):      |   per_replica = strategy.run(
-      test_step(inputs)                                 |       test_fn, args=(state["params"], inputs))
-    print(test_accuracy.result().numpy())               |   correct += strategy.reduce("sum", per_replica, None)
-                                                        | print(correct / len(test_images))
-
-What changes, and why
----------------------
-* **Variables become a state pytree.** JAX is functional: parameters and optimizer state go into the step
-  and come back out (`state, metrics = step_fn(state, inputs)`). They come back `Mirrored` (replicated,
-  on the devices), ready for the next step, without passing through the host.
-* **Gradients are already summed.** TF's `tape.gradient` gives each replica its own gradient and
-  `apply_gradients` all-reduces them. In tpustrat the parameters enter the step replicated and JAX
-  differentiates the whole SPMD program, so `jax.grad` returns the sum over replicas. Apply it directly;
-  all-reducing it again would multiply it by the number of replicas. Scale the loss by the global batch
-  size as `compute_average_loss` does.
-* **Metrics are outputs.** Keras metrics update variables inside the replica context; here the step
-  returns its sums (all-reduced: `Mirrored`), and the host adds them up.
-* **`tf.function` is implicit.** `strategy.run` and `experimental_run_steps` compile the step on first
-  use and reuse the program while the arguments keep their shapes: define `step_fn` once, outside the
-  loop. `for _ in tf.range(steps)` becomes `experimental_run_steps` (one `lax.scan` per call).
-* **Partial batches are padded, not ragged.** XLA needs static shapes: the last test batch is padded and
-  `tpustrat.valid_mask` tells the real rows (TF on TPU needs `drop_remainder=True` or dynamic padding).
-* `strategy.reduce`, `experimental_local_results`, `scope`, `experimental_distribute_dataset`, the
-  cluster resolver and `initialize_tpu_system` keep their TF names and meaning.
+The original: the "Train a model using a custom training loop" section of https://www.tensorflow.org/guide/tpu
+(source: github.com/tensorflow/docs, ``site/en/guide/tpu.ipynb``): a Keras CNN, per-replica batches from
+`strategy.distribute_datasets_from_function`, a step that scales its loss with `tf.nn.compute_average_loss`,
+`strategy.run` inside a multi-step `tf.function` (``for _ in tf.range(steps)``) and Keras metrics. This file
+is its tpustrat twin, which trains on scikit-learn's 8x8 digits instead of MNIST (no download). The two
+programs side by side, numbered block for numbered block, and what changes and why, are in
+``docs/coming_from_tensorflow.md`` ("A training loop, side by side"); the test suite checks that the right
+column there is this file's code.
 
 Run it::
 
@@ -178,10 +83,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--global-batch-size", type=int, default=64)
   parser.add_argument("--learning-rate", type=float, default=1e-3)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--steps-per-epoch", type=int, default=None,
+                      help="steps per epoch (default: as many global batches as the training set holds)")
   parser.add_argument("--quiet", action="store_true", help="no progress bar and no printing")
   args = parser.parse_args(argv)
-  for name in ("epochs", "global_batch_size"):
-    if getattr(args, name) < 1:
+  for name in ("epochs", "global_batch_size", "steps_per_epoch"):
+    if getattr(args, name) is not None and getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   return args
 
@@ -191,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   EPOCHS, GLOBAL_BATCH = args.epochs, args.global_batch_size  # noqa: N806 (the TF guide's names)
   train, test = load_data(args.seed)
-  STEPS = len(train["image"]) // GLOBAL_BATCH  # noqa: N806 (steps per epoch)
+  STEPS = args.steps_per_epoch or len(train["image"]) // GLOBAL_BATCH  # noqa: N806 (steps per epoch)
   if STEPS == 0:
     raise SystemExit(f"--global-batch-size {GLOBAL_BATCH} exceeds the {len(train['image'])} training examples.")
 
@@ -207,12 +114,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   say = (lambda *a: None) if quiet else tqdm.write
   say(f"{strategy!r} on {jax.devices()[0].platform}: {STEPS} steps per epoch of {GLOBAL_BATCH} examples")
 
-  # 2. Input: an endless shuffled stream of global batches (grain reshuffles each epoch).
-  ds = (strategy.experimental_make_numpy_dataset(train)
-        .shuffle(seed=args.seed).repeat()
-        .batch(GLOBAL_BATCH, drop_remainder=True))
-  train_iterator = iter(strategy.experimental_distribute_dataset(ds))
-  test_ds = strategy.experimental_make_numpy_dataset(test).batch(GLOBAL_BATCH)  # last batch partial
+  # 2. Input: each replica dequeues per-replica batches from an endless shuffled stream (one pipeline
+  # per process, made by get_dataset).
+  def get_dataset(batch_size: int, is_training: bool = True) -> Any:
+    dataset = strategy.experimental_make_numpy_dataset(train if is_training else test)
+    if is_training:
+      dataset = dataset.shuffle(seed=args.seed).repeat()
+    return dataset.batch(batch_size)
+
+  per_replica_batch_size = GLOBAL_BATCH // strategy.num_replicas_in_sync
+  train_dataset = strategy.distribute_datasets_from_function(
+      lambda _: get_dataset(per_replica_batch_size, is_training=True))
+  train_iterator = iter(train_dataset)
+  test_ds = get_dataset(GLOBAL_BATCH, is_training=False)  # global batches, the last one partial
 
   # 3. Model and optimizer.
   with strategy.scope():
@@ -227,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def loss_fn(params: nnx.State) -> tuple[jax.Array, jax.Array]:
       logits = nnx.merge(graphdef, params)(images)
       per_example_loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-      loss = jnp.sum(per_example_loss) / GLOBAL_BATCH  # tf.nn.compute_average_loss
+      loss = tpustrat.compute_average_loss(per_example_loss)
       return loss, logits
 
     (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
@@ -239,12 +153,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return {"params": params, "opt_state": opt_state}, metrics
 
   # 5 and 6. The loop: one compiled program of STEPS steps per epoch.
-  losses, accuracies = [], []
+  losses, accuracies, step_losses = [], [], []
   compiled_at = None
   with tqdm(total=EPOCHS * STEPS, unit="step", disable=quiet, leave=False) as bar:
     for epoch in range(EPOCHS):
       state, m = strategy.experimental_run_steps(step_fn, train_iterator, STEPS, init=state)
       m = strategy.experimental_local_results(m)[0]  # Mirrored: the same on every replica
+      step_losses.extend(float(v) for v in np.asarray(m["loss"]))
       losses.append(float(np.mean(m["loss"])))
       accuracies.append(float(np.sum(m["correct"]) / (STEPS * GLOBAL_BATCH)))
       if compiled_at is None:  # throughput excludes the first epoch, which compiles the program
@@ -274,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "num_replicas": strategy.num_replicas_in_sync,
       "steps_per_epoch": STEPS,
       "losses": losses,
+      "step_losses": step_losses,
       "final_loss": losses[-1],
       "train_accuracies": accuracies,
       "test_accuracy": test_accuracy,

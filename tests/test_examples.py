@@ -402,19 +402,24 @@ def _squash(text: str) -> str:
   return re.sub(r"[\s\\]+", "", text)
 
 
-def test_migration_docstring_twin_is_the_code(migration):
-  """The right-hand column of the docstring is what `main` runs (up to line breaks)."""
-  rows = [line for line in migration.__doc__.splitlines() if " | " in line]
+def test_migration_side_by_side_is_the_code(migration):
+  """The right-hand column of the side by side in docs/coming_from_tensorflow.md is what `main` runs (up to
+  line breaks)."""
+  page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "coming_from_tensorflow.md").read_text()
+  block = page.split("## A training loop, side by side", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+  rows = [line for line in block.splitlines() if " | " in line or line.endswith(" |")]
   assert rows[0].split(" | ")[0].strip() == "TensorFlow" and rows[0].split(" | ")[1].strip() == "tpustrat"
-  right = _squash("\n".join(line.split(" | ", 1)[1] for line in rows[2:]))
+  right = _squash("\n".join(line.split(" | ", 1)[1] for line in rows[2:] if " | " in line))
   source = _squash(pathlib.Path(migration.__file__).read_text().split('"""', 2)[2])
   for statement in [
       "strategy=tpustrat.TPUStrategy(resolver)",
       "tpustrat.initialize_tpu_system(resolver)",
-      ".shuffle(seed=",
-      ".batch(GLOBAL_BATCH,drop_remainder=True))",
-      "train_iterator=iter(strategy.experimental_distribute_dataset(ds))",
-      "loss=jnp.sum(per_example_loss)/GLOBAL_BATCH",
+      "dataset=dataset.shuffle(seed=args.seed).repeat()",
+      "returndataset.batch(batch_size)",
+      "train_dataset=strategy.distribute_datasets_from_function(lambda_:get_dataset(per_replica_batch_size,"
+      "is_training=True))",
+      "train_iterator=iter(train_dataset)",
+      "loss=tpustrat.compute_average_loss(per_example_loss)",
       "jax.value_and_grad(loss_fn,has_aux=True)(state[\"params\"])",
       "tx.update(grads,state[\"opt_state\"],state[\"params\"])",
       "strategy.experimental_run_steps(step_fn,train_iterator,STEPS,init=state)",
