@@ -45,6 +45,7 @@ from tpustrat._src.logical import LayoutMap as LayoutMap
 from tpustrat._src.losses import compute_average_loss as compute_average_loss
 from tpustrat._src.losses import scale_regularization_loss as scale_regularization_loss
 from tpustrat._src.mirrored_strategy import MirroredStrategy as MirroredStrategy
+from tpustrat._src.mirrored_strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from tpustrat._src.numerics import NumericsError as NumericsError
 from tpustrat._src.padding_reads import PaddingReadWarning as PaddingReadWarning
 from tpustrat._src.preemption import PreemptionCheckpointHandler as PreemptionCheckpointHandler
@@ -89,6 +90,7 @@ __all__ = [
     "NcclAllReduce",
     "ReductionToOneDevice",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "NumericsError",
     "DeviceAssignment",
     "DistributedDataset",
