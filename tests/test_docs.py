@@ -114,7 +114,7 @@ def test_relative_links_point_at_files_in_the_repository(path):
       assert file.exists(), f"{path.relative_to(ROOT)}:{number}: {target} does not exist"
 
 
-PUBLIC_MODULES = ["tpustrat", "tpustrat.ops", "tpustrat.mixed_precision", "tpustrat.embedding",
+PUBLIC_MODULES = ["tpustrat", "tpustrat.ops", "tpustrat.mixed_precision", "tpustrat.keras", "tpustrat.embedding",
                   "tpustrat.checkpoint", "tpustrat.cluster_resolver", "tpustrat.experimental", "tpustrat.launch"]
 
 

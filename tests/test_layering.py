@@ -23,7 +23,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpustrat._src.context",),
     # Collectives and reductions.
     ("tpustrat._src.gradient_semantics", "tpustrat._src.groups", "tpustrat._src.grouped_sums",
-     "tpustrat._src.collectives", "tpustrat._src.all_reduce", "tpustrat._src.reduce", "tpustrat._src.losses"),
+     "tpustrat._src.collectives", "tpustrat._src.all_reduce", "tpustrat._src.reduce", "tpustrat._src.losses",
+     "tpustrat._src.replica_random"),
     # The engine (a mesh and a replica count), and the logical-core annotations it honours.
     ("tpustrat._src.logical", "tpustrat._src.logical_interpreter", "tpustrat._src.batch_rows",
      "tpustrat._src.block_statistics", "tpustrat._src.padding_reads", "tpustrat._src.numerics",
@@ -32,7 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpustrat._src.steps", "tpustrat._src.input"),
     # Multistep; cross-device ops; the cluster and its topology.
     ("tpustrat._src.multistep", "tpustrat._src.sharding", "tpustrat._src.zero", "tpustrat._src.accumulation",
-     "tpustrat._src.mixed_precision", "tpustrat._src.cross_device", "tpustrat._src.distributed",
+     "tpustrat._src.mixed_precision", "tpustrat._src.keras_models", "tpustrat._src.cross_device",
+     "tpustrat._src.distributed",
      "tpustrat._src.cluster_resolver", "tpustrat._src.slurm_cluster_resolver",
      "tpustrat._src.tfconfig_cluster_resolver", "tpustrat._src.topology"),
     # Strategies.
@@ -41,7 +43,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpustrat._src.checkpoint", "tpustrat._src.preemption", "tpustrat._src.embedding"),
     # The public surface.
     ("tpustrat._src", "tpustrat.ops", "tpustrat.checkpoint", "tpustrat.cluster_resolver", "tpustrat.embedding",
-     "tpustrat.mixed_precision", "tpustrat.experimental", "tpustrat.launch",
+     "tpustrat.mixed_precision", "tpustrat.keras", "tpustrat.experimental", "tpustrat.launch",
      "tpustrat"),
 ]
 

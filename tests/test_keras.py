@@ -1,0 +1,319 @@
+"""Keras 3 models (KERAS_BACKEND=jax) trained in `strategy.run` (`tpustrat.keras`), and per-replica random
+streams (`tpustrat.replica_key`, `tpustrat.replica_rngs`).
+
+Every expected value is computed without tpustrat: by one-device Keras (its own ``train_on_batch`` on the
+same global batches), by numpy (batch norm statistics), or by `jax.random` / flax on one device (masks).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import distribute_batch
+
+import tpustrat
+
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "jax":
+  pytest.skip(f"Keras runs on {keras.backend.backend()}, not JAX (KERAS_BACKEND=jax)", allow_module_level=True)
+
+from tpustrat import keras as tk  # noqa: E402
+
+N, GLOBAL = 8, 16
+
+
+def weights(model):
+  """The model's weights as numpy arrays (`model.get_weights()` warns under numpy 2: Keras's `__array__`
+  takes no `copy`)."""
+  return [np.asarray(v.value) for v in model.weights]
+
+
+def value(variable):
+  return np.asarray(variable.value)
+
+
+def is_dv(v):
+  return isinstance(v, tpustrat.DistributedValues)
+
+
+def sequential(bn=None, dropout=0.0, seed=0):
+  keras.utils.set_random_seed(seed)
+  layers = [keras.Input((6, 6, 1)), keras.layers.Conv2D(3, 3, kernel_regularizer=keras.regularizers.L2(0.01),
+                                                          use_bias=bn is None)]  # a bias before BN: noise
+  layers += [bn(momentum=0.8)] if bn else []
+  layers += [keras.layers.ReLU(), keras.layers.Flatten(), keras.layers.Dropout(dropout, seed=7),
+             keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L1(0.001))]
+  return keras.Sequential(layers)
+
+
+def functional(bn=None, seed=0):
+  keras.utils.set_random_seed(seed)
+  x = keras.Input((5,))
+  h = keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(0.01), use_bias=bn is None)(x)
+  h = bn(momentum=0.8)(h) if bn else h
+  h = keras.layers.Concatenate()([h, keras.layers.Dense(3, bias_regularizer=keras.regularizers.L2(0.1))(x)])
+  return keras.Model(x, keras.layers.Dense(4)(h))
+
+
+def data(kind, steps, rng):
+  shape = (6, 6, 1) if kind == "sequential" else (5,)
+  return [(rng.normal(size=(GLOBAL, *shape)).astype(np.float32), rng.integers(0, 4, size=GLOBAL).astype(np.int32))
+          for _ in range(steps)]
+
+
+def make_step(model, optimizer, aggregation="mean"):
+  """The guide's step: this replica's rows' loss over the global batch, its regularization losses over the
+  number of replicas (TF's compute_average_loss and scale_regularization_loss)."""
+
+  def step(state, x, y):
+    ctx = tpustrat.get_replica_context()
+
+    def loss_fn(trainable, non_trainable):
+      logits, non_trainable, losses = tk.stateless_call(model, trainable, non_trainable, x, training=True,
+                                                        aggregation=aggregation)
+      per_example = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+      loss = tpustrat.compute_average_loss(per_example) + tpustrat.scale_regularization_loss(sum(losses))
+      return loss, non_trainable
+
+    (loss, non_trainable), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["trainable"],
+                                                                             state["non_trainable"])
+    trainable, opt = optimizer.stateless_apply(state["optimizer"], grads, state["trainable"])
+    return {"trainable": trainable, "non_trainable": non_trainable, "optimizer": opt}, ctx.all_reduce("sum", loss)
+
+  return step
+
+
+def one_device_keras(build, batches):
+  """Keras's own training (train_on_batch) on one device: its losses, then the model."""
+  model = build()
+  model.compile(optimizer=keras.optimizers.Adam(0.01),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  losses = [float(model.train_on_batch(x, y)) for x, y in batches]
+  return losses, model
+
+
+def ours(strategy, build, batches, aggregation="mean"):
+  model, optimizer = build(), keras.optimizers.Adam(0.01)
+  state = strategy.experimental_mirror(tk.state(model, optimizer))
+  step = make_step(model, optimizer, aggregation)
+  losses = []
+  for x, y in batches:
+    state, loss = strategy.run(step, args=(state, distribute_batch(strategy, x), distribute_batch(strategy, y)))
+    losses.append(float(loss))
+  return losses, state, model, optimizer
+
+
+@pytest.mark.parametrize("kind", ["sequential", "functional"])
+def test_losses_and_weights_equal_one_device_keras_without_batchnorm(strategy, rng, kind):
+  build = sequential if kind == "sequential" else functional
+  batches = data(kind, 2, rng)
+  want, reference = one_device_keras(build, batches)
+  got, state, model, optimizer = ours(strategy, build, batches)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert all(isinstance(v, tpustrat.Mirrored) for v in jax.tree.leaves(state, is_leaf=is_dv))
+  tk.assign(model, optimizer, state)
+  for mine, theirs in zip(weights(model), weights(reference)):
+    np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_sync_batchnorm_equals_one_device_keras_on_the_global_batch(strategy, rng):
+  batches = data("sequential", 3, rng)
+  want, reference = one_device_keras(lambda: sequential(keras.layers.BatchNormalization), batches)
+  got, state, model, optimizer = ours(strategy, lambda: sequential(tk.SyncBatchNormalization), batches)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert all(isinstance(v, tpustrat.Mirrored) for v in jax.tree.leaves(state, is_leaf=is_dv))
+  tk.assign(model, optimizer, state)
+  bn, bn_ref = model.layers[1], reference.layers[1]
+  np.testing.assert_allclose(value(bn.moving_mean), value(bn_ref.moving_mean), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(value(bn.moving_variance), value(bn_ref.moving_variance), rtol=1e-5)
+  for mine, theirs in zip(weights(model), weights(reference)):
+    np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+  x = batches[0][0][:4]  # outside run it is plain BatchNormalization (the moving statistics)
+  np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def numpy_moving_statistics(batches, momentum, per_replica):
+  """TF's rule: each replica's moving averages of its own rows' statistics, averaged on read (numpy)."""
+  features = batches[0][0].shape[-1]
+  mean, var = np.zeros((N, features)), np.ones((N, features))
+  for x, _ in batches:
+    parts = x.reshape(N, GLOBAL // N, -1) if per_replica else np.broadcast_to(x, (N, *x.shape))
+    mean = momentum * mean + (1 - momentum) * parts.mean(axis=1)
+    var = momentum * var + (1 - momentum) * parts.var(axis=1)
+  return mean.mean(axis=0), var.mean(axis=0)
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "none"])
+def test_plain_batchnorm_statistics_are_the_mean_of_the_replicas(strategy, rng, aggregation):
+  """Unsynchronised: each replica normalises by its own rows; the moving statistics read as their mean
+  over the replicas (averaged in the step with "mean", on read by `assign` with "none")."""
+  def build():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(momentum=0.7), keras.layers.Dense(4)])
+
+  batches = [(rng.normal(2.0, 3.0, size=(GLOBAL, 3)).astype(np.float32), rng.integers(0, 4, GLOBAL).astype(np.int32))
+             for _ in range(3)]
+  _, state, model, optimizer = ours(strategy, build, batches, aggregation)
+  kinds = {type(v).__name__ for v in state["non_trainable"]}
+  assert kinds == ({"Mirrored"} if aggregation == "mean" else {"PerReplica"}), kinds
+  tk.assign(model, optimizer, state)
+  mean, var = numpy_moving_statistics(batches, 0.7, per_replica=True)
+  np.testing.assert_allclose(value(model.layers[0].moving_mean), mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(value(model.layers[0].moving_variance), var, rtol=1e-5)
+  # the mean of the replicas' variances is not the global batch's variance (what SyncBatchNormalization gives)
+  _, global_var = numpy_moving_statistics(batches, 0.7, per_replica=False)
+  assert not np.allclose(var, global_var, rtol=1e-2)
+
+
+# -- per-replica random streams -----------------------------------------------------------------------------
+
+
+def dropout_model(seed=11):
+  return keras.Sequential([keras.Input((32,)), keras.layers.Dropout(0.5, seed=seed)])
+
+
+def keras_dropout_step(model):
+  def step(non_trainable, x):
+    out, non_trainable, _ = tk.stateless_call(model, [], non_trainable, x, training=True)
+    return non_trainable, out
+  return step
+
+
+def expected_masks(seed, counter, shape):
+  """Replica r's Keras dropout mask at the generator's `counter`, by jax.random alone."""
+  key = jnp.array([seed, counter], jnp.uint32)
+  return np.stack([np.asarray(jax.random.bernoulli(jax.random.fold_in(key, r), 0.5, shape)) for r in range(N)])
+
+
+def test_keras_dropout_draws_each_replicas_own_mask_and_reproduces(strategy):
+  model = dropout_model()
+  step = keras_dropout_step(model)
+  x = strategy.experimental_distribute_values_from_function(lambda ctx: np.ones((2, 32), np.float32))
+  seeds = strategy.experimental_mirror(tk.state(model)["non_trainable"])
+  runs = []
+  for _ in range(2):  # the same seed twice: the same run
+    state, outs = seeds, []
+    for _ in range(3):
+      state, out = strategy.run(step, args=(state, x))
+      outs.append(np.stack([np.asarray(v) for v in out.values]))
+    runs.append(outs)
+    assert isinstance(state[0], tpustrat.Mirrored)
+    np.testing.assert_array_equal(np.asarray(state[0]), [11, 3])  # Keras's counter: one draw per call
+  for counter, out in enumerate(runs[0]):
+    np.testing.assert_array_equal(out != 0, expected_masks(11, counter, (2, 32)))
+    assert len({m.tobytes() for m in (out != 0)}) == N  # every replica its own mask
+    np.testing.assert_array_equal(out, runs[1][counter])
+  assert not np.array_equal(runs[0][0], runs[0][1])  # the stream advances per step
+
+
+def test_keras_seed_state_restored_from_a_checkpoint_continues_the_stream(strategy, tmp_path):
+  model = dropout_model(seed=5)
+  step = keras_dropout_step(model)
+  x = strategy.experimental_distribute_values_from_function(lambda ctx: np.ones((2, 32), np.float32))
+  state = strategy.experimental_mirror(tk.state(model)["non_trainable"])
+  state, _ = strategy.run(step, args=(state, x))
+  with tpustrat.checkpoint.CheckpointManager(tmp_path, strategy, max_to_keep=1) as manager:
+    manager.save(1, state)
+    manager.wait_until_finished()
+    restored = manager.restore(1, target=state)
+  _, uninterrupted = strategy.run(step, args=(state, x))
+  _, resumed = strategy.run(step, args=(restored, x))
+  for a, b in zip(uninterrupted.values, resumed.values):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(np.stack(resumed.values) != 0, expected_masks(5, 1, (2, 32)))
+
+
+@pytest.mark.parametrize("kind", ["typed", "raw"])
+def test_replica_key_folds_in_the_replica_id(strategy, kind):
+  key = jax.random.key(3) if kind == "typed" else jax.random.PRNGKey(3)
+
+  def step(key):
+    return jax.random.uniform(tpustrat.replica_key(key), (4,))
+
+  out = strategy.run(step, args=(key,))
+  want = np.stack([np.asarray(jax.random.uniform(jax.random.fold_in(key, r), (4,))) for r in range(N)])
+  np.testing.assert_array_equal(np.stack(out.values), want)
+  assert len({row.tobytes() for row in want}) == N
+  # under the default strategy the one replica is replica 0
+  np.testing.assert_array_equal(step(key), want[0])
+
+
+def test_replica_key_refuses_what_is_not_one_key(strategy):
+  with pytest.raises(TypeError, match=r"replica_key: expected a JAX PRNG key .* got ndarray of dtype int32"):
+    tpustrat.replica_key(np.zeros(2, np.int32))
+  with pytest.raises(TypeError, match=r"expected one key \(shape \(\)\), got a typed key array of shape \(2,\)"):
+    tpustrat.replica_key(jax.random.split(jax.random.key(0)))
+  with strategy.scope(), pytest.raises(RuntimeError, match="cross-replica context"):
+    tpustrat.replica_key(jax.random.key(0))
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError,
+                   reason="engine.wait_leaf sizes outputs with np.dtype(x.dtype), which refuses a typed PRNG key "
+                          "(key<fry>): NNX state holding RngKeys cannot leave run; x.dtype.itemsize works")
+def test_nnx_rngs_draw_each_replicas_own_mask(strategy):
+  from flax import nnx
+
+  model = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=9))
+  graphdef, state = nnx.split(model)
+  x = np.ones((2, 16), np.float32)
+
+  def step(state):
+    model = nnx.merge(graphdef, state)
+    with tpustrat.replica_rngs(model):
+      out = model(x)
+    return nnx.state(model), out
+
+  new_state, out = strategy.run(step, args=(strategy.experimental_mirror(state),))
+  assert all(isinstance(v, tpustrat.Mirrored) for v in jax.tree.leaves(new_state, is_leaf=is_dv))
+  for r in range(N):  # replica r draws what flax draws on one device from a stream keyed fold_in(key, r)
+    base = nnx.state(model, nnx.RngKey)
+    alone = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=jax.random.fold_in(jax.tree.leaves(base)[0], r)))
+    np.testing.assert_array_equal(out.values[r], alone(x))
+  assert len({np.asarray(v).tobytes() for v in out.values}) == N
+  # the key that leaves the step is the shared one, its count advanced by the one draw
+  after = nnx.merge(graphdef, jax.tree.map(jnp.asarray, new_state, is_leaf=is_dv))
+  key_in, = jax.tree.leaves(nnx.state(model, nnx.RngKey))
+  key_out, = jax.tree.leaves(nnx.state(after, nnx.RngKey))
+  np.testing.assert_array_equal(jax.random.key_data(key_out), jax.random.key_data(key_in))
+  count, = jax.tree.leaves(nnx.state(after, nnx.RngCount))
+  assert int(count) == 1
+
+
+# -- errors ---------------------------------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused_with_a_clear_error(strategy):
+  with pytest.raises(TypeError, match="expected a Keras model or layer"):
+    tk.state({"w": 1})
+  with pytest.raises(ValueError, match="is not built"):
+    tk.state(keras.Sequential([keras.layers.Dense(2)]))
+  model = dropout_model()
+  with pytest.raises(TypeError, match="expected a keras.optimizers.Optimizer or None; got str"):
+    tk.state(model, "adam")
+  with pytest.raises(ValueError, match=r"state\['non_trainable'\] has 0 values; the model .* has 1"):
+    tk.assign(model, None, {"trainable": [], "non_trainable": []})
+  with pytest.raises(ValueError, match="aggregation='sum'; expected one of"):
+    tk.stateless_call(model, [], [np.zeros(2, np.uint32)], np.ones((1, 32)), aggregation="sum")
+  dense = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+  per_replica = strategy.run(lambda: jnp.zeros((2, 1)) + tpustrat.get_replica_context().replica_id_in_sync_group)
+  with pytest.raises(ValueError, match=r"state\['trainable'\]\[0\] .* is a PerReplica value"):
+    tk.assign(dense, None, {"trainable": [per_replica, np.zeros(1)], "non_trainable": []})
+  with pytest.raises(ValueError, match="drop synchronized=True"):
+    tk.SyncBatchNormalization(synchronized=True)
+
+
+def test_the_private_batchnorm_hook_is_checked():
+  from tpustrat._src import keras_models
+
+  class NoHook:
+    pass
+
+  class OtherHook:
+    def _moments(self, inputs):
+      return inputs
+
+  keras_models._check_moments_hook(keras.layers.BatchNormalization, keras.__version__)  # this Keras has it
+  with pytest.raises(RuntimeError, match=r"Keras 9.9 has no such method"):
+    keras_models._check_moments_hook(NoHook, "9.9")
+  with pytest.raises(RuntimeError, match=r"Keras 9.9 has _moments\('self', 'inputs'\)"):
+    keras_models._check_moments_hook(OtherHook, "9.9")

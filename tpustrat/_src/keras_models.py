@@ -1,0 +1,339 @@
+"""Keras 3 models (``KERAS_BACKEND=jax``) trained in `strategy.run` with Keras's stateless API.
+
+`state` takes a model's (and optimizer's) variables out as a pytree, `assign` writes such a pytree back;
+`stateless_call` is ``model.stateless_call`` with TF's rules for a replica's state: per-replica random
+streams for the model's `SeedGenerator`s, and non-trainable variables that differ between replicas
+(`BatchNormalization`'s moving statistics) aggregated as TF aggregates them on read (MEAN). The
+synchronised batch norm, `SyncBatchNormalization`, is built on first use (`sync_batch_normalization_class`)
+because it subclasses a Keras class, and Keras is an optional dependency: nothing here imports Keras until
+it is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpustrat._src import context, jax_compat, replica_random
+from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.values import DistributedValues, Mirrored, PerReplica
+
+AGGREGATIONS = ("mean", "none")
+
+
+def import_keras() -> Any:
+  """Keras, checked to run on JAX; a clear error where it is missing or on another backend."""
+  try:
+    import keras  # type: ignore[import-untyped]  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError("tpustrat.keras needs Keras 3: pip install 'tpustrat[keras]' (and set "
+                      "KERAS_BACKEND=jax before Keras is imported).") from e
+  if keras.backend.backend() != "jax":
+    raise RuntimeError(
+        f"tpustrat.keras: Keras runs on the {keras.backend.backend()!r} backend; tpustrat trains Keras models "
+        "on JAX. Set the environment variable KERAS_BACKEND=jax before Keras is first imported.")
+  return keras
+
+
+def _check_model(model: Any, what: str) -> Any:
+  keras = import_keras()
+  if not isinstance(model, keras.layers.Layer):
+    raise TypeError(f"{what}: expected a Keras model or layer (keras.Model, keras.layers.Layer); got "
+                    f"{type(model).__name__}.")
+  if not model.built:
+    raise ValueError(f"{what}: the model {model.name!r} is not built, so it has no variables yet. Give it an "
+                     "input shape (keras.Input) or call it once on a batch first.")
+  return keras
+
+
+def _check_optimizer(optimizer: Any, what: str) -> None:
+  keras = import_keras()
+  if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
+    raise TypeError(f"{what}: expected a keras.optimizers.Optimizer or None; got {type(optimizer).__name__}.")
+
+
+def state(model: Any, optimizer: Any = None) -> dict[str, list[jax.Array]]:
+  """The variables of a Keras `model` (and `optimizer`) as a pytree, for `strategy.run` and checkpoints.
+
+  Keras's stateless API in one value: ``{"trainable": [...], "non_trainable": [...], "optimizer": [...]}``,
+  the current values of ``model.trainable_variables``, ``model.non_trainable_variables`` (batch norm
+  statistics, `SeedGenerator` states) and ``optimizer.variables``, in those orders: what
+  ``model.stateless_call`` and ``optimizer.stateless_apply`` take. Pass it to
+  ``strategy.experimental_mirror`` for a training state, save it with
+  `tpustrat.checkpoint.CheckpointManager`, and write it back with `assign`.
+
+  Args:
+    model: a built Keras model (or layer).
+    optimizer: optional: a Keras optimizer; built for ``model.trainable_variables`` here if it is not yet
+      (``optimizer.build``), as its first ``apply`` would. Without it, the ``"optimizer"`` list is empty.
+
+  Returns:
+    A dict of three lists of arrays.
+
+  Raises:
+    TypeError: `model` is not a Keras layer, or `optimizer` not a Keras optimizer.
+    ValueError: `model` is not built.
+  """
+  _check_model(model, "tpustrat.keras.state")
+  _check_optimizer(optimizer, "tpustrat.keras.state")
+  if optimizer is not None and not optimizer.built:
+    optimizer.build(model.trainable_variables)
+  return {
+      "trainable": [v.value for v in model.trainable_variables],
+      "non_trainable": [v.value for v in model.non_trainable_variables],
+      "optimizer": [] if optimizer is None else [v.value for v in optimizer.variables],
+  }
+
+
+def _read(x: Any, path: str, aggregate: bool) -> Any:
+  """The value to assign to the Keras variable at `path` (for messages): a `Mirrored` converts like its
+  array; a `PerReplica` of floats is averaged over the replicas where `aggregate` (TF's ON_READ MEAN)."""
+  if isinstance(x, PerReplica):
+    stacked = jax.tree.leaves(x.tree)[0]
+    if not aggregate or not jnp.issubdtype(stacked.dtype, jnp.floating):
+      raise ValueError(
+          f"tpustrat.keras.assign: {path} is a PerReplica value (it differs between replicas) of dtype "
+          f"{stacked.dtype}; only non-trainable floating variables (batch norm statistics) are averaged over "
+          "the replicas on read. Train with tpustrat.keras.stateless_call, which keeps seeds and statistics "
+          "Mirrored, or reduce it first (strategy.reduce).")
+    return jnp.mean(stacked.astype(jnp.float32), axis=0).astype(stacked.dtype)
+  if isinstance(x, DistributedValues) and not isinstance(x, Mirrored):
+    raise TypeError(f"tpustrat.keras.assign: {path} is a {type(x).__name__}; expected an array or a Mirrored.")
+  return x
+
+
+def _keys(x: Any) -> str:
+  return f" with keys {sorted(map(str, x))}" if isinstance(x, dict) else ""
+
+
+def assign(model: Any, optimizer: Any, state: dict[str, Sequence[Any]]) -> None:
+  """Writes a state pytree (as `state` makes it, or as a training step returns it) into `model` and
+  `optimizer`, so that ``model.predict``, ``model.save`` and Keras's own ``fit`` see the trained values.
+
+  `Mirrored` values are written as the arrays they are. Non-trainable floating values that come back
+  `PerReplica` (batch norm statistics from a plain ``model.stateless_call`` in `strategy.run`) are
+  averaged over the replicas, TF's aggregation on read (``ON_READ``, ``MEAN``). Any other `PerReplica`
+  value raises: trainable and optimizer variables must be the same on every replica.
+
+  Args:
+    model: the Keras model the state was taken from.
+    optimizer: its optimizer, or None (then ``state["optimizer"]`` is not written).
+    state: a dict with ``"trainable"``, ``"non_trainable"`` and ``"optimizer"`` lists of the model's and
+      optimizer's variable counts.
+
+  Raises:
+    TypeError: bad `model`, `optimizer` or `state`.
+    ValueError: a list's length does not match the model's variables, a value's shape differs from its
+      variable's, or a `PerReplica` value that cannot be averaged.
+  """
+  _check_model(model, "tpustrat.keras.assign")
+  _check_optimizer(optimizer, "tpustrat.keras.assign")
+  if not isinstance(state, dict) or not {"trainable", "non_trainable"} <= set(state):
+    raise TypeError("tpustrat.keras.assign: expected state = {'trainable': [...], 'non_trainable': [...], "
+                    "'optimizer': [...]} (as tpustrat.keras.state makes it); got "
+                    f"{type(state).__name__}{_keys(state)}.")
+  groups = [("trainable", model.trainable_variables, False),
+            ("non_trainable", model.non_trainable_variables, True)]
+  if optimizer is not None:
+    groups.append(("optimizer", optimizer.variables, False))
+  writes = []
+  for key, variables, aggregate in groups:
+    values = list(state.get(key, ()))
+    if len(values) != len(variables):
+      raise ValueError(f"tpustrat.keras.assign: state[{key!r}] has {len(values)} values; the "
+                       f"{'optimizer' if key == 'optimizer' else 'model ' + repr(model.name)} has "
+                       f"{len(variables)} {key.replace('_', '-')} variables.")
+    for i, (variable, value) in enumerate(zip(variables, values)):
+      path = f"state[{key!r}][{i}] ({variable.path})"
+      value = _read(value, path, aggregate)
+      if tuple(np.shape(value)) != tuple(variable.shape):
+        raise ValueError(f"tpustrat.keras.assign: {path} has shape {tuple(np.shape(value))}; the variable "
+                         f"has shape {tuple(variable.shape)}.")
+      writes.append((variable, value))
+  for variable, value in writes:  # every check first: nothing written when one fails
+    variable.assign(value)
+
+
+def seed_positions(model: Any) -> tuple[int, ...]:
+  """The positions in ``model.non_trainable_variables`` of its `SeedGenerator` states: Keras lists them
+  there (``non_trainable_variables``) and not among the weights (``non_trainable_weights``)."""
+  weights = {id(v) for v in model.non_trainable_weights}
+  return tuple(i for i, v in enumerate(model.non_trainable_variables) if id(v) not in weights)
+
+
+def _aggregate(x: Any, aggregation: str, replica: Any) -> Any:
+  """A non-trainable value that varies over the replicas, made the same on every replica by the rule of
+  its Keras variable's `aggregation` ("sum": SUM; "only_first_replica": replica 0's; otherwise MEAN)."""
+  if aggregation == "sum":
+    return jax.lax.psum(x, REPLICA_AXIS)
+  if aggregation == "only_first_replica":
+    return jax.lax.psum(jnp.where(replica == 0, x, jnp.zeros_like(x)), REPLICA_AXIS)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(
+        f"tpustrat.keras.stateless_call: a non-trainable variable of dtype {x.dtype} differs between replicas "
+        "after the call and cannot be averaged; give its Keras variable aggregation='sum' or "
+        "'only_first_replica', or use model.stateless_call and keep it per replica.")
+  return jax.lax.pmean(x.astype(jnp.float32), REPLICA_AXIS).astype(x.dtype)
+
+
+def stateless_call(model: Any, trainable_variables: Sequence[Any], non_trainable_variables: Sequence[Any],
+                   *args: Any, aggregation: str = "mean", **kwargs: Any) -> tuple[Any, list[Any], list[Any]]:
+  """``model.stateless_call(...)`` inside `strategy.run`, with TF's per-replica rules for the model's state.
+
+  * **Random streams:** each of the model's `SeedGenerator` states (``[seed, counter]``, among the
+    non-trainable variables) reaches the call with this replica's id folded in
+    (``jax.random.fold_in``), so `Dropout` and other random layers draw a different mask on every
+    replica, as under a TF strategy; the state that comes back is the one given, advanced by as many draws
+    as Keras made (the same on every replica), so it stays `Mirrored`: a fixed seed reproduces a run, and
+    a checkpoint of the state continues the same streams.
+  * **Statistics:** with ``aggregation="mean"`` (the default) every other non-trainable variable that the
+    call made differ between replicas (`BatchNormalization`'s moving mean and variance, computed from each
+    replica's own rows) is averaged over the replicas in the step (one ``pmean``), so it stays `Mirrored`.
+    TF keeps such a variable per replica and averages it when read (``ON_READ``, ``MEAN``); the moving
+    averages are linear in the batch statistics, so the average of the replicas' moving averages is the
+    moving average of the replicas' average statistics: the same numbers (up to rounding). A Keras
+    variable created with ``aggregation="sum"`` or ``"only_first_replica"`` is summed, or takes replica
+    0's value. With ``aggregation="none"`` they come back `PerReplica`, and `assign` averages them.
+    (For statistics over the global batch instead, use `SyncBatchNormalization`.)
+
+  Outside `strategy.run`, under the default strategy, the model runs as replica 0 of one.
+
+  Args:
+    model: a built Keras model.
+    trainable_variables: the values of ``model.trainable_variables`` (``state["trainable"]``).
+    non_trainable_variables: the values of ``model.non_trainable_variables``.
+    *args: the model's inputs.
+    aggregation: ``"mean"`` or ``"none"``, as above.
+    **kwargs: passed to the model's ``call`` (``training=True``, ``mask=...``).
+
+  Returns:
+    ``(outputs, non_trainable_variables, losses)``: ``losses`` are the model's losses
+    (``model.losses`` inside the call: weight regularization and ``add_loss``), this replica's. Each
+    replica adds them to its loss, and the gradient w.r.t. `Mirrored` weights sums over replicas, so
+    divide them by the number of replicas (TF's ``scale_regularization_loss``).
+
+  Raises:
+    ValueError: `aggregation` is not one of ``"mean"``, ``"none"``; a list's length does not match the
+      model's variables.
+    RuntimeError: called in cross-replica context (inside `scope()`, outside `run`).
+  """
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"tpustrat.keras.stateless_call: aggregation={aggregation!r}; expected one of "
+                     f"{AGGREGATIONS}.")
+  _check_model(model, "tpustrat.keras.stateless_call")
+  variables = model.non_trainable_variables
+  non_trainable = list(non_trainable_variables)
+  if len(non_trainable) != len(variables):
+    raise ValueError(f"tpustrat.keras.stateless_call: {len(non_trainable)} non-trainable values for the "
+                     f"{len(variables)} non-trainable variables of {model.name!r} (model.non_trainable_variables).")
+  if context.get_replica_context() is None:
+    raise RuntimeError("tpustrat.keras.stateless_call was called in cross-replica context (inside "
+                       "strategy.scope(), outside strategy.run). Call it inside the function given to "
+                       "strategy.run.")
+  seeds = seed_positions(model)
+  ctx = context.active_replica_context()
+  replica = context.get_replica_context().replica_id_in_sync_group  # type: ignore[union-attr]
+  given = {i: jnp.asarray(non_trainable[i], jnp.uint32) for i in seeds}
+  folded = {i: replica_random.fold_raw_seed(given[i], replica) for i in seeds}
+  for i in seeds:
+    non_trainable[i] = folded[i]
+  outputs, new, losses = model.stateless_call(list(trainable_variables), non_trainable, *args,
+                                              return_losses=True, **kwargs)
+  new = list(new)
+  in_run = ctx is not None and context.replica_axis(ctx) is not None
+  for i in seeds:  # the shared state, advanced as Keras advanced this replica's
+    advanced = given[i] + (jnp.asarray(new[i], jnp.uint32) - folded[i])
+    if in_run and REPLICA_AXIS in jax_compat.varying_axes(advanced):
+      advanced = jax.lax.pmax(advanced, REPLICA_AXIS)  # the same number everywhere, typed so
+    new[i] = advanced
+  if in_run and aggregation == "mean":
+    for i, variable in enumerate(variables):
+      if i not in given and REPLICA_AXIS in jax_compat.varying_axes(new[i]):
+        new[i] = _aggregate(new[i], variable.aggregation, replica)
+  return outputs, new, list(losses)
+
+
+# -- SyncBatchNormalization -------------------------------------------------------------------------------
+
+
+def _sync_moments(x: Any, axes: Sequence[int], mask: Any) -> tuple[Any, Any]:
+  """Mean and variance of `x` over `axes` and over every replica's rows: two sums over the replicas (the
+  mean first, then the squared deviations from it, as ``jnp.var`` computes on one device)."""
+  x32 = x.astype(jnp.float32)
+  if mask is None:
+    weight = jnp.ones((), jnp.float32)
+    count = jnp.asarray(float(np.prod([x.shape[a] for a in axes])), jnp.float32)
+  else:
+    weight = jnp.broadcast_to(jnp.expand_dims(mask, -1), x.shape).astype(jnp.float32)
+    count = jnp.sum(weight, axis=tuple(axes))
+  total, count = jax.lax.psum((jnp.sum(x32 * weight, axis=tuple(axes)), count), REPLICA_AXIS)
+  mean = total / jnp.maximum(count, 1.0)
+  shape = [1 if a in axes else d for a, d in enumerate(x.shape)]
+  squares = jax.lax.psum(jnp.sum(jnp.square(x32 - mean.reshape(shape)) * weight, axis=tuple(axes)), REPLICA_AXIS)
+  return mean.astype(x.dtype), (squares / jnp.maximum(count, 1.0)).astype(x.dtype)
+
+
+def _check_moments_hook(bn: type, version: str) -> None:
+  """`SyncBatchNormalization` overrides Keras's private ``BatchNormalization._moments(inputs, mask)``:
+  Keras exposes no public way to change the statistics (its ``synchronized=True`` raises on JAX)."""
+  hook = getattr(bn, "_moments", None)
+  params = list(inspect.signature(hook).parameters) if callable(hook) else None
+  if params != ["self", "inputs", "mask"]:
+    raise RuntimeError(
+        f"tpustrat.keras.SyncBatchNormalization overrides keras.layers.BatchNormalization._moments(inputs, "
+        f"mask), a private method of Keras 3.5 to 3.15; Keras {version} has "
+        f"{'no such method' if params is None else '_moments' + str(tuple(params))}. Use "
+        "keras.layers.BatchNormalization with tpustrat.keras.stateless_call (per-replica statistics, "
+        "averaged), or a Keras version this tpustrat was tested with.")
+
+
+@functools.cache
+def sync_batch_normalization_class() -> type:
+  """Builds `SyncBatchNormalization` (once): Keras is imported here, on first use."""
+  keras = import_keras()
+  base = keras.layers.BatchNormalization
+  _check_moments_hook(base, keras.__version__)
+
+  class SyncBatchNormalization(base):  # type: ignore[misc, valid-type]
+    """TF's ``tf.keras.layers.experimental.SyncBatchNormalization`` for Keras 3 on JAX: inside
+    `strategy.run`, the batch statistics are the global batch's.
+
+    Each replica computes the sum of its rows (and their count); one sum over the replicas gives the
+    global mean, a second the sum of squared deviations from it: the mean and variance of the whole
+    global batch, on every replica, exactly as one device computes them over that batch (and the same
+    gradients). The moving statistics are then the same on every replica (`Mirrored`). Outside `run` it
+    is `keras.layers.BatchNormalization`. It takes BatchNormalization's arguments (not
+    ``synchronized``, which Keras refuses on JAX) and saves and loads with ``model.save`` /
+    ``keras.models.load_model`` (registered as ``"tpustrat>SyncBatchNormalization"``).
+
+    It overrides Keras's private ``BatchNormalization._moments(inputs, mask)`` (Keras exposes no public
+    hook for the statistics); the signature is checked when the class is built.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+      if kwargs.pop("synchronized", False):
+        raise ValueError("SyncBatchNormalization is synchronised already: drop synchronized=True (Keras "
+                         "refuses it on the JAX backend).")
+      super().__init__(*args, **kwargs)
+
+    def _moments(self, inputs: Any, mask: Any) -> Any:
+      ctx = context.active_replica_context()
+      if ctx is None or context.replica_axis(ctx) is None:
+        return super()._moments(inputs, mask)
+      axis = self.axis % inputs.ndim
+      return _sync_moments(inputs, [a for a in range(inputs.ndim) if a != axis], mask)
+
+    def get_config(self) -> dict[str, Any]:
+      config = super().get_config()
+      config.pop("synchronized", None)
+      return config
+
+  SyncBatchNormalization.__module__ = "tpustrat.keras"
+  SyncBatchNormalization.__qualname__ = "SyncBatchNormalization"
+  return keras.saving.register_keras_serializable(package="tpustrat")(SyncBatchNormalization)

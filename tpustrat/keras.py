@@ -1,0 +1,23 @@
+"""Keras 3 models (``KERAS_BACKEND=jax``) trained in `strategy.run` with Keras's stateless API.
+
+`state` / `assign` move a model's and optimizer's variables into a pytree and back, `stateless_call` is
+``model.stateless_call`` with per-replica random streams and batch norm statistics aggregated as TF does,
+and `SyncBatchNormalization` is TF's synchronised batch norm. Keras is an optional dependency
+(``pip install 'tpustrat[keras]'``): it is imported when one of these is first used, never by
+``import tpustrat``. See docs/guides/keras.md and `tpustrat._src.keras_models`.
+"""
+
+from typing import Any
+
+from tpustrat._src.keras_models import assign as assign
+from tpustrat._src.keras_models import state as state
+from tpustrat._src.keras_models import stateless_call as stateless_call
+from tpustrat._src.keras_models import sync_batch_normalization_class as _sync_batch_normalization_class
+
+__all__ = ["SyncBatchNormalization", "assign", "state", "stateless_call"]  # noqa: F822 (module __getattr__)
+
+
+def __getattr__(name: str) -> Any:
+  if name == "SyncBatchNormalization":  # a Keras subclass: built when first asked for (imports Keras)
+    return _sync_batch_normalization_class()
+  raise AttributeError(f"module 'tpustrat.keras' has no attribute {name!r}")
