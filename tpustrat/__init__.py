@@ -2,7 +2,7 @@
 
 Every public name is re-exported here once; the code lives in `tpustrat._src`. The public submodules
 (`tpustrat.ops`, `tpustrat.cluster_resolver`, `tpustrat.checkpoint`, `tpustrat.embedding`,
-`tpustrat.mixed_precision`, `tpustrat.experimental`) are imported too, so that
+`tpustrat.mixed_precision`, `tpustrat.experimental`, `tpustrat.keras`) are imported too, so that
 ``import tpustrat`` is enough to use them, as with ``tf.raw_ops`` or ``jax.lax``. `tpustrat.launch` is a
 command-line entry point (``python -m tpustrat.launch``) and is imported on its own.
 """
@@ -11,6 +11,7 @@ from tpustrat import checkpoint as checkpoint  # orbax itself is imported on fir
 from tpustrat import cluster_resolver as cluster_resolver
 from tpustrat import embedding as embedding
 from tpustrat import experimental as experimental
+from tpustrat import keras as keras  # Keras itself is imported on first use (the `keras` extra)
 from tpustrat import mixed_precision as mixed_precision
 from tpustrat import ops as ops
 from tpustrat._src import compilation_cache as _compilation_cache
@@ -51,6 +52,8 @@ from tpustrat._src.padding_reads import PaddingReadWarning as PaddingReadWarning
 from tpustrat._src.preemption import PreemptionCheckpointHandler as PreemptionCheckpointHandler
 from tpustrat._src.preemption import TerminationConfig as TerminationConfig
 from tpustrat._src.reduce_op import ReduceOp as ReduceOp
+from tpustrat._src.replica_random import replica_key as replica_key
+from tpustrat._src.replica_random import replica_rngs as replica_rngs
 from tpustrat._src.sharding import MinSizePartitioner as MinSizePartitioner
 from tpustrat._src.sharding import clip_by_global_norm as clip_by_global_norm
 from tpustrat._src.sharding import global_norm as global_norm
@@ -114,6 +117,8 @@ __all__ = [
     "sharded_optimizer",
     "PreemptionCheckpointHandler",
     "ReduceOp",
+    "replica_key",
+    "replica_rngs",
     "ReplicaContext",
     "RetracingWarning",
     "RunOptions",
