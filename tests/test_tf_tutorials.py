@@ -258,3 +258,28 @@ def test_tpu_guide_loop_equals_one_device(load_example):
     params, opt_state, loss = step(params, opt_state, jnp.asarray(b["image"]), jnp.asarray(b["label"]))
     want.append(float(loss))
   np.testing.assert_allclose(summary["step_losses"], want, rtol=1e-5)
+
+
+# -- keras_model: a tf.keras-style convnet in Keras 3, trained with Keras's stateless API ---------------------
+
+
+def test_keras_model_port_equals_one_device_keras(strategy):
+  """The port on 8 replicas (SyncBatchNormalization, Dropout rate 0: per-replica masks cannot be drawn alike
+  on one device; tests/test_keras.py checks the masks themselves) gives the losses of Keras's own
+  train_on_batch on one device with plain BatchNormalization over the same global batches (the model and
+  the data come from the port)."""
+  keras = pytest.importorskip("keras")
+  if keras.backend.backend() != "jax":
+    pytest.skip(f"Keras runs on {keras.backend.backend()}, not JAX (KERAS_BACKEND=jax)")
+  port = _load_tutorial("keras_model")
+  kwargs = {"image_size": 8, "dropout": 0.0}
+  result = port.train(strategy, epochs=1, batch_size_per_replica=2, num_examples=48, sync_bn=True, **kwargs)
+  reference = port.build_model(sync_bn=False, **kwargs)
+  reference.compile(optimizer=keras.optimizers.Adam(port.LR),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  batches = port.global_batches(port.load_data(48, kwargs["image_size"]), result["global_batch_size"])
+  want = [float(reference.train_on_batch(x, y)) for x, y in batches]
+  assert len(want) == 3
+  np.testing.assert_allclose(result["losses"], want, rtol=1e-5)
+  for mine, theirs in zip(result["model"].weights, reference.weights):
+    np.testing.assert_allclose(np.asarray(mine.value), np.asarray(theirs.value), rtol=1e-4, atol=1e-6)
