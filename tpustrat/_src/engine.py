@@ -1028,7 +1028,7 @@ def wait_leaf(out: list[Any], inputs: Sequence[Any]) -> int | None:
   for i, x in enumerate(out):
     if id(x) in passed:
       continue
-    size = int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+    size = int(np.prod(np.shape(x))) * x.dtype.itemsize  # a typed PRNG key's dtype is no numpy dtype
     if size < best_size:
       best, best_size = i, size
   return best
