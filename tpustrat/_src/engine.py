@@ -306,6 +306,8 @@ class InFlight:
     # id(token) -> the check to run once it is ready (`RunOptions.check_numerics`; empty without it)
     self._checks: dict[int, Callable[..., None]] = {}
     self.stats = stats
+    if stats is not None:  # an iterator's transfer that waits for a running step is device time (`step_stats`)
+      stats.programs = self._pending
 
   def before_dispatch(self, limit: int, steps: int = 0) -> float | None:
     """Waits until fewer than `limit` programs are pending. A program of `steps` training steps follows:

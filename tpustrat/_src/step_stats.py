@@ -7,7 +7,9 @@ Every strategy keeps `StepCounters`, always on (their cost is measured in ``benc
   `take_steps`, so `experimental_run_steps` too); without a prefetch thread (XLA:CPU's default) that is
   reading the source and putting the batch on the devices, with one, waiting for the thread;
 * *devices*: the time `run` / `experimental_run_steps` waited on the steps-in-flight bound (for an older
-  step to finish on the devices; `engine.InFlight`), and `experimental_run_wait`;
+  step to finish on the devices; `engine.InFlight`), and `experimental_run_wait`; and, out of the
+  iterators' waits, the transfers of batches that waited for a running step (`time_transfer`: on XLA:CPU
+  a transfer made while a step runs can wait until that step ends, which was counted as input before);
 * *steps*: training steps dispatched (``k`` for an `experimental_run_steps` program of ``k`` steps);
 * the wall time since the first of these events (or since `reset`). What is left of it is the host's
   own work: the step's Python, dispatching, compiling, and waits outside tpustrat (reading a result).
@@ -19,8 +21,9 @@ the remedies. `Retraces` counts the programs `run` compiles per function: the si
 `RetracingWarning`, naming the argument whose structure, shape or dtype changed (as TF's retracing
 warning does).
 
-This module knows no JAX: the engine and the iterators note times, and the engine hands `Retraces` the
-argument signatures it traced.
+This module knows no JAX: the engine and the iterators note times, the engine hands `Retraces` the
+argument signatures it traced, and its queue of programs in flight (`StepCounters.programs`, their wait
+tokens, of which only ``is_ready()`` / ``is_deleted()`` are called).
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ class StepRecord:
     steps: training steps the dispatched program runs.
     seconds: wall time since the previous dispatch (or since the start, for the first).
     input_seconds: of which waiting for the batch (the iterator).
-    device_seconds: of which waiting for an older step to finish on the devices.
+    device_seconds: of which waiting for an older step to finish on the devices (the in-flight bound, or
+      a batch's transfer queued behind it).
   """
 
   steps: int
@@ -84,9 +88,10 @@ class StepStats:
   Attributes:
     steps: training steps dispatched (by `run` and `experimental_run_steps`) since the start.
     wall_seconds: wall time from the start (the first step or input wait, or the last reset) to the call.
-    input_seconds: time the host waited for the next batch in distributed iterators.
-    device_seconds: time the host waited on the devices: the steps-in-flight bound and
-      `experimental_run_wait`.
+    input_seconds: time the host waited for the next batch in distributed iterators (less the transfers
+      that waited for a running step, which are device time).
+    device_seconds: time the host waited on the devices: the steps-in-flight bound,
+      `experimental_run_wait`, and the iterators' transfers that waited for a running step to end.
     history: the last dispatches, oldest first (at most `HISTORY`), one `StepRecord` each.
 
   The counters are this process's; every process of a job has its own.
@@ -134,19 +139,22 @@ class StepCounters:
   """The counters behind `StepStats`, kept by a strategy (its engine's `InFlight` and its iterators add to
   them) and checked for an input-bound loop every `window` steps.
 
-  Hot path: `input_seconds += ...` (the iterator, around its wait) and `note_steps` (the engine, after the
-  in-flight wait, with its clock reading).
+  Hot path: `note_input` (the iterator, around its wait), `time_transfer` (the producer of batches, around
+  each transfer) and `note_steps` (the engine, after the in-flight wait, with its clock reading).
   """
 
   __slots__ = ("steps", "input_seconds", "device_seconds", "start", "window", "threshold", "warned",
                "_window_end", "_window_start", "_window_input", "_window_device", "_history", "_first",
-               "warn_to")
+               "warn_to", "programs")
 
   def __init__(self, window: int = DEFAULT_WINDOW, threshold: float | None = DEFAULT_THRESHOLD) -> None:
     self.window = window
     self.threshold = threshold  # None: no input-bound warning
     self.warned = False  # the input-bound warning is given once
     self.warn_to: Callable[[str], None] | None = None  # tests: where the warning goes instead
+    # The wait tokens of the programs in flight, oldest first: the engine's queue (`engine.InFlight`,
+    # which sets it), read by `time_transfer`; None without an engine (the default strategy).
+    self.programs: Sequence[Any] | None = None
     self.reset()
 
   def reset(self, now: float | None = None) -> None:
@@ -176,12 +184,41 @@ class StepCounters:
     self.start = self._window_start = now
     self._first = (now, 0, 0.0, 0.0)
 
-  def note_input(self, since: float) -> None:
-    """The host waited for a batch from `since` (a `time.perf_counter()` reading) until now."""
+  def note_input(self, since: float, on_devices: float = 0.0) -> None:
+    """The host waited for a batch from `since` (a `time.perf_counter()` reading) until now; `on_devices`
+    seconds of it were transfers that waited for a running step (`time_transfer`): device time."""
     now = time.perf_counter()
     if self.start is None:
       self.started(since)
-    self.input_seconds += now - since
+    waited = now - since
+    on_devices = min(max(on_devices, 0.0), waited)
+    self.input_seconds += waited - on_devices
+    self.device_seconds += on_devices
+
+  def running(self) -> tuple[Any, ...]:
+    """The wait tokens of the dispatched programs that have not finished now (none without an engine)."""
+    programs = self.programs
+    if not programs:
+      return ()
+    return tuple(t for t in tuple(programs) if not _finished(t))  # tuple(): one C call, safe across threads
+
+  def time_transfer(self, transfer: Callable[[], Any]) -> tuple[Any, float]:
+    """Calls `transfer()` (a batch's host-to-device transfer, or a wait for one) and returns its result and
+    the seconds of it that were a wait on the devices: all of them if a step that was running when it
+    started ended during it, else 0.
+
+    On XLA:CPU the transfer of a large batch made while a step runs on the same cores can wait for it: the
+    call returned when the step ended (a convnet's 10 stacked batches of 512 images: 9.6 s of a 10 s
+    `experimental_run_steps` program, while reading and transferring them alone took milliseconds).
+    Counted as input, that made a device-bound loop look input-bound (issue 32). A transfer that overlaps
+    a running step without waiting for its end stays input. On GPU and TPU a transfer is asynchronous and
+    short, and a step rarely ends during one."""
+    running = self.running()
+    start = time.perf_counter()
+    result = transfer()
+    if running and any(_finished(t) for t in running):
+      return result, time.perf_counter() - start
+    return result, 0.0
 
   def note_steps(self, steps: int, now: float) -> None:
     """`steps` training steps are dispatched at `now` (after the in-flight wait)."""
@@ -221,6 +258,14 @@ class StepCounters:
     history = tuple(StepRecord(b[1] - a[1], b[0] - a[0], b[2] - a[2], b[3] - a[3]) for a, b in zip(rows, rows[1:]))
     return StepStats(steps=self.steps, wall_seconds=0.0 if start is None else max(0.0, now - start),
                      input_seconds=self.input_seconds, device_seconds=self.device_seconds, history=history)
+
+
+def _finished(token: Any) -> bool:
+  """Whether the program `token` belongs to has ended (a deleted or failed token counts as ended)."""
+  try:
+    return bool(token.is_deleted() or token.is_ready())
+  except Exception:  # pylint: disable=broad-except  # a failed program: it has ended
+    return True
 
 
 def input_bound_message(steps: int, seconds: float, waited: float, on_devices: float, threshold: float) -> str:

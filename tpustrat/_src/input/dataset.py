@@ -514,7 +514,7 @@ class DistributedDataset:
           raise error
         try:
           if state.pending is not None:
-            jax.block_until_ready(state.pending)
+            self._transfer(state, jax.block_until_ready, state.pending)
             state.pending = None
           if state.ended:  # datasets_from_function: a pipeline ran out (drop_remainder)
             raise StopIteration
@@ -580,7 +580,7 @@ class DistributedDataset:
       leaves = [x[:, 0, :rows] if steps else x[0, :rows] for x in leaves]
       if not fetch:
         return jax.tree.unflatten(treedef, leaves)
-      arrays = jax.device_put(self._unaliased(leaves, owned, 1))
+      arrays = self._transfer(state, jax.device_put, self._unaliased(leaves, owned, 1))
       if not owned:
         state.pending = arrays
       return jax.tree.unflatten(treedef, arrays)
@@ -588,9 +588,10 @@ class DistributedDataset:
     host_counts: np.ndarray | None
     valid, host_counts = self._valid_array(counts)  # tiny and mostly the same every step: cached
     if self._multi_process:  # a global array needs every process's part: always placed
-      arrays = [self._from_local(x, steps) for x in leaves]
+      arrays = self._transfer(state, lambda: [self._from_local(x, steps) for x in leaves])
     elif fetch:
-      arrays = jax.device_put(self._unaliased(leaves, owned, self._num_replicas), splits[steps])
+      arrays = self._transfer(state, jax.device_put, self._unaliased(leaves, owned, self._num_replicas),
+                              splits[steps])
       if not owned:
         state.pending = arrays
     else:  # without fetch_to_device the arrays stay on the host; `run` transfers them
@@ -600,6 +601,17 @@ class DistributedDataset:
     # Each leaf is its own PerReplica (like `run`'s outputs), so that the batch keeps the user's pytree.
     return jax.tree.unflatten(treedef, [PerReplica.from_stacked(x, valid, host_real_rows=host_counts, tag=tag)
                                         for x, tag in zip(arrays, element_tags(treedef))])
+
+  def _transfer(self, state: ProduceState, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, a transfer to the devices (or a wait for one). On XLA:CPU a transfer made while a step
+    runs may wait until the step ends: that wait is added to `state.device_seconds`, which the iterator
+    counts as device time, not input (`StepCounters.time_transfer`)."""
+    stats = self._stats
+    if stats is None:
+      return fn(*args)
+    result, on_devices = stats.time_transfer(lambda: fn(*args))
+    state.device_seconds += on_devices
+    return result
 
   def _unaliased(self, leaves: list[np.ndarray], owned: bool, parts: int) -> list[np.ndarray]:
     """`leaves`, with those in the source's memory that a transfer would alias (XLA:CPU, aligned)

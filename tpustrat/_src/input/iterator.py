@@ -139,14 +139,16 @@ class DistributedIterator:
 
   def __next__(self) -> Any:
     self._refuse_while_staging("next(iterator)")
-    self._state.grid = (1, 0)
+    state = self._state
+    state.grid = (1, 0)
     start = time.perf_counter()  # the wait is counted in the strategy's step statistics (`step_stats`)
+    on_devices = state.device_seconds
     try:
       with profiler.input_wait():  # the host's wait for input, marked in a profile (`profiler.py`)
         batch, n = self._next_chunk()
     finally:
-      if self._feed.stats is not None:
-        self._feed.stats.note_input(start)
+      if self._feed.stats is not None:  # transfers that waited for a running step are device time
+        self._feed.stats.note_input(start, state.device_seconds - on_devices)
     if n is not None:  # after take_steps: a group read ahead
       batch, *rest = steps_lib.unstack_steps(batch)
       self._chunks.extendleft((b, None) for b in reversed(rest))
@@ -208,8 +210,10 @@ class DistributedIterator:
     self._state.grid = (k, self._handed)  # the producer stacks the next batches k at a time
     parts: list[tuple[Any, int | None]] = []
     have = 0
+    state = self._state
     while have < k:
       start = time.perf_counter()
+      on_devices = state.device_seconds
       try:
         with profiler.input_wait():
           chunk = self._next_chunk()
@@ -221,8 +225,8 @@ class DistributedIterator:
         self._error = e  # hand out the steps read so far; raise on the next call
         break
       finally:
-        if self._feed.stats is not None:
-          self._feed.stats.note_input(start)
+        if self._feed.stats is not None:  # transfers that waited for a running step are device time
+          self._feed.stats.note_input(start, state.device_seconds - on_devices)
       steps = 1 if chunk[1] is None else chunk[1]
       if parts and not _same_step(parts[0], chunk):
         self._chunks.appendleft(chunk)
@@ -394,7 +398,7 @@ class ProduceState:
   """What the producer of a `DistributedIterator` keeps between elements."""
 
   __slots__ = ("grid", "produced", "held", "error", "read", "positions", "source_state", "pending", "largest",
-               "replica_largest", "ended")
+               "replica_largest", "ended", "device_seconds")
 
   def __init__(self, it: Iterator[Any], produced: int = 0, read: int = 0, reference: Any = None) -> None:
     # Set by the consumer: (1, 0) for one batch at a time, (k, i) for groups of k from batch i on.
@@ -415,3 +419,6 @@ class ProduceState:
     self.largest = 0 if reference is None else reference[0]
     self.replica_largest: list[int] = [] if reference is None else list(reference[1])
     self.ended = False
+    # Seconds the producer's transfers waited for a running step (`StepCounters.time_transfer`): the
+    # consumer counts them as device time, not input.
+    self.device_seconds = 0.0
