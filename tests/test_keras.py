@@ -314,3 +314,23 @@ def test_the_private_batchnorm_hook_is_checked():
     keras_models._check_moments_hook(NoHook, "9.9")
   with pytest.raises(RuntimeError, match=r"Keras 9.9 has _moments\('self', 'inputs'\)"):
     keras_models._check_moments_hook(OtherHook, "9.9")
+
+
+def test_sync_batchnorm_on_a_partial_batch_uses_the_real_examples_only(strategy, rng):
+  # 16 then 11 examples: the second batch is padded (replicas 5-7 hold padding rows). One device trains on
+  # the 11 real examples; the padding must weigh nothing in the statistics and the loss.
+  full = data("sequential", 1, rng)[0]
+  partial = tuple(a[:11] for a in data("sequential", 1, rng)[0])
+  want, reference = one_device_keras(lambda: sequential(keras.layers.BatchNormalization), [full, partial])
+  model, optimizer = sequential(tk.SyncBatchNormalization), keras.optimizers.Adam(0.01)
+  state = strategy.experimental_mirror(tk.state(model, optimizer))
+  step = make_step(model, optimizer)
+  got = []
+  for x, y in strategy.experimental_distribute_dataset([full, partial]):
+    state, loss = strategy.run(step, args=(state, x, y))
+    got.append(float(loss))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  tk.assign(model, optimizer, state)
+  bn, bn_ref = model.layers[1], reference.layers[1]
+  np.testing.assert_allclose(value(bn.moving_mean), value(bn_ref.moving_mean), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(value(bn.moving_variance), value(bn_ref.moving_variance), rtol=1e-5)

@@ -210,7 +210,7 @@ class ReplicaContext:
     """(array, what it is) for each array whose padded batch library code asked for (`padding_count`) and
     that is not one of the step's batch arrays: `run` traces its rows to a batch (`batch_rows`) and traces
     the step again with the answers in `row_answers`."""
-    self.row_answers: list[int | None] | None = None
+    self.row_answers: list[tuple[int, ...] | None] | None = None
     self._asked = 0
 
   def note_batch_leaves(self, leaves: Any, index: int) -> None:
@@ -245,7 +245,13 @@ class ReplicaContext:
       return None
     answer = self.row_answers[self._asked] if self._asked < len(self.row_answers) else None
     self._asked += 1
-    return None if answer is None else self.real_rows[answer][1]
+    if answer is None:
+      return None
+    counts = [self.real_rows[b][1] for b in answer]  # several batches combined: real where all are
+    real = counts[0]
+    for c in counts[1:]:
+      real = jnp.minimum(real, c)
+    return real
 
   @property
   def strategy(self) -> Strategy:

@@ -1146,7 +1146,7 @@ class _StepJaxpr:
 
     queries: list[tuple[Any, str, bool]] = []
 
-    def flat_fn(*flat: Any, answers: list[int | None] | None = None) -> list[Any]:
+    def flat_fn(*flat: Any, answers: list[tuple[int, ...] | None] | None = None) -> list[Any]:
       ctx = make_context(list(zip(sizes, flat[num:])))
       ctx.batch_names = names
       ctx.row_answers = answers
@@ -1214,13 +1214,16 @@ class _StepJaxpr:
         "per_example_loss, 0).")
 
   @staticmethod
-  def _answer(r: Rows, x: Any, what: str, sizes: list[int], names: tuple[str, ...]) -> int | None:
-    """The padded batch whose rows `x` (asked about by `what`) holds on axis 0, from its traced rows."""
-    if not r.is_unknown and len(r.batches) == 1 and r.axis == 0 and sizes[next(iter(r.batches))] == x.shape[0]:
-      return next(iter(r.batches))
+  def _answer(r: Rows, x: Any, what: str, sizes: list[int], names: tuple[str, ...]) -> tuple[int, ...] | None:
+    """The padded batches whose rows `x` (asked about by `what`) holds on axis 0, row for row, from its
+    traced rows: one batch, or several combined row by row (features and labels passed apart), whose
+    rows are real where they are real in all of them."""
+    if (not r.is_unknown and r.batches and r.axis == 0
+        and all(sizes[b] == x.shape[0] for b in r.batches)):
+      return tuple(sorted(r.batches))
     if r.carries_rows:
       how = (f"they pass through `{r.unknown_via}`, whose effect on axis 0 is not traced" if r.is_unknown
-             else "it combines the rows of " + " and ".join(names[b] for b in sorted(r.batches)))
+             else f"they are on its axis {r.axis}, or have another batch's size")
       warnings.warn(
           f"strategy.run: {what} ({x.dtype}{list(x.shape)}): axis 0 has the per-replica size of a padded batch, "
           f"but its rows cannot be traced to one batch: {how}. Its padding rows cannot be told from real ones, "

@@ -262,15 +262,19 @@ def stateless_call(model: Any, trainable_variables: Sequence[Any], non_trainable
 # -- SyncBatchNormalization -------------------------------------------------------------------------------
 
 
-def _sync_moments(x: Any, axes: Sequence[int], mask: Any) -> tuple[Any, Any]:
+def _sync_moments(x: Any, axes: Sequence[int], mask: Any, real: Any = None) -> tuple[Any, Any]:
   """Mean and variance of `x` over `axes` and over every replica's rows: two sums over the replicas (the
-  mean first, then the squared deviations from it, as ``jnp.var`` computes on one device)."""
+  mean first, then the squared deviations from it, as ``jnp.var`` computes on one device). `real`: this
+  replica's real rows of a padded batch whose rows `x` holds (the padding rows weigh nothing), or None."""
   x32 = x.astype(jnp.float32)
-  if mask is None:
+  if mask is None and real is None:
     weight = jnp.ones((), jnp.float32)
     count = jnp.asarray(float(np.prod([x.shape[a] for a in axes])), jnp.float32)
   else:
-    weight = jnp.broadcast_to(jnp.expand_dims(mask, -1), x.shape).astype(jnp.float32)
+    weight = (jnp.ones(x.shape, jnp.float32) if mask is None
+              else jnp.broadcast_to(jnp.expand_dims(mask, -1), x.shape).astype(jnp.float32))
+    if real is not None:
+      weight = jnp.where(jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) < real, weight, 0.0)
     count = jnp.sum(weight, axis=tuple(axes))
   total, count = jax.lax.psum((jnp.sum(x32 * weight, axis=tuple(axes)), count), REPLICA_AXIS)
   mean = total / jnp.maximum(count, 1.0)
@@ -307,7 +311,9 @@ def sync_batch_normalization_class() -> type:
     Each replica computes the sum of its rows (and their count); one sum over the replicas gives the
     global mean, a second the sum of squared deviations from it: the mean and variance of the whole
     global batch, on every replica, exactly as one device computes them over that batch (and the same
-    gradients). The moving statistics are then the same on every replica (`Mirrored`). Outside `run` it
+    gradients). The padding rows of a partial batch weigh nothing (their rows are followed through the
+    step to the batch, as `compute_average_loss` finds them): the statistics are the real examples'.
+    The moving statistics are then the same on every replica (`Mirrored`). Outside `run` it
     is `keras.layers.BatchNormalization`. It takes BatchNormalization's arguments (not
     ``synchronized``, which Keras refuses on JAX) and saves and loads with ``model.save`` /
     ``keras.models.load_model`` (registered as ``"tpustrat>SyncBatchNormalization"``).
@@ -327,7 +333,9 @@ def sync_batch_normalization_class() -> type:
       if ctx is None or context.replica_axis(ctx) is None:
         return super()._moments(inputs, mask)
       axis = self.axis % inputs.ndim
-      return _sync_moments(inputs, [a for a in range(inputs.ndim) if a != axis], mask)
+      # A partial batch's padding rows weigh nothing: found from the batch `inputs` was computed from.
+      real = ctx.padding_count(inputs, "SyncBatchNormalization: its inputs") if axis != 0 else None
+      return _sync_moments(inputs, [a for a in range(inputs.ndim) if a != axis], mask, real)
 
     def get_config(self) -> dict[str, Any]:
       config = super().get_config()
