@@ -32,6 +32,10 @@ def import_keras() -> Any:
   try:
     import keras  # type: ignore[import-untyped]  # pylint: disable=import-outside-toplevel
   except ImportError as e:
+    if getattr(e, "name", None) == "tensorflow":  # Keras is there, on its default backend, without TF
+      raise ImportError("tpustrat.keras: Keras was imported on its default TensorFlow backend, which is not "
+                        "installed; set the environment variable KERAS_BACKEND=jax before Keras is first "
+                        "imported.") from e
     raise ImportError("tpustrat.keras needs Keras 3: pip install 'tpustrat[keras]' (and set "
                       "KERAS_BACKEND=jax before Keras is imported).") from e
   if keras.backend.backend() != "jax":
