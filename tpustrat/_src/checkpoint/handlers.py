@@ -18,6 +18,8 @@ from typing import Any
 
 import jax
 
+from tpustrat._src.checkpoint import event_loops
+
 __all__ = ["CHECKSUMS", "ITERATOR", "STATE", "STEP_METADATA", "CheckpointSaveError", "DamagedCheckpointError",
            "DamagedCheckpointWarning", "NotRestorableHere", "SaveTracker", "api", "read_json"]
 
@@ -63,8 +65,11 @@ def read_json(path: Any) -> Any:
 
 @functools.cache
 def api() -> types.SimpleNamespace:
-  """orbax, and the handlers of the items (defined once, on first use)."""
+  """orbax, and the handlers of the items (defined once, on first use). orbax's event loops then finish
+  the tasks left on them before they are closed (`event_loops`)."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  event_loops.install()
 
   class _Plain(ocp.CheckpointHandler):
     """A handler with no metadata, finalize step or resources of its own."""
