@@ -78,7 +78,7 @@ import jax
 
 from tpustrat._src import jax_compat, names
 
-__all__ = ["Watchdog", "activate", "active", "blames_line", "compile_timeout_from_environment",
+__all__ = ["Watchdog", "activate", "active", "blames_line", "compile_timeout_from_environment", "exit_now",
            "default_compile_timeout", "note", "start", "stop", "timeout_from_environment"]
 
 _STEPS_KEY = "tpustrat/watchdog/steps/"
@@ -499,6 +499,12 @@ def _is_ready(token: Any) -> bool:
 def exit_step_timeout(message: str) -> None:
   """Prints `message` and ends the process at once with the step-timeout status (124), as the watchdog and
   the checkpoint deadlines do: the waiting main thread is inside XLA or a barrier, where nothing reaches it."""
+  exit_now(message, names.EXIT_STEP_TIMEOUT)
+
+
+def exit_now(message: str, status: int) -> None:
+  """Flushes the output, prints `message` to stderr and ends the process at once with `status` (no
+  interpreter teardown: another thread may be inside XLA or a barrier)."""
   for stream in (sys.stdout, sys.stderr):
     try:
       stream.flush()
@@ -506,7 +512,7 @@ def exit_step_timeout(message: str) -> None:
       pass
   sys.stderr.write(message + "\n")
   sys.stderr.flush()
-  os._exit(names.EXIT_STEP_TIMEOUT)
+  os._exit(status)
 
 
 _ACTIVE: Watchdog | None = None

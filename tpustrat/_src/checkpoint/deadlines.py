@@ -16,7 +16,6 @@ with its own status (74, `names.EXIT_CHECKPOINT_FAILED`): the abort key holds th
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
@@ -197,14 +196,7 @@ def _exit_process(message: str, status: int) -> None:
   if status == names.EXIT_STEP_TIMEOUT:
     watchdog.exit_step_timeout(message)
     return
-  for stream in (sys.stdout, sys.stderr):
-    try:
-      stream.flush()
-    except Exception:  # noqa: BLE001
-      pass
-  sys.stderr.write(message + "\n")
-  sys.stderr.flush()
-  os._exit(status)
+  watchdog.exit_now(message, status)
 
 
 def step_timeout() -> float | None:
