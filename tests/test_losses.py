@@ -205,3 +205,43 @@ def test_masked_steps_do_not_warn(strategy, kind):
   want_loss, want_w, want_b = _numpy_loss_and_grads(x, y, GLOBAL_BATCH_SIZE)
   assert_close(float(strategy.reduce("sum", loss, axis=None)), want_loss, rtol=1e-5, scale=want_loss)
   assert_close(float(grads["b"]), want_b, rtol=1e-5, scale=abs(want_b) + 1)
+
+
+NESTED = {
+    "jax.jit": lambda f: jax.jit(f),
+    "jax.checkpoint": lambda f: jax.checkpoint(f),
+    "lax.cond": lambda f: (lambda x, y: jax.lax.cond(True, f, lambda x, y: jnp.sum(x) * 0.0, x, y)),
+    "jit under grad": lambda f: (lambda x, y: jax.value_and_grad(lambda s: s * jax.jit(f)(x, y))(1.0)[0]),
+}
+
+
+@pytest.mark.parametrize("where", sorted(NESTED))
+def test_padding_weighs_nothing_inside_a_nested_trace_of_the_step(strategy, where):
+  # Inside a jit, checkpoint or cond of the step, the loss's rows are not in the step's own program; its
+  # batch is the one padded batch of its size, as valid_mask finds it.
+  x, y = _data(13, seed=4)
+  batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+
+  def loss(features, labels):
+    return tpustrat.compute_average_loss(_per_example_loss(W0, B0, features, labels), global_batch_size=16)
+
+  out = strategy.run(lambda b: NESTED[where](loss)(*b), args=(batch,))
+  want = ((x.astype(np.float64) @ W0 + B0 - y) ** 2).sum() / 16
+  assert_close(float(strategy.reduce("sum", out, axis=None)), want, rtol=1e-5, scale=want)
+
+
+def test_padding_weighs_nothing_in_accumulated_micro_batches(strategy):
+  x, y = _data(13, seed=5)
+  batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+  params = strategy.experimental_mirror({"w": W0, "b": B0})
+
+  def step(p, b):
+    def loss_fn(p, b):
+      return tpustrat.compute_average_loss(_per_example_loss(p["w"], p["b"], *b), global_batch_size=16)
+    return tpustrat.accumulate_gradients(loss_fn, p, b, gradient_accumulation_steps=2)
+
+  loss, grads = strategy.run(step, args=(params, batch))
+  want_loss, want_w, want_b = _numpy_loss_and_grads(x, y, 16)
+  assert_close(float(strategy.reduce("sum", loss, axis=None)), want_loss, rtol=1e-5, scale=want_loss)
+  assert_close(np.asarray(grads["w"]), want_w, rtol=1e-5, scale=np.abs(want_w).max())
+  assert_close(float(grads["b"]), want_b, rtol=1e-5, scale=abs(want_b) + 1)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tpustrat._src.jax_compat import primal_value
+from tpustrat._src.jax_compat import primal_value, same_trace
 from tpustrat._src.reduce_op import ReduceOp
 from tpustrat._src.validation import normalize_axis
 from tpustrat._src.values import LocalShard
@@ -212,6 +212,11 @@ class ReplicaContext:
     the step again with the answers in `row_answers`."""
     self.row_answers: list[tuple[int, ...] | None] | None = None
     self._asked = 0
+    self.step_probe: Any = None
+    """A value of the trace of the step's own program (set by `run` where it reads that program): values
+    of a trace nested in it (a jit, a checkpoint, a cond, vmap or scan body) cannot be followed there."""
+    self.unresolved: list[str] = []
+    """What `padding_count` was asked about and could not tell (for `run` to warn)."""
 
   def note_batch_leaves(self, leaves: Any, index: int) -> None:
     """Records that the arrays `leaves` (as the step function receives them) are rows of padded batch
@@ -232,13 +237,23 @@ class ReplicaContext:
     The batch is found by the array itself (one the step received as part of a padded batch) or, for an
     array computed in the step, by following its rows through the step's program: the first trace asks
     (`row_queries`, and answers None), and `run` traces the step a second time with the answers
-    (`row_answers`), so that what the answer decides (a mask) is in the program that runs. Never by size
-    alone. `what` names `x` in a warning where its rows cannot be traced."""
+    (`row_answers`), so that what the answer decides (a mask) is in the program that runs. An array of a
+    trace nested in the step's (computed inside a `jax.jit`, `jax.checkpoint`, `lax.cond` / `scan` body,
+    `vmap` or `accumulate_gradients`' micro-batches), whose rows the step's program does not show, is
+    found as `valid_mask` finds it: the one padded batch of its size (inside `accumulate_gradients`, the
+    micro-batch); with several of that size it is left whole and `run` warns. `what` names `x` in the
+    warnings."""
     b = self.batch_index(x)
     if b is not None:
       return self.real_rows[b][1]
     sizes = [k for k, _ in self.real_rows]
     if not sizes or getattr(x, "ndim", 0) == 0 or x.shape[0] not in sizes:
+      return None
+    if self.step_probe is None or not same_trace(primal_value(x), self.step_probe):
+      matching = [i for i, k in enumerate(sizes) if k == x.shape[0]]
+      if len(matching) == 1:
+        return self.real_rows[matching[0]][1]
+      self.unresolved.append(what)
       return None
     if self.row_answers is None:
       self.row_queries.append((primal_value(x), what))  # under jax.grad: the forward value

@@ -807,6 +807,7 @@ class Engine:
             ctx.note_batch_leaves(leaves, b)
           with context_lib.enter_replica_context(ctx):
             out = call(*call_args, **call_kwargs)
+          _warn_unresolved(ctx.unresolved)
           # Distributed values stay whole (trace time only), so that returning one is reported by name;
           # sharded blocks (`LocalShard`) stay whole to come back as `ShardedVariable`s.
           out_leaves, out_tree = jax.tree.flatten(out, is_leaf=is_output_node)
@@ -1145,11 +1146,13 @@ class _StepJaxpr:
     num = len(leaves)
 
     queries: list[tuple[Any, str, bool]] = []
+    unresolved: list[str] = []
 
     def flat_fn(*flat: Any, answers: list[tuple[int, ...] | None] | None = None) -> list[Any]:
       ctx = make_context(list(zip(sizes, flat[num:])))
       ctx.batch_names = names
       ctx.row_answers = answers
+      ctx.step_probe = flat[0] if flat else None
       for i, b in where:
         ctx.note_batch_leaves([flat[i]], b)
       args, kwargs = jax.tree.unflatten(outer, jax.tree.unflatten(treedef, list(flat[:num])))
@@ -1165,6 +1168,8 @@ class _StepJaxpr:
       self.marked = {i: j for i, x in enumerate(out_leaves) for m, j in ctx.per_example_marks if x is m}
       results = [x.block if isinstance(x, LocalShard) else _as_output_array(x, p)
                  for x, p in zip(out_leaves, self.paths)]
+      if answers is None:
+        unresolved.extend(ctx.unresolved)
       if answers is None and ctx.row_queries:  # traced once more to follow them (`ReplicaContext.padding_count`)
         # Only values of this program can be followed (not one traced inside a loop body or a vmap).
         queries[:] = [(x, what, bool(flat) and same_trace(x, flat[0])) for x, what in ctx.row_queries]
@@ -1172,10 +1177,13 @@ class _StepJaxpr:
       return results
 
     self._args = [*leaves, *counts]
+    self._unresolved = unresolved
     in_rows = labels + [Rows.NONE] * len(counts)
     self._batch_labels, self._names = labels, names
     self._jaxpr, self._consts = open_jaxpr(jax.make_jaxpr(flat_fn)(*self._args))
     self.rows = leading_rows(self._jaxpr, in_rows)
+    if not quiet:
+      _warn_unresolved(unresolved)
     if queries and not quiet:
       # Arrays computed in the step whose padded batch library code asked for: their rows, traced here,
       # answer the question in a second trace, whose program is the one that runs.
@@ -1317,6 +1325,17 @@ def _output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[bo
     else:
       result.append(None)  # its axis 0 is not a batch's rows, whatever its size
   return result
+
+
+def _warn_unresolved(unresolved: list[str]) -> None:
+  """A `BatchRowsWarning` for each array whose padded batch `ReplicaContext.padding_count` could not tell:
+  one of a nested trace with the size of several padded batches."""
+  for what in dict.fromkeys(unresolved):
+    warnings.warn(
+        f"strategy.run: {what}, computed inside a nested trace of the step (a jax.jit, jax.checkpoint, cond, "
+        "scan or vmap), has the per-replica size of several padded batches, so which padding rows are its "
+        "own cannot be told; none is left out: mask them yourself (tpustrat.valid_mask(batch)).",
+        BatchRowsWarning, stacklevel=4)
 
 
 def _warn_padding_reads(notes: dict[str, str | None], args: Any, kwargs: Any) -> None:
