@@ -163,6 +163,11 @@ def _literal_step(kind):
       per_example = _per_example_loss(p["w"], p["b"], features, labels)
       if kind == "unmasked":  # TF's code, ported literally: TF has no padding rows to mask
         return jnp.sum(per_example) / GLOBAL_BATCH_SIZE
+      if kind == "plus_zero_times_mask":  # touches the mask, but adds: the padding rows still count
+        return jnp.sum(per_example + 0.0 * tpustrat.valid_mask(features)) / GLOBAL_BATCH_SIZE
+      if kind == "masked_input":  # the input's padding rows zeroed, the bias added after: not the loss's
+        masked = features * tpustrat.valid_mask(features)[:, None]
+        return jnp.sum(_per_example_loss(p["w"], p["b"], masked, labels)) / GLOBAL_BATCH_SIZE
       if kind == "valid_mask":
         return jnp.sum(jnp.where(tpustrat.valid_mask(features), per_example, 0.0)) / GLOBAL_BATCH_SIZE
       return tpustrat.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH_SIZE)
@@ -192,6 +197,15 @@ def test_a_sum_over_padding_rows_warns_once_at_the_first_partial_batch(strategy)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     strategy.run(step, args=(params, next(batches)))  # once per program
+
+
+@pytest.mark.parametrize("kind", ["plus_zero_times_mask", "masked_input"])
+def test_a_mask_that_does_not_clear_the_loss_still_warns(strategy, kind):
+  x, y = _data(13, seed=6)
+  params = strategy.experimental_mirror({"w": W0, "b": B0})
+  batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+  with pytest.warns(tpustrat.PaddingReadWarning, match=r"outputs? at \[0\]"):
+    strategy.run(_literal_step(kind), args=(params, batch))
 
 
 @pytest.mark.parametrize("kind", ["valid_mask", "compute_average_loss"])

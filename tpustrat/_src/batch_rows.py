@@ -110,7 +110,7 @@ _ELEMENTWISE = frozenset({
     "bessel_i1e", "cbrt", "ceil", "clamp", "clz", "complex", "conj", "convert_element_type", "copy", "copy_p",
     "cos", "cosh", "device_put", "digamma", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1",
     "floor", "ge", "gt", "igamma", "igamma_grad_a", "igammac", "imag", "integer_pow", "is_finite", "le",
-    "lgamma", "log", "log1p", "logistic", "lt", "max", "mesh_cast", "min", "mul", "name", "ne", "neg",
+    "lgamma", "log", "log1p", "logistic", "lt", "lt_to", "le_to", "max", "mesh_cast", "min", "mul", "name", "ne", "neg",
     "nextafter", "not", "optimization_barrier", "or", "pcast", "polygamma", "population_count", "pow",
     "pvary", "random_gamma_grad", "real", "reduce_precision", "regularized_incomplete_beta", "rem", "reshard",
     "round", "rsqrt", "select_n", "sharding_constraint", "shift_left", "shift_right_arithmetic",

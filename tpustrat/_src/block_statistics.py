@@ -71,7 +71,7 @@ _ELEMENTWISE = frozenset({
     "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
     "clamp", "complex", "conj", "convert_element_type", "copy", "copy_p", "cos", "cosh", "device_put", "digamma",
     "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag", "integer_pow",
-    "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max", "min", "mul", "name", "ne", "neg",
+    "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "lt_to", "le_to", "max", "min", "mul", "name", "ne", "neg",
     "nextafter", "not", "optimization_barrier", "or", "pcast", "pow", "pvary", "real", "reduce_precision",
     "rem", "round", "rsqrt", "select_n", "sharding_constraint", "sign", "sin", "sinh", "sqrt", "square",
     "stop_gradient", "sub", "tan", "tanh", "xor", "mesh_cast", "reshard", "polygamma", "igamma", "igammac",

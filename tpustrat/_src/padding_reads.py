@@ -11,8 +11,9 @@ Each value is followed with its `Rows` (`batch_rows`) and three facts:
 * ``zero``: its padding rows are zero. A padded batch's arrays are (the dataset pads with zeros); the
   property survives operations that map zeros to zeros (products, linear maps, ``tanh``, layout changes)
   and is lost by those that do not (adding a bias, ``exp``, ``log``);
-* ``mask``: computed from the step's real-row counts (`tpustrat.valid_mask`, `compute_average_loss`,
-  the embedding's padding): a product with, or a selection by, such a value zeroes the padding rows;
+* ``mask``: computed from the step's real-row counts by comparisons, logic, casts and layout changes
+  (`tpustrat.valid_mask`, `compute_average_loss`, the embedding's padding): a product with, or a
+  selection by, such a value zeroes the padding rows (a sum with one does not);
 * ``read``: computed from a sum over a batch's rows (a ``reduce_sum`` or a contraction over the rows'
   axis) whose operand's padding rows were not zero: the equation that read them.
 
@@ -60,6 +61,14 @@ _ZERO_TO_ZERO = frozenset({
     "reduce_max", "reduce_min", "cumsum", "cummax", "cummin",
 })
 _ALL_ZERO = frozenset({"add", "add_any", "sub", "max", "min", "concatenate", "clamp"})
+# What a mask stays a mask through: comparisons and logic (``iota < count``), casts and layout changes.
+# Anything else computed from a mask (a sum with it, a product with other values) is not a mask any more:
+# a product zeroes the padding rows (``zero``), a sum does not.
+_KEEP_MASK = frozenset({
+    "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not", "xor", "convert_element_type", "broadcast_in_dim",
+    "reshape", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice", "copy", "copy_p", "pvary", "pcast",
+    "select_n", "name", "stop_gradient", "lt_to", "le_to",
+})
 _ANY_ZERO = frozenset({"mul", "dot_general", "and"})
 
 
@@ -94,7 +103,7 @@ def _equation(eqn: Any, ins: list[Value]) -> list[Value]:
   name = eqn.primitive.name
   n_out = len(eqn.outvars)
   earlier = next((x.read for x in ins if x.read is not None), None)
-  mask = any(x.mask for x in ins)
+  mask = any(x.mask for x in ins) and (name in _KEEP_MASK or (name == "mul" and all(x.mask for x in ins)))
   body = compat.call_body(eqn)
   if body is not None:  # jit, checkpoint, custom_jvp / custom_vjp: the body computes the results
     sub, _ = body
@@ -104,7 +113,7 @@ def _equation(eqn: Any, ins: list[Value]) -> list[Value]:
   if len(rows) != n_out:
     rows = [Rows.NONE] * n_out
   if body is not None or name in ("cond", "while") or compat.is_scan(eqn):
-    return [Value(r, False, mask, earlier) for r in rows]
+    return [Value(r, False, any(x.mask for x in ins), earlier) for r in rows]
   found = earlier if earlier is not None else _sums_padding(eqn, ins)
   if name == "select_n":
     zero = ins[0].mask or all(x.zero for x in ins[1:])
