@@ -74,9 +74,11 @@ def selected_benchmarks(args: argparse.Namespace,
   """(name, steps, trials) of each benchmark to run, for scripts with several (``tiny``, ``mlp``, ...).
 
   `defaults` maps every benchmark, in running order, to its default (steps, trials); ``args.only`` picks
-  one, and ``args.steps`` / ``args.trials``, where given, replace the defaults.
+  one (or, a list, several: in running order), and ``args.steps`` / ``args.trials``, where given, replace
+  the defaults.
   """
-  for name in [args.only] if args.only else list(defaults):
+  only = [args.only] if isinstance(args.only, str) else list(args.only or ())
+  for name in [n for n in defaults if n in only] if only else list(defaults):
     steps, trials = defaults[name]
     yield name, args.steps or steps, args.trials or trials
 

@@ -40,6 +40,10 @@ _CDO_VARIANTS = [
 ]
 _INPUT_LOOPS = ["on device", "iterator", "iterator, no prefetch", "bare device_put"]
 _KS = (1, 2, 10)  # 10: the k the tiny step's target row is reported for
+_MODEL_SIZES = ("--conv-batch", "16", "--conv-width", "4", "--tf-batch", "8", "--tf-seq-len", "16", "--tf-layers", "1",
+                "--tf-d-model", "32")
+CONV = "convnet 28x28x1, 4/8 channels, batch 16"
+TRANSFORMER = "char transformer 1 x 32, 16 tokens, batch 8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,14 +131,21 @@ CASES = {
         ("# results allclose to per tensor;",),
         ("variant",),
         (("per tensor",), ("num_packs=1",), ("agg small <=32 KiB x10",), ("agg small <=32 KiB x32",))),
-    # README: `bench_multistep.py` (tiny with the input family, and mlp), with k = 1, 2, 10.
+    # README: `bench_multistep.py` (tiny with the input family, mlp, and the conv and transformer steps against
+    # the one-device control, rolled and unrolled), with k = 1, 2, 10 (the models: 1, 2), at tiny sizes.
     "multistep": Case(
-        "bench_multistep.py", ("--ks", *map(str, _KS), "--steps", "10", "--trials", "1"),
-        ("# tiny: final states allclose;", "# mlp: final states allclose;"),
+        "bench_multistep.py", ("--ks", *map(str, _KS), "--model-ks", "1", "2", "--steps", "10", "--trials", "1",
+                               *_MODEL_SIZES),
+        ("# tiny: final states allclose;", "# mlp: final states allclose;", "# conv: final states allclose;",
+         "# transformer: final states allclose;"),
         ("step", "variant", "steps per program (k)", "steps x trials"),
         tuple((TINY, family, str(k), "10 x 1") for family in ("tpustrat", "plain JAX", "tpustrat + input")
               for k in _KS)
-        + tuple((MLP, family, str(k), "10 x 1") for family in ("tpustrat", "plain JAX") for k in _KS)),
+        + tuple((MLP, family, str(k), "10 x 1") for family in ("tpustrat", "plain JAX") for k in _KS)
+        + tuple((label, family, k, "10 x 1") for label in (CONV, TRANSFORMER)
+                for family, k in (("tpustrat", "1"), ("tpustrat", "2"), ("tpustrat, scan_unroll=True", "2"),
+                                  ("one device, jit", "1"), ("one device, jit", "2"),
+                                  ("one device, jit, unroll=True", "2")))),
     # README: `bench_embedding.py` (sharded against replicated tables), on one small table.
     "embedding": Case(
         "bench_embedding.py", ("--rows", "1000", "--steps", "2", "--trials", "1"),

@@ -169,6 +169,47 @@ def test_experimental_run_steps_equals_separate_runs(strategy, k):
   assert isinstance(state["step"], Mirrored) and int(state["step"].values[0]) == 7
 
 
+@pytest.mark.parametrize("unroll", [2, True])
+def test_scan_unroll_equals_separate_runs(strategy, unroll):
+  """RunOptions(scan_unroll=...) (issue 32): the steps written out in the scan's body (2 per iteration, or all
+  with no loop) give the numbers of one `run` per batch, partial last batch and short last group included."""
+  batches = dataset()
+  want = reference(strategy, batches)
+  it = iter(strategy.experimental_distribute_dataset(batches))
+  state, got = init_state(), []
+  options = tpustrat.RunOptions(scan_unroll=unroll)
+  while True:
+    try:
+      state, outputs = strategy.experimental_run_steps(scan_step, it, 3, state, options=options)
+    except StopIteration:
+      break
+    with strategy.scope():
+      got.extend(host(o) for o in tpustrat.unstack_steps(outputs))
+  assert_steps_equal(got, [w[1] for w in want])
+  assert_close(state["params"]["w"].values[0], want[-1][0]["params"]["w"])
+  assert int(state["step"].values[0]) == 7
+
+
+def test_scan_unroll_writes_the_steps_out(strategy):
+  """The compiled program: a loop by default; with scan_unroll=True none (the steps one after another)."""
+  from tpustrat._src import multistep
+
+  stacked = iter(strategy.experimental_distribute_dataset(dataset(64))).take_steps(4)
+  carry = strategy.experimental_mirror(init_state())
+  rolled, by_two, unrolled = (multistep._program(strategy, scan_step, (), False, u).lower(carry, stacked).as_text()
+                              for u in (1, 2, True))
+  assert "while" in rolled and "while" in by_two and "while" not in unrolled
+
+
+@pytest.mark.parametrize("unroll, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), ("2", TypeError)])
+def test_scan_unroll_is_checked(unroll, error):
+  with pytest.raises(error, match=r"RunOptions: `scan_unroll` must be an int >= 1"):
+    tpustrat.RunOptions(scan_unroll=unroll)
+  assert tpustrat.RunOptions(scan_unroll=False).scan_unroll == 1
+  assert tpustrat.RunOptions(scan_unroll=True).scan_unroll is True
+  assert tpustrat.RunOptions(scan_unroll=np.int64(4)).scan_unroll == 4 and tpustrat.RunOptions().scan_unroll == 1
+
+
 def test_partial_batches_inside_a_program_are_counted_exactly(strategy):
   # 20 examples in batches of 16: the second batch has 4 real rows on replicas 0-1 (k = 2) and none elsewhere.
   it = iter(strategy.experimental_distribute_dataset(dataset(20)))

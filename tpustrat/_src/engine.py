@@ -146,6 +146,14 @@ class RunOptions:
       process) or, in a one-process job, by the next `run` / `experimental_run_steps` of the strategy,
       after the outer program's results were returned. Off (the default), the program is the one
       compiled without the option.
+    scan_unroll: `experimental_run_steps` only (`run` ignores it): the steps written out in each iteration
+      of its `lax.scan` (JAX's ``unroll``): 1 (the default) compiles a loop of ``steps`` iterations; an int
+      ``u`` >= 1, a loop of ``ceil(steps / u)`` iterations of ``u`` steps; True, the steps one after another
+      with no loop. The numbers are the same. On XLA:CPU a convolutional step inside the loop ran 5-9x
+      slower than as a program of its own (a one-device `jax.jit(lax.scan)` too) and unrolling fully
+      recovered it, while it made a transformer step slower (`benchmarks/bench_multistep.py`, "Many steps
+      per program" guide); compiling takes longer with every step written out. Not measured on GPU or
+      TPU. Must be an int >= 1 or a bool (False is 1).
 
   >>> RunOptions(donate_argnums=0).donate_argnums
   (0,)
@@ -158,9 +166,14 @@ class RunOptions:
   donate_argnums: int | tuple[int, ...] = ()
   experimental_layout_map: LayoutMap | None = None
   check_numerics: bool = False
+  scan_unroll: int | bool = 1
 
   def __post_init__(self) -> None:
     object.__setattr__(self, "check_numerics", numerics_lib.check_option(self.check_numerics))
+    if not isinstance(self.scan_unroll, bool):  # True: no loop; False: lax.scan's 1
+      object.__setattr__(self, "scan_unroll", check_int(self.scan_unroll, "RunOptions", "scan_unroll", minimum=1))
+    elif not self.scan_unroll:
+      object.__setattr__(self, "scan_unroll", 1)
     if self.experimental_layout_map is not None and not isinstance(self.experimental_layout_map, LayoutMap):
       raise TypeError(f"RunOptions: experimental_layout_map must be a tpustrat.LayoutMap or None, got "
                       f"{self.experimental_layout_map!r:.100}.")

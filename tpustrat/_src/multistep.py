@@ -202,7 +202,7 @@ class _Checked:
 
 
 def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int, ...] = (),
-                  checked: bool = False) -> Any:
+                  checked: bool = False, unroll: int | bool = 1) -> Any:
   step = _ReplicaStep(fn)
   strategy_ref = weakref.ref(strategy)  # the cache entry must not keep its strategy alive
   outputs = None
@@ -230,7 +230,7 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
       outputs.kinds = inner.kinds
       return _drop_counts(c), (out, flags)
 
-    result = lax.scan(body, carry, batches)
+    result = lax.scan(body, carry, batches, unroll=unroll)  # RunOptions.scan_unroll
     if outputs is not None:  # the stacked flags: the output to wait on (a donating program's too)
       carry, (outs, flags) = result
       return carry, outs, flags
@@ -244,19 +244,21 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
 
 
 def _program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int, ...] = (),
-             checked: bool = False) -> Any:
+             checked: bool = False, unroll: int | bool = 1) -> Any:
   cache = _PROGRAMS.setdefault(strategy, collections.OrderedDict())
   key: Any = (fn, donate) if donate else fn
   if checked:
     key = (key, "check_numerics")
+  if unroll is True or unroll != 1:  # True == 1 in a dict key: spelled out
+    key = (key, "scan_unroll", "all" if unroll is True else unroll)
   try:
     program = cache[key]
   except KeyError:
-    program = cache[key] = _make_program(strategy, fn, donate, checked)
+    program = cache[key] = _make_program(strategy, fn, donate, checked, unroll)
     if len(cache) > _CACHE_SIZE:
       cache.popitem(last=False)
   except TypeError:  # an unhashable callable: compile without caching
-    program = _make_program(strategy, fn, donate, checked)
+    program = _make_program(strategy, fn, donate, checked, unroll)
   return program
 
 
@@ -340,7 +342,7 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
   carry = as_carry(strategy, init)
   engine = strategy.extended.engine
   checked = engine is not None and options is not None and options.check_numerics
-  program = _program(strategy, fn, donate, checked)
+  program = _program(strategy, fn, donate, checked, options.scan_unroll if options is not None else 1)
 
   if engine is None:  # the default strategy: one device, no collectives to bound
     result = program(carry, batches)
