@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,13 +50,19 @@ class Split:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Mixed:
   """Computed from a statistic of one replica's block, by equation `eqn`; `via` says where (its primitive
-  and its caller), read from the equation's traceback only when asked for."""
+  and its caller), read from the equation's traceback only when asked for. `enclosing`: the call
+  equations around it, innermost first (a `jnp` function is a `jit` whose body's tracebacks stop at it)."""
 
   eqn: Any
+  enclosing: tuple[Any, ...] = ()
 
   @property
   def via(self) -> str:
-    return f"`{self.eqn.primitive.name}` in {caller(self.eqn)}"
+    for e in (self.eqn, *self.enclosing):
+      who = caller(e)
+      if who != _UNNAMED:
+        return f"`{self.eqn.primitive.name}` in {who}"
+    return f"`{self.eqn.primitive.name}` in {_UNNAMED}"
 
 
 class _Unknown:
@@ -111,11 +118,21 @@ def caller(eqn: Any) -> str:
     names.append(parts_of_name[0] if package is not None else parts_of_name[-1])
     if package is None or len(names) == 4:
       break
-  return "an unnamed caller" if where is None else f"{where} {' < '.join(dict.fromkeys(names))}"
+  return _UNNAMED if where is None else f"{where} {' < '.join(dict.fromkeys(names))}"
+
+
+_UNNAMED = "an unnamed caller"
+_STATE = threading.local()  # `.enclosing`: the call equations being followed in this thread, outermost first
+
+
+def _enclosing() -> list[Any]:
+  if not hasattr(_STATE, "enclosing"):
+    _STATE.enclosing = []
+  return _STATE.enclosing
 
 
 def _mixed(eqn: Any) -> Mixed:
-  return Mixed(eqn)
+  return Mixed(eqn, tuple(reversed(_enclosing())))
 
 
 def _join(states: Sequence[State]) -> State:
@@ -167,24 +184,30 @@ def _equation(eqn: Any, ins: list[State]) -> list[State]:
   body = compat.call_body(eqn)
   if body is not None:
     sub, _ = body
-    return _run(sub, ins) if len(sub.invars) == len(ins) else [_join(ins)] * n_out
+    if len(sub.invars) != len(ins):
+      return [_join(ins)] * n_out
+    _enclosing().append(eqn)
+    try:
+      return _run(sub, ins)
+    finally:
+      _enclosing().pop()
   if name == "cond":
     if isinstance(ins[0], Mixed):
       return [ins[0]] * n_out
     branches = [_run(compat.open_jaxpr(b)[0], ins[1:]) for b in params.get("branches", ())]
     return [_join(list(rs)) for rs in zip(*branches)] if branches else [_join(ins)] * n_out
-  if compat.is_scan(eqn) or name == "while":
-    mixed = [s for s in ins if isinstance(s, Mixed)]
-    if mixed:
-      return [mixed[0]] * n_out
-    bodies = [params[k] for k in ("jaxpr", "body_jaxpr", "cond_jaxpr") if k in params]
-    for b in bodies:
-      sub = compat.open_jaxpr(b)[0]
-      found = [s for s in _run(sub, [UNKNOWN if s is not None else None for s in ins[:len(sub.invars)]]
-                               + [None] * max(0, len(sub.invars) - len(ins))) if isinstance(s, Mixed)]
-      if found:
-        return [found[0]] * n_out
-    return [UNKNOWN if any(s is not None for s in ins) else None] * n_out
+  if compat.is_scan(eqn):
+    return _scan(eqn, ins)
+  if name == "while":
+    # The body followed once with its carries' states (a statistic made in it is found); the results
+    # are what the carries may hold after any number of iterations: their states joined.
+    nc = int(params.get("body_nconsts", 0))
+    cond_nc = int(params.get("cond_nconsts", 0))
+    consts, carry = ins[cond_nc:cond_nc + nc], ins[cond_nc + nc:]
+    body = compat.open_jaxpr(params["body_jaxpr"])[0]
+    for _ in range(2):
+      carry = [_join([c, o]) for c, o in zip(carry, _run(body, [*consts, *carry]))]
+    return carry if len(carry) == n_out else [_join(ins)] * n_out
   if name in _ELEMENTWISE:
     if n_out > 1:
       return list(ins) if len(ins) == n_out else [_join(ins)] * n_out
@@ -216,16 +239,42 @@ def _equation(eqn: Any, ins: list[State]) -> list[State]:
   if name == "transpose" and isinstance(x, Split):
     return [Split(tuple(params["permutation"]).index(x.axis))]
   if name == "reshape" and isinstance(x, Split) and params.get("dimensions") is None:
+    # Row-major: the split axis's elements land on the output axis whose extent first reaches past the
+    # axes before it (merged with others where the shapes differ: a ravel puts them on axis 0).
     op, out = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
     before = math.prod(op[:x.axis])
     for j in range(len(out)):
-      if math.prod(out[:j]) == before and out[j] == op[x.axis]:
+      if math.prod(out[:j + 1]) > before:
         return [Split(j)]
     return [UNKNOWN]
+  if name in ("slice", "dynamic_slice", "rev", "pad", "concatenate", "dynamic_update_slice") and isinstance(x, Split):
+    # Some of a block's elements (or a block beside others), in place: still a block's elements.
+    return [_join([s for s in ins if s is not None])]
+  if name == "top_k" and isinstance(x, Split):
+    last = len(_shape(eqn.invars[0])) - 1
+    return [_mixed(eqn) if x.axis == last else x] * n_out
   if name == "squeeze" and isinstance(x, Split):
     dims = tuple(params.get("dimensions", ()))
     return [UNKNOWN] if x.axis in dims else [Split(x.axis - sum(1 for d in dims if d < x.axis))]
   return [UNKNOWN if any(s is not None for s in ins) else None] * n_out
+
+
+def _scan(eqn: Any, ins: list[State]) -> list[State]:
+  """A `lax.scan`: the body is followed with the states of its constants, carries and sliced inputs
+  (a block scanned along its split axis: unknown), the carries to a fixed point (two passes); the stacked
+  outputs gain a leading axis."""
+  sig = compat.scan_signature(eqn)
+  body, _ = compat.open_jaxpr(sig.body)
+  nc, nk = sig.num_consts, sig.num_carry
+  consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+  sliced = [UNKNOWN if isinstance(s, Split) and s.axis == 0 else Split(s.axis - 1) if isinstance(s, Split) else s
+            for s in xs]
+  outs = _run(body, [*consts, *carry, *sliced])
+  for _ in range(2):
+    carry = [_join([c, o]) for c, o in zip(carry, outs[:nk])]
+    outs = _run(body, [*consts, *carry, *sliced])
+  ys = [Split(s.axis + 1) if isinstance(s, Split) else s for s in outs[nk:]]
+  return [*carry, *ys]
 
 
 def _dot_general(eqn: Any, ins: list[State]) -> State:

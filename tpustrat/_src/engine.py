@@ -1269,7 +1269,8 @@ class _StepJaxpr:
           "depend on how the value is split. A norm over sharded leaves is tpustrat.global_norm (and "
           "optax.clip_by_global_norm's replacement tpustrat.clip_by_global_norm), which sums the blocks' "
           "squares over the replicas; a statistic of one leaf (clip_by_block_rms, trust ratios, adafactor) "
-          "needs the leaf whole: read it with read_value(), or keep it out of experimental_shard's partitioner.")
+          "needs the leaf whole: read it with read_value(), or keep it out of experimental_shard's partitioner; a "
+          "finite check (optax.apply_if_finite) is tpustrat.mixed_precision.all_finite, agreed over the replicas.")
 
   def evaluate(self) -> list[Any]:
     """The step's output leaves, emitted into the current trace (blocks as `LocalShard`s again)."""

@@ -254,7 +254,9 @@ def _check_elementwise(tx: Any, g_tree: Any, state: Any, p_tree: Any, plan: list
         "not of the gradient, and each replica would update with its own. For a global-norm clip use "
         "tpustrat.clip_by_global_norm (tpustrat.global_norm sums the blocks' squares over the replicas); keep "
         "leaves whose transform reads a per-leaf statistic (clip_by_block_rms, adafactor, lamb / lars trust "
-        f"ratios, ...) whole with the partitioner (return None for them); see {_NAME}'s docstring.")
+        "ratios, ...) whole with the partitioner (return None for them); for a finite check (apply_if_finite) "
+        "use tpustrat.mixed_precision.all_finite (or LossScaleOptimizer), which agrees it over the replicas; "
+        f"see {_NAME}'s docstring.")
   # The same transform on the parameters' own shapes, and on the same values flattened as the blocks are.
   sds = lambda shape, like: jax.ShapeDtypeStruct(shape, jnp.result_type(like))  # noqa: E731
   g_leaves = jax.tree.leaves(g_tree, is_leaf=is_block)
