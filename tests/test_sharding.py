@@ -242,6 +242,46 @@ def test_a_statistic_of_one_replicas_block_is_refused_before_the_step_runs(strat
   np.testing.assert_array_equal(np.asarray(params["w"]), w0)
 
 
+HIDDEN_BLOCK_STATISTICS = {
+    "inside lax.scan": lambda t: jax.lax.scan(lambda c, _: (c, jnp.sum(c ** 2)), t, None, length=1)[1][0],
+    "inside fori_loop": lambda t: jax.lax.fori_loop(0, 1, lambda i, a: a + jnp.sum(t ** 2), jnp.sum(t) * 0.0),
+    "vdot": lambda t: jnp.vdot(t, t),
+    "of the raveled block": lambda t: jnp.sum(jnp.ravel(t) ** 2),
+    "top_k": lambda t: jax.lax.top_k(jnp.ravel(t), 1)[0][0],
+    "of a slice": lambda t: jnp.sum(t.reshape(-1)[:-1] ** 2),
+    "of a concatenation": lambda t: jnp.sum(jnp.concatenate([t.ravel(), t.ravel()]) ** 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HIDDEN_BLOCK_STATISTICS))
+def test_a_block_statistic_behind_a_loop_or_a_reshape_is_refused(strategy, name):
+  stat = HIDDEN_BLOCK_STATISTICS[name]
+  params = strategy.experimental_shard({"w": np.ones((21, 4), np.float32)}, tpustrat.MinSizePartitioner(min_shard_bytes=64))
+
+  def step(p):
+    g = jax.grad(lambda q: jnp.sum(tpustrat.read_values(q)["w"] ** 2))(p)
+    return optax.apply_updates(p, jax.tree.map(lambda t: -0.1 * t / (stat(t) + 1.0), g))
+
+  with pytest.raises(ValueError, match=r"computed from a statistic of this replica's block alone"):
+    strategy.run(step, args=(params,))
+
+
+def test_a_block_statistic_carried_through_a_scan_and_summed_over_the_replicas_is_right(strategy):
+  w0 = np.random.default_rng(7).normal(size=(21, 4)).astype(np.float32)
+  params = strategy.experimental_shard({"w": w0}, tpustrat.MinSizePartitioner(min_shard_bytes=64))
+
+  def step(p):
+    b = p["w"]
+    local = jnp.sum(b.real_block() ** 2)
+    (u, s), _ = jax.lax.scan(lambda c, _: ((c[0] * 0.5, c[1]), None), (b.block, local), None, length=2)
+    total = tpustrat.get_replica_context().all_reduce("sum", s)  # the whole value's: right
+    return {"w": tpustrat.LocalShard(u / jnp.sqrt(total), b.shape, b.axis)}
+
+  out = strategy.run(step, args=(params,))
+  want = w0 * 0.25 / np.sqrt((w0.astype(np.float64) ** 2).sum())
+  assert_close(np.asarray(out["w"]), want, rtol=1e-5, scale=np.abs(want).max())
+
+
 def test_a_statistic_along_an_axis_that_is_not_split_is_right(strategy):
   # Each row's norm, of a value split by rows: every replica holds its rows whole, so no error and numpy's numbers.
   rng = np.random.default_rng(6)
