@@ -36,6 +36,16 @@ def test_a_mirrored_scalar_converts_to_python_numbers(strategy):
   assert [10, 20, 30, 40][i] == 40 and operator.index(i) == 3
   zero = strategy.run(lambda: jnp.float32(0.0))
   assert not bool(zero)
+  assert f"loss {s:.3f}" == "loss 2.750" and f"{i:d}" == "3"
+
+
+def test_a_mirrored_pytree_is_split_by_experimental_shard_leaf_by_leaf(strategy):
+  w, b = np.arange(32, dtype=np.float32).reshape(16, 2), np.ones(2, np.float32)
+  state = strategy.experimental_shard(tpustrat.Mirrored({"w": w, "b": b}),
+                                      tpustrat.MinSizePartitioner(min_shard_bytes=64))
+  assert isinstance(state["w"], tpustrat.ShardedVariable) and isinstance(state["b"], tpustrat.Mirrored)
+  np.testing.assert_array_equal(np.asarray(state["w"]), w)
+  np.testing.assert_array_equal(np.asarray(state["b"]), b)
 
 
 def test_a_mirrored_pytree_or_per_replica_does_not_convert(strategy):

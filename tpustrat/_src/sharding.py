@@ -131,6 +131,12 @@ def shard(strategy: Any, tree: Any, partitioner: Partitioner | None = None,
                        "there is nothing to split (return None to keep it Mirrored).")
     return ShardedVariable.from_blocks(place_blocks(value, axis, n, split), value.shape, axis)
 
+  def leaves_of(x: Any) -> Any:  # a Mirrored of a pytree (a restored state, say): its leaves, each Mirrored
+    if isinstance(x, Mirrored) and jax.tree.structure(x.tree).num_nodes != 1:
+      return jax.tree.map(Mirrored.from_global, x.tree)
+    return x
+
+  tree = jax.tree.map(leaves_of, tree, is_leaf=is_distributed)
   return jax.tree_util.tree_map_with_path(
       lambda path, x: one(path, x), tree, is_leaf=lambda x: is_distributed(x))
 

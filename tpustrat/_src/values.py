@@ -454,6 +454,13 @@ class Mirrored(DistributedValues):
   def __index__(self) -> int:
     return operator.index(np.asarray(self)[()])
 
+  def __format__(self, spec: str) -> str:
+    """``f"{m:.4f}"``: the value formatted (a scalar as a Python number; no spec: its repr)."""
+    if not spec:
+      return repr(self)
+    value = np.asarray(self)
+    return format(value.item() if value.ndim == 0 else value, spec)
+
   def __repr__(self) -> str:
     leaves = jax.tree.leaves(self._value)
     if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
