@@ -259,3 +259,19 @@ def test_padding_weighs_nothing_in_accumulated_micro_batches(strategy):
   assert_close(float(strategy.reduce("sum", loss, axis=None)), want_loss, rtol=1e-5, scale=want_loss)
   assert_close(np.asarray(grads["w"]), want_w, rtol=1e-5, scale=np.abs(want_w).max())
   assert_close(float(grads["b"]), want_b, rtol=1e-5, scale=abs(want_b) + 1)
+
+
+def test_experimental_run_steps_warns_at_its_first_group_with_a_partial_batch(strategy):
+  x, y = _data(45, seed=8)  # batches of 16, 16 and 13
+  batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 45, 16)]
+  params = strategy.experimental_mirror({"w": W0, "b": B0})
+
+  def step(p, b):
+    loss, grads = _literal_step("unmasked")(p, b)
+    return jax.tree.map(lambda a, g: a - 0.01 * g, p, grads), loss
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # two full batches: nothing said
+    strategy.experimental_run_steps(step, iter(strategy.experimental_distribute_dataset(batches[:2])), 2, init=params)
+  with pytest.warns(tpustrat.PaddingReadWarning, match=r"sum over the rows of the padded batch"):
+    strategy.experimental_run_steps(step, iter(strategy.experimental_distribute_dataset(batches[1:])), 2, init=params)

@@ -56,13 +56,15 @@ token being the output to wait on (`wait_leaf` picks it).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
+import threading
 import time
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -1352,6 +1354,42 @@ def _warn_unresolved(unresolved: list[str]) -> None:
         BatchRowsWarning, stacklevel=4)
 
 
+_INNER_NOTES = threading.local()
+_INNER_NOTES.stack = []
+
+
+@contextlib.contextmanager
+def inner_padding_notes() -> Iterator[list[dict[str, str | None]]]:
+  """While a program that runs `run` inside it is traced (`experimental_run_steps`), collects the notes of
+  the inner programs whose padding-read warning waits for a partial batch; the enclosing program says it
+  at its first call with one (`warn_padding_reads_stacked`)."""
+  if not hasattr(_INNER_NOTES, "stack"):
+    _INNER_NOTES.stack = []
+  found: list[dict[str, str | None]] = []
+  _INNER_NOTES.stack.append(found)
+  try:
+    yield found
+  finally:
+    _INNER_NOTES.stack.pop()
+
+
+def warn_padding_reads_stacked(notes: list[dict[str, str | None]], batches: Any) -> None:
+  """`_warn_padding_reads` for stacked steps (``[steps, num_replicas, rows, ...]``): once per program, at
+  the first call whose batches hold a partial one."""
+  pending = [n for n in notes if n.get("padding_reads")]
+  if not pending:
+    return
+  for node in jax.tree.leaves(batches, is_leaf=is_distributed):
+    if isinstance(node, PerReplica) and node.padding_is_marked:
+      leaves = jax.tree.leaves(node.tree)
+      rows = leaves[0].shape[2] if leaves and leaves[0].ndim >= 3 else None
+      if rows is not None and (np.asarray(node.host_real_rows()) < rows).any():
+        for n in pending:
+          message, n["padding_reads"] = n["padding_reads"] or "", None
+          warnings.warn(message, PaddingReadWarning, stacklevel=4)
+        return
+
+
 def _warn_padding_reads(notes: dict[str, str | None], args: Any, kwargs: Any) -> None:
   """Says the program's padding-read warning (`_StepJaxpr.padding_reads_message`) once, at the first call
   whose padded batch is partial: a dataset whose batches are all full never pads, and is not warned."""
@@ -1360,7 +1398,10 @@ def _warn_padding_reads(notes: dict[str, str | None], args: Any, kwargs: Any) ->
       leaves = jax.tree.leaves(node.tree)
       k = leaves[0].shape[1] if leaves and leaves[0].ndim >= 2 else None
       if isinstance(node.real_rows_array, jax.core.Tracer):  # a run traced inside another program (run_steps):
-        continue  # its counts are not known on the host here
+        # its counts are not known on the host here: the enclosing program says it (`inner_padding_notes`)
+        if _INNER_NOTES.stack:
+          _INNER_NOTES.stack[-1].append(notes)
+        return
       if k is not None and (node.host_real_rows() < k).any():
         message, notes["padding_reads"] = notes["padding_reads"] or "", None
         warnings.warn(message, PaddingReadWarning, stacklevel=4)

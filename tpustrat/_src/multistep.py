@@ -212,6 +212,8 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
     outputs = numerics_lib.Outputs([], [], numerics_lib.replica_processes(mesh, REPLICA_AXIS),
                                    f"experimental_run_steps({step.__name__})")
 
+  padding_notes: list[dict[str, str | None]] = []
+
   def run_steps_program(carry: Any, batches: Any) -> Any:
     owner = strategy_ref()
     if owner is None:
@@ -230,7 +232,9 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
       outputs.kinds = inner.kinds
       return _drop_counts(c), (out, flags)
 
-    result = lax.scan(body, carry, batches, unroll=unroll)  # RunOptions.scan_unroll
+    with engine_lib.inner_padding_notes() as found:  # the inner run's padding-read warning, said by run_steps
+      result = lax.scan(body, carry, batches, unroll=unroll)  # RunOptions.scan_unroll
+    padding_notes.extend(n for n in found if not any(n is m for m in padding_notes))
     if outputs is not None:  # the stacked flags: the output to wait on (a donating program's too)
       carry, (outs, flags) = result
       return carry, outs, flags
@@ -240,7 +244,9 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
 
   run_steps_program.__name__ = f"run_steps_{step.__name__}"
   program = jax.jit(run_steps_program, donate_argnums=donate)
-  return program if outputs is None else _Checked(program, outputs)
+  wrapped: Any = program if outputs is None else _Checked(program, outputs)
+  wrapped.padding_notes = padding_notes  # read after each dispatch (`engine.warn_padding_reads_stacked`)
+  return wrapped
 
 
 def _program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int, ...] = (),
@@ -365,6 +371,7 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
                                                                       traced=engine.traced_numerics))
   else:
     carry, outputs = engine.dispatch(_with_token(program), carry, batches, limit=limit, steps=k)
+  engine_lib.warn_padding_reads_stacked(program.padding_notes, batches)
   # One replica: XLA's layouts do not say which outputs are stacked steps (see stacked_steps).
   return name_replica_axis(carry, steps=False), name_replica_axis(outputs, steps=True)
 
