@@ -11,9 +11,10 @@ Each value is followed with its `Rows` (`batch_rows`) and three facts:
 * ``zero``: its padding rows are zero. A padded batch's arrays are (the dataset pads with zeros); the
   property survives operations that map zeros to zeros (products, linear maps, ``tanh``, layout changes)
   and is lost by those that do not (adding a bias, ``exp``, ``log``);
-* ``mask``: computed from the step's real-row counts by comparisons, logic, casts and layout changes
-  (`tpustrat.valid_mask`, `compute_average_loss`, the embedding's padding): a product with, or a
-  selection by, such a value zeroes the padding rows (a sum with one does not);
+* ``mask``: computed from the step's real-row counts by comparisons, logic, casts, layout changes and
+  arithmetic with values that hold no batch's rows (`tpustrat.valid_mask`, `compute_average_loss`, the
+  embedding's padding, ``min`` of two batches' counts): a product with, or a selection by, such a value
+  zeroes the padding rows (a sum of one with a batch's values does not);
 * ``read``: computed from a sum over a batch's rows (a ``reduce_sum`` or a contraction over the rows'
   axis) whose operand's padding rows were not zero: the equation that read them.
 
@@ -103,7 +104,10 @@ def _equation(eqn: Any, ins: list[Value]) -> list[Value]:
   name = eqn.primitive.name
   n_out = len(eqn.outvars)
   earlier = next((x.read for x in ins if x.read is not None), None)
-  mask = any(x.mask for x in ins) and (name in _KEEP_MASK or (name == "mul" and all(x.mask for x in ins)))
+  # A mask stays one through comparisons, logic, casts and layout, and through arithmetic with values
+  # that hold no batch's rows (``min(count_a, count_b)``, ``count - i * m``); arithmetic with a batch's
+  # rows (``loss + 0 * mask``) makes a value, not a mask.
+  mask = any(x.mask for x in ins) and (name in _KEEP_MASK or all(x.mask or not x.rows.carries_rows for x in ins))
   body = compat.call_body(eqn)
   if body is not None:  # jit, checkpoint, custom_jvp / custom_vjp: the body computes the results
     sub, _ = body
@@ -129,6 +133,10 @@ def _equation(eqn: Any, ins: list[Value]) -> list[Value]:
     zero = bool(ins) and ins[0].zero or (name.startswith("conv_general") and any(x.zero for x in ins))
   elif name == "pad":
     zero = ins[0].zero and ins[1].zero
+  elif name.startswith("scatter"):  # (operand, indices, updates): zeros scattered into zeros
+    zero = len(ins) >= 3 and ins[0].zero and ins[2].zero
+  elif name == "gather":  # values read from a zero operand
+    zero = ins[0].zero
   else:
     zero = False
   return [Value(r, zero, mask, found) for r in rows]
