@@ -522,7 +522,7 @@ def test_sparse_updates_match_the_dense_reference_on_small_tables(monkeypatch, n
   (a block no bigger than the received slots)."""
   import test_embedding as ref_lib
 
-  from tpustrat._src import embedding as impl
+  from tpustrat._src.embedding import exchange as impl
 
   monkeypatch.setattr(impl, "_DENSE_BLOCKS_UP_TO", 0)
   devices = jax.devices()
@@ -548,7 +548,7 @@ def test_sort_with_order_is_a_stable_argsort_packed_or_not(n, largest):
   """`_sort_with_order` against numpy's stable argsort, duplicates included: keys packed with their
   positions where they fit in int32 (all but the last case), `jnp.argsort` otherwise; `_unique` against
   `np.unique`."""
-  from tpustrat._src import embedding as impl
+  from tpustrat._src.embedding import exchange as impl
 
   rng = np.random.default_rng(n)
   keys = rng.integers(0, min(largest, 50) + 1 if n > 60 else largest + 1, n).astype(np.int32)
