@@ -145,11 +145,10 @@ def enter_replica_context(ctx: ReplicaContext) -> Iterator[None]:
   """Makes `ctx` the live replica context of this thread (while `run` traces the replica function)."""
   previous = _STATE.replica_context
   _STATE.replica_context = ctx
-  ctx._active = True  # pylint: disable=protected-access
   try:
-    yield
+    with ctx.activated():
+      yield
   finally:
-    ctx._active = False  # pylint: disable=protected-access
     _STATE.replica_context = previous
 
 
@@ -167,12 +166,12 @@ def active_replica_context() -> ReplicaContext | None:
 def replica_axis(ctx: ReplicaContext | None) -> str | None:
   """The mesh axis over which `ctx`'s collectives run: `names.REPLICA_AXIS` inside `run`; None for the
   default strategy's context (one replica, no axis) and for no context."""
-  return None if ctx is None else ctx._axis_name  # pylint: disable=protected-access
+  return None if ctx is None else ctx.axis_name
 
 
 def check_active(ctx: ReplicaContext, what: str) -> None:
   """Raises RuntimeError unless `ctx` is usable now (inside the `run` that made it, or the default one)."""
-  ctx._check_active(what)  # pylint: disable=protected-access
+  ctx.check_active(what)
 
 
 class ReplicaContext:
@@ -283,10 +282,28 @@ class ReplicaContext:
     """This replica's index in `[0, num_replicas_in_sync)`: an int32 scalar traced inside `run`."""
     if self._axis_name is None:
       return self._replica_id
-    self._check_active("replica_id_in_sync_group")
+    self.check_active("replica_id_in_sync_group")
     return lax.axis_index(self._axis_name)
 
-  def _check_active(self, what: str) -> None:
+  @property
+  def axis_name(self) -> str | None:
+    """The mesh axis its collectives run over: `names.REPLICA_AXIS` inside `run`; None for the default
+    strategy's context (one replica, no axis)."""
+    return self._axis_name
+
+  @contextlib.contextmanager
+  def activated(self) -> Iterator[None]:
+    """This context usable (`check_active` passes) while the body runs: `run` activates its contexts
+    while it traces the replica function (`enter_replica_context`)."""
+    self._active = True
+    try:
+      yield
+    finally:
+      self._active = False
+
+  def check_active(self, what: str) -> None:
+    """Raises RuntimeError unless this context is usable now: inside the `run` that made it, while that
+    traces the replica function (the default strategy's context always is). `what`: the caller's name."""
     if not self._active:
       raise RuntimeError(
           f"ReplicaContext.{what} was called outside strategy.run: a ReplicaContext is only valid "
@@ -319,7 +336,7 @@ class ReplicaContext:
         such a value returns it unchanged and does not warn.
     """
     op = ReduceOp.from_value(reduce_op)
-    self._check_active("all_reduce")
+    self.check_active("all_reduce")
     _refuse_blocks(value, "all_reduce")
     return self._strategy.extended.replica_all_reduce(op, value, options, self._axis_name, group_assignment)
 
@@ -331,7 +348,7 @@ class ReplicaContext:
     `group_assignment` (as for `tpustrat.ops.all_gather`) each replica gathers its own group's values,
     in group order: shape `[num_replicas_per_group * b, ...]`.
     """
-    self._check_active("all_gather")
+    self.check_active("all_gather")
     _refuse_blocks(value, "all_gather")
     for x in jax.tree.leaves(value):
       ndim = jnp.ndim(x)
