@@ -219,9 +219,17 @@ def topology_of_devices(devices: Sequence[Any]) -> Topology:
   else:
     shape, coords = synthetic_layout(len(devices))
   n = len(per_task[0])
-  topology = Topology(mesh_shape=shape, device_coordinates=np.asarray(coords).reshape(len(tasks), n, len(shape)))
-  topology._devices = np.asarray(devices, dtype=object).reshape(len(tasks), n)  # pylint: disable=protected-access
-  return topology
+  return _DeviceTopology(shape, np.asarray(coords).reshape(len(tasks), n, len(shape)),
+                         np.asarray(devices, dtype=object).reshape(len(tasks), n))
+
+
+class _DeviceTopology(Topology):
+  """A `Topology` that knows which `jax.Device` sits where (what `topology_of_devices` builds):
+  `device_at_coordinates` answers from `devices`, ``[num_tasks, num_tpus_per_task]``."""
+
+  def __init__(self, mesh_shape: Sequence[int], device_coordinates: Any, devices: np.ndarray) -> None:
+    super().__init__(mesh_shape=mesh_shape, device_coordinates=device_coordinates)
+    self._devices = devices
 
 
 # -- device assignment --------------------------------------------------------------------------------
