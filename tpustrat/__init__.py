@@ -57,6 +57,7 @@ from tpustrat._src.replica_random import replica_rngs as replica_rngs
 from tpustrat._src.sharding import MinSizePartitioner as MinSizePartitioner
 from tpustrat._src.sharding import clip_by_global_norm as clip_by_global_norm
 from tpustrat._src.sharding import global_norm as global_norm
+from tpustrat._src.sharding import sharding_groups as sharding_groups
 from tpustrat._src.step_stats import InputBoundWarning as InputBoundWarning
 from tpustrat._src.step_stats import RetracingWarning as RetracingWarning
 from tpustrat._src.step_stats import StepRecord as StepRecord
@@ -115,6 +116,7 @@ __all__ = [
     "clip_by_global_norm",
     "global_norm",
     "sharded_optimizer",
+    "sharding_groups",
     "PreemptionCheckpointHandler",
     "ReduceOp",
     "replica_key",

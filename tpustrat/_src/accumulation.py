@@ -39,7 +39,7 @@ from tpustrat._src.input.padding import batch_of
 from tpustrat._src.jax_compat import to_varying, varying_axes
 from tpustrat._src.reduce_op import ReduceOp
 from tpustrat._src.validation import check_int, tree_path
-from tpustrat._src.values import LocalShard, block_size
+from tpustrat._src.values import LocalShard
 
 __all__ = ["accumulate_gradients"]
 
@@ -245,6 +245,7 @@ class _Sharded:
 
   def __init__(self, shard: LocalShard) -> None:
     self.shape, self.axis, self.block_rows = shard.shape, shard.axis, jnp.shape(shard.block)[shard.axis]
+    self.groups = shard.groups  # hybrid sharding: split within these groups of replicas
 
 
 def _prepare_params(params: Any, axis: str | None) -> tuple[list[Any], Any, Any]:
@@ -296,22 +297,17 @@ def _communicate(ctx: Any, axis: str | None, kinds: list[Any], local: list[Any])
       out[i] = g
   for i, kind in enumerate(kinds):
     if isinstance(kind, _Sharded):
-      out[i] = LocalShard(_reduce_scatter(local[i], kind, axis), kind.shape, kind.axis)
+      out[i] = LocalShard(_reduce_scatter(local[i], kind, axis), kind.shape, kind.axis, kind.groups)
   return out
 
 
 def _reduce_scatter(g: jax.Array, kind: _Sharded, axis: str | None) -> jax.Array:
   """This replica's block of `g` (a whole value's local gradient) summed over replicas: zero rows up to ``N``
-  blocks along the split axis, then one tiled `psum_scatter` (the transpose of `LocalShard.read_value`)."""
+  blocks along the split axis, then one tiled `psum_scatter` (the transpose of `LocalShard.read_value`; with
+  groups, within the group and then one all-reduce of the block across them: `LocalShard.sum_to_block`)."""
   if axis is None:
     return g
-  n = lax.axis_size(axis)
-  rows = block_size(kind.shape[kind.axis], n) * n
-  pad = [(0, 0)] * jnp.ndim(g)
-  pad[kind.axis] = (0, rows - jnp.shape(g)[kind.axis])
-  if rows != jnp.shape(g)[kind.axis]:
-    g = jnp.pad(g, pad)
-  return lax.psum_scatter(g, axis, scatter_dimension=kind.axis, tiled=True)
+  return LocalShard(g, kind.shape, kind.axis, kind.groups).sum_to_block(g)
 
 
 # -- padding --------------------------------------------------------------------------------------------

@@ -391,7 +391,8 @@ class Strategy:
     """
     return multistep.as_carry(self, value)
 
-  def experimental_shard(self, value: Any, partitioner: Any = None, layout_map: Any = None) -> Any:
+  def experimental_shard(self, value: Any, partitioner: Any = None, layout_map: Any = None,
+                         groups: Any = None) -> Any:
     """Returns `value` with its large leaves split over the replicas (`tpustrat.ShardedVariable`) and the
     others `Mirrored`: parameters and, through them, optimizer state at 1/N per device (ZeRO / FSDP).
 
@@ -406,6 +407,12 @@ class Strategy:
         step's results keep that layout. The default partitioner is not asked about matched leaves; a
         partitioner given here that splits one is an error, as are a pattern that matches no leaf, a leaf
         two patterns match and a layout that does not fit its leaf.
+      groups: hybrid sharding (PyTorch FSDP's ``HYBRID_SHARD``): split each leaf within each group of
+        replicas and replicate it across the groups. ``"process"`` (one group per process, a host),
+        ``"slice"`` (one per TPU slice), or lists of replica ids (``[[0, 1, 2, 3], [4, 5, 6, 7]]``); None
+        (the default) splits over every replica. The parameters are then gathered within a group and only
+        ``1/S`` of each gradient (``S`` replicas per group) is all-reduced across the groups. See
+        `tpustrat.sharding_groups`.
 
     Inside `run` a step sees each `ShardedVariable` as its block (`tpustrat.LocalShard`): read it whole with
     ``v.read_value()`` or ``tpustrat.read_values(tree)``; gradients w.r.t. the blocks are blocks of the
@@ -418,7 +425,7 @@ class Strategy:
     >>> state["w"], state["b"]
     (ShardedVariable(shape=[10, 4], dtype=float32, axis=0, num_replicas=8), Mirrored(float32[4]))
     """
-    return sharding_lib.shard(self, value, partitioner, layout_map)
+    return sharding_lib.shard(self, value, partitioner, layout_map, groups)
 
   # -- cross-replica reductions ---------------------------------------------------------------------
 

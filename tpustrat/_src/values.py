@@ -28,6 +28,7 @@ mean one of two things, and nothing else decides which:
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeGuard
@@ -40,8 +41,8 @@ from jax.ad_checkpoint import checkpoint_name
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.validation import check_fits_32_bits, tree_path
 
-__all__ = ["DistributedValues", "ElementTag", "LocalShard", "PerReplica", "Mirrored", "ShardedVariable",
-           "block_size", "check_components", "is_distributed", "name_replica_axis", "read_values", "stacked_steps"]
+__all__ = ["DistributedValues", "ElementTag", "Groups", "LocalShard", "PerReplica", "Mirrored", "ShardedVariable",
+           "block_size", "gather_within_groups", "group_position", "scatter_sum", "check_components", "is_distributed", "name_replica_axis", "read_values", "stacked_steps"]
 
 
 def _device_order(x: jax.Array) -> list[Any]:
@@ -642,28 +643,37 @@ class ShardedVariable(DistributedValues):
     (the last ones padded with zeros; where ``d < N`` the blocks past row ``d`` are all padding).
   * ``np.asarray(v)``: the whole value, padding stripped (TF's conversion to the concatenated tensor).
   * Inside `strategy.run` a step sees its block as a `LocalShard`; ``read_value()`` all-gathers the value.
+
+  Hybrid sharding (`groups`, ``experimental_shard(..., groups=...)``): the value is split within each group
+  of replicas and replicated across the groups. Replica ``r`` at position ``p`` of its group holds block
+  ``p`` of ``S`` (the group size; ``b = ceil(d / S)``), so the stacked global array is still ``[N,
+  ...block]``, each device holding its own block, and the ``G`` replicas at one position hold equal blocks.
   """
 
-  __slots__ = ("_shape", "_axis")
+  __slots__ = ("_shape", "_axis", "_groups")
   _shape: tuple[int, ...]
   _axis: int
+  _groups: Groups | None
 
   @classmethod
-  def from_blocks(cls, blocks: Any, shape: Sequence[int], axis: int) -> ShardedVariable:
+  def from_blocks(cls, blocks: Any, shape: Sequence[int], axis: int, groups: Groups | None = None) -> ShardedVariable:
     """Internal constructor: a `ShardedVariable` over `blocks`, a global array of the blocks stacked on a
-    leading replica axis (``[N, ...block]``, placed by the caller), of logical `shape`, split on `axis`.
+    leading replica axis (``[N, ...block]``, placed by the caller), of logical `shape`, split on `axis`
+    (within each of `groups`, checked by the caller: see `group_position`; None: over every replica).
 
     Used by the modules that place blocks (`experimental_shard`, checkpoint restores, embedding tables,
     the engine's outputs); users make one with ``strategy.experimental_shard``.
     """
-    return cls._wrap(blocks, tuple(shape), axis)
+    return cls._wrap(blocks, tuple(shape), axis, groups)
 
   @classmethod
-  def _wrap(cls, value: Any, shape: tuple[int, ...] = (), axis: int = 0) -> ShardedVariable:
+  def _wrap(cls, value: Any, shape: tuple[int, ...] = (), axis: int = 0,
+            groups: Groups | None = None) -> ShardedVariable:
     obj = object.__new__(cls)
     obj._value = value
     obj._shape = tuple(shape)
     obj._axis = axis
+    obj._groups = groups
     return obj
 
   def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -671,14 +681,14 @@ class ShardedVariable(DistributedValues):
                     "strategy.run; they are not built directly.")
 
   def tree_flatten(self):
-    return (self._value,), (self._shape, self._axis)
+    return (self._value,), (self._shape, self._axis, self._groups)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     return cls._wrap(children[0], *aux)
 
   def map_global(self, fn: Any) -> ShardedVariable:
-    return ShardedVariable._wrap(fn(self._value), self._shape, self._axis)
+    return ShardedVariable._wrap(fn(self._value), self._shape, self._axis, self._groups)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -695,8 +705,15 @@ class ShardedVariable(DistributedValues):
     return self._value.dtype
 
   @property
+  def groups(self) -> Groups | None:
+    """The groups of replica ids the value is split within (hybrid sharding), each ordered by block; None
+    when it is split over every replica."""
+    return self._groups
+
+  @property
   def num_replicas(self) -> int:
-    """How many blocks the value is split into."""
+    """How many blocks the value is stacked as: one per replica (with `groups`, ``len(groups)`` copies of
+    each of the ``len(groups[0])`` distinct blocks)."""
     return _replica_count(self._value)
 
   @property
@@ -707,13 +724,93 @@ class ShardedVariable(DistributedValues):
   def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
     del copy
     stacked = np.asarray(jax.device_get(_fully_replicated(self._value)))
+    if self._groups is not None:
+      stacked = stacked[list(self._groups[0])]  # one group's blocks, in block order
     full = np.concatenate(list(stacked), axis=self._axis)
     full = np.take(full, np.arange(self._shape[self._axis]), axis=self._axis)
     return full if dtype is None else full.astype(dtype)
 
   def __repr__(self) -> str:
+    within = "" if self._groups is None else f", groups={len(self._groups)}x{len(self._groups[0])}"
     return (f"ShardedVariable(shape={list(self._shape)}, dtype={self._value.dtype}, axis={self._axis}, "
-            f"num_replicas={_replica_count(self._value)})")
+            f"num_replicas={_replica_count(self._value)}{within})")
+
+
+Groups = tuple[tuple[int, ...], ...]
+"""Groups of replica ids that split a sharded value among them (hybrid sharding): equal sizes, every
+replica in one group, each group in block order."""
+
+
+def group_position(groups: Groups) -> tuple[int, ...]:
+  """For each replica id, its position in its group: the block of a hybrid-sharded value it holds."""
+  position = [0] * sum(len(g) for g in groups)
+  for group in groups:
+    for p, r in enumerate(group):
+      position[r] = p
+  return tuple(position)
+
+
+def _across(groups: Groups) -> list[list[int]]:
+  """The groups across `groups`: the replicas at each position, one from each group (``G`` of them)."""
+  return [list(column) for column in zip(*groups)]
+
+
+def _psum_across_groups(x: jax.Array, groups: Groups) -> jax.Array:
+  """The sum of `x` (varying) over the replicas at this replica's position in every group: the all-reduce
+  across the groups of a hybrid-sharded block (``1/S`` of the value). JAX's typed collectives take no
+  groups for `psum`: it runs in a nested region that opts out of varying-axis checks (its result differs
+  between positions, so it is cast back to varying), as `grouped_sums` does for grouped all-reduces."""
+  if len(groups) == 1:
+    return x
+  region = jax.shard_map(functools.partial(jax.lax.psum, axis_name=REPLICA_AXIS, axis_index_groups=_across(groups)),
+                         in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec(),
+                         axis_names=frozenset(), check_vma=False)
+  return jax.lax.pcast(region(x), REPLICA_AXIS, to="varying")
+
+
+def scatter_sum(x: jax.Array, axis: int, groups: Groups | None) -> jax.Array:
+  """This replica's block of the sum over every replica of `x` (typed per replica), cut along `axis` into
+  as many blocks as replicas (or, with `groups`, as replicas per group: ``x.shape[axis]`` must divide):
+  one tiled reduce-scatter (with `groups`, within the group, then one all-reduce of the block across the
+  groups: the only communication between groups, ``1/S`` of `x`)."""
+  if groups is None:
+    return jax.lax.psum_scatter(x, REPLICA_AXIS, scatter_dimension=axis, tiled=True)
+  within = jax.lax.psum_scatter(x, REPLICA_AXIS, scatter_dimension=axis, tiled=True,
+                                axis_index_groups=[list(g) for g in groups])
+  return _psum_across_groups(within, groups)
+
+
+def gather_within_groups(x: jax.Array, axis: int, groups: Groups) -> jax.Array:
+  """The blocks of this replica's group, `x` from each (typed per replica), concatenated along `axis` in
+  block order, typed invariant: for values whose groups hold equal blocks (a hybrid-sharded value's
+  updates), so that the result is the same on every replica. Runs in a nested region that opts out of
+  varying-axis checks (JAX types a grouped all-gather varying)."""
+  region = jax.shard_map(functools.partial(jax.lax.all_gather, axis_name=REPLICA_AXIS, axis=axis, tiled=True,
+                                           axis_index_groups=[list(g) for g in groups]),
+                         in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec(),
+                         axis_names=frozenset(), check_vma=False)
+  return region(x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _summed_across_groups(block: jax.Array, groups: Groups) -> jax.Array:
+  """`block` itself; its cotangent is summed across the groups (`_psum_across_groups`). Read through the
+  grouped all-gather, whose transpose sums a gradient within the group, a hybrid block's gradient is then
+  the sum over every replica: the block is one value, held once per group."""
+  del groups
+  return block
+
+
+def _summed_across_groups_fwd(block: jax.Array, groups: Groups) -> tuple[jax.Array, None]:
+  del groups
+  return block, None
+
+
+def _summed_across_groups_bwd(groups: Groups, _: None, ct: jax.Array) -> tuple[jax.Array]:
+  return (_psum_across_groups(ct, groups),)
+
+
+_summed_across_groups.defvjp(_summed_across_groups_fwd, _summed_across_groups_bwd)
 
 
 def block_size(size: int, num_replicas: int) -> int:
@@ -741,17 +838,22 @@ class LocalShard:
   `ShardedVariable`). Arithmetic on it is an error: read the whole value first with `read_value()` (or
   `tpustrat.read_values(tree)`), whose gradient is this replica's block of the gradient summed over the
   replicas (the all-gather's transpose is a reduce-scatter).
+
+  With `groups` (hybrid sharding) the block is this replica's block of the value split within its group:
+  ``read_value`` gathers within the group, and the gradient is reduce-scattered within the group and then
+  summed across the groups (``1/S`` of the value crosses them).
   """
 
-  __slots__ = ("block", "shape", "axis")
+  __slots__ = ("block", "shape", "axis", "groups")
 
-  def __init__(self, block: Any, shape: tuple[int, ...], axis: int) -> None:
+  def __init__(self, block: Any, shape: tuple[int, ...], axis: int, groups: Groups | None = None) -> None:
     self.block = block
     self.shape = tuple(shape)
     self.axis = axis
+    self.groups = groups
 
   def tree_flatten(self):
-    return (self.block,), (self.shape, self.axis)
+    return (self.block,), (self.shape, self.axis, self.groups)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -760,6 +862,16 @@ class LocalShard:
   @property
   def dtype(self) -> Any:
     return self.block.dtype
+
+  def num_blocks(self, num_replicas: int) -> int:
+    """How many distinct blocks the value is split into: the group size, or `num_replicas` (no groups)."""
+    return num_replicas if self.groups is None else len(self.groups[0])
+
+  def block_index(self) -> Any:
+    """Which block of the value this replica holds (inside `strategy.run`): its replica id, or with
+    `groups` its position in its group."""
+    r = jax.lax.axis_index(REPLICA_AXIS)
+    return r if self.groups is None else jnp.asarray(group_position(self.groups), jnp.int32)[r]
 
   def _slice_axis(self) -> tuple[int, tuple[int, ...]]:
     """(the split axis of `block`, the logical shape of what `block` is a block of): `block` may be a slice
@@ -779,7 +891,7 @@ class LocalShard:
     axis, shape = self._slice_axis()
     rows = jnp.shape(self.block)[axis]
     index = jax.lax.broadcasted_iota(jnp.int32, tuple(rows if i == axis else 1 for i in range(jnp.ndim(self.block))),
-                                     axis) + jax.lax.axis_index(REPLICA_AXIS) * rows
+                                     axis) + self.block_index() * rows
     return jnp.where(index < shape[axis], self.block, jnp.zeros((), self.block.dtype))
 
   def read_value(self) -> jax.Array:
@@ -791,16 +903,24 @@ class LocalShard:
     leading axes must not include the split axis. The result is named `GATHERED` for `jax.checkpoint`
     policies (`gather_again_policy`): a rematerialised layer gathers again in the backward pass instead
     of keeping every gathered layer alive.
+
+    With `groups` the all-gather runs within this replica's group, and the gradient w.r.t. the block is
+    reduce-scattered within the group, then all-reduced across the groups (the block's ``1/S`` of the
+    value): the sum over every replica, as without groups.
     """
     block = self.block
     axis, shape = self._slice_axis()
-    n = jax.lax.axis_size(REPLICA_AXIS)
+    n = self.num_blocks(jax.lax.axis_size(REPLICA_AXIS))
     want = list(shape)
     want[axis] = block_size(shape[axis], n)
     if list(jnp.shape(block)) != want:
       raise ValueError(f"{self!r}: the block has shape {list(jnp.shape(block))}, but a value of shape {list(shape)} "
                        f"split along axis {axis} over {n} replicas has blocks of shape {want}.")
-    full = jax.lax.all_gather(block, REPLICA_AXIS, axis=axis, tiled=True)
+    if self.groups is None:
+      full = jax.lax.all_gather(block, REPLICA_AXIS, axis=axis, tiled=True)
+    else:
+      full = jax.lax.all_gather(_summed_across_groups(block, self.groups), REPLICA_AXIS, axis=axis, tiled=True,
+                                axis_index_groups=[list(g) for g in self.groups])
     full = jax.lax.slice_in_dim(full, 0, shape[axis], axis=axis)
     return checkpoint_name(full, GATHERED)
 
@@ -815,8 +935,22 @@ class LocalShard:
   def __jax_array__(self) -> Any:
     self._refuse()
 
+  def sum_to_block(self, whole: jax.Array) -> jax.Array:
+    """This replica's block of the sum over every replica of `whole` (a value of the logical shape, typed
+    per replica: a local gradient), zero-padded to whole blocks: what `jax.grad` through `read_value` gives
+    (one reduce-scatter; with `groups` within the group, then one all-reduce of the block across them)."""
+    n = self.num_blocks(jax.lax.axis_size(REPLICA_AXIS))
+    rows = block_size(self.shape[self.axis], n) * n
+    pad = [(0, 0)] * jnp.ndim(whole)
+    pad[self.axis] = (0, rows - jnp.shape(whole)[self.axis])
+    if rows != jnp.shape(whole)[self.axis]:
+      whole = jnp.pad(whole, pad)
+    return scatter_sum(whole, self.axis, self.groups)
+
   def __repr__(self) -> str:
-    return f"LocalShard(shape={list(self.shape)}, axis={self.axis}, block={getattr(self.block, 'shape', '?')})"
+    within = "" if self.groups is None else f", groups={len(self.groups)}x{len(self.groups[0])}"
+    return (f"LocalShard(shape={list(self.shape)}, axis={self.axis}, block={getattr(self.block, 'shape', '?')}"
+            f"{within})")
 
 
 GATHERED = "tpustrat_gathered"

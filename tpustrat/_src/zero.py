@@ -23,6 +23,12 @@ ZeRO stage 1; with the gradient reduce-scattered rather than all-reduced, stage 
 
 Which of the two kinds a gradient is, is read from JAX's varying-axes type (`jax_compat.varying_axes`),
 never from shapes or values.
+
+With ``groups=`` (hybrid: one group per process, per slice, or lists) the state is split within each
+group of ``S`` replicas and replicated across the groups: replica ``r`` holds block ``p`` of ``S`` (its
+position in its group), per-replica gradients are reduce-scattered within the group and their blocks
+all-reduced across the groups (``1/S`` of the bytes cross them), and the updates are all-gathered within
+the group.
 """
 
 from __future__ import annotations
@@ -35,13 +41,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from tpustrat._src import context as context_lib
 from tpustrat._src import jax_compat as compat
 from tpustrat._src.block_statistics import Mixed, caller, mixed_results
 from tpustrat._src.jax_compat import all_gather_invariant, to_varying, varying_axes
 from tpustrat._src.names import REPLICA_AXIS
-from tpustrat._src.sharding import MinSizePartitioner
+from tpustrat._src.sharding import MinSizePartitioner, resolve_groups
 from tpustrat._src.validation import normalize_axis, tree_path
-from tpustrat._src.values import DistributedValues, LocalShard, ShardedVariable, block_size
+from tpustrat._src.values import (
+    DistributedValues,
+    Groups,
+    LocalShard,
+    ShardedVariable,
+    block_size,
+    gather_within_groups,
+    group_position,
+    scatter_sum,
+)
 
 __all__ = ["sharded_optimizer"]
 
@@ -118,14 +134,35 @@ def _plan(tree: Any, partitioner: Callable[..., Any], what: str) -> tuple[list[_
   return plan, treedef
 
 
-def _replica_axis() -> tuple[int, Any] | None:
-  """(number of replicas, this replica's index) inside `strategy.run`; None where no replica axis is bound
-  (the default strategy, whose `run` calls the step itself, or a call outside any step)."""
+class _Split(NamedTuple):
+  """How the state is split in this step: ``n`` blocks, this replica's index ``r`` among them (traced), and
+  the groups of replicas that split it (hybrid: ``n`` is the group size, ``r`` the position in the group)."""
+
+  n: int
+  r: Any
+  groups: Groups | None
+
+
+def _replica_axis(groups: Any = None) -> _Split | None:
+  """How the state is split inside `strategy.run` (`groups` resolved on the running strategy's mesh); None
+  where no replica axis is bound (the default strategy, whose `run` calls the step itself, or a call
+  outside any step)."""
   try:
     n = jax.lax.axis_size(REPLICA_AXIS)
   except NameError:
     return None
-  return int(n), jax.lax.axis_index(REPLICA_AXIS)
+  r = jax.lax.axis_index(REPLICA_AXIS)
+  if groups is None:
+    return _Split(int(n), r, None)
+  ctx = context_lib.get_replica_context()
+  mesh = None if ctx is None else ctx.strategy.mesh
+  if mesh is None or int(mesh.shape[REPLICA_AXIS]) != int(n):
+    raise ValueError(f"{_NAME}: groups={groups!r:.100} is resolved on the strategy running the step; call init "
+                     "and update inside strategy.run (or experimental_run_steps).")
+  resolved = resolve_groups(mesh, groups, _NAME)
+  if resolved is None:
+    return _Split(int(n), r, None)
+  return _Split(len(resolved[0]), jnp.asarray(group_position(resolved), jnp.int32)[r], resolved)
 
 
 def _rows(x: Any, leaf: _Leaf, n: int) -> jax.Array:
@@ -135,11 +172,11 @@ def _rows(x: Any, leaf: _Leaf, n: int) -> jax.Array:
   return jnp.pad(flat, (0, n * b - leaf.size)).reshape(n, b)
 
 
-def _local_block(x: Any, leaf: _Leaf, n: int, r: Any) -> LocalShard:
+def _local_block(x: Any, leaf: _Leaf, n: int, r: Any, groups: Groups | None = None) -> LocalShard:
   """This replica's block of a value the same on every replica (no communication)."""
   b = block_size(leaf.size, n)
   flat = jnp.pad(jnp.ravel(x), (0, n * b - leaf.size))
-  return LocalShard(jax.lax.dynamic_slice_in_dim(flat, r * b, b), (leaf.size,), 0)
+  return LocalShard(jax.lax.dynamic_slice_in_dim(flat, r * b, b), (leaf.size,), 0, groups)
 
 
 def _by_dtype(indices: list[int], values: list[Any]) -> dict[Any, list[int]]:
@@ -155,9 +192,11 @@ def _widened(x: Any) -> Any:
   return x.astype(jnp.float32) if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32 else x
 
 
-def _scatter_sum(grads: list[Any], plan: list[_Leaf], indices: list[int], n: int) -> dict[int, LocalShard]:
+def _scatter_sum(grads: list[Any], plan: list[_Leaf], indices: list[int], n: int,
+                 groups: Groups | None = None) -> dict[int, LocalShard]:
   """This replica's block of the sum over replicas of each per-replica gradient in `indices`: one
-  reduce-scatter per dtype, over the leaves' padded rows laid side by side (``[n, sum b_i]``)."""
+  reduce-scatter per dtype, over the leaves' padded rows laid side by side (``[n, sum b_i]``); with
+  `groups` (``n`` the group size) within the group, then one all-reduce of the block across the groups."""
   out = {}
   for group in _by_dtype(indices, grads).values():
     widths = [block_size(plan[i].size, n) for i in group]
@@ -165,21 +204,25 @@ def _scatter_sum(grads: list[Any], plan: list[_Leaf], indices: list[int], n: int
     dtype = rows.dtype
     # 16-bit gradients are summed in float32 (as `mixed_precision.all_reduce_gradients` and
     # `accumulate_gradients` do), then their blocks rounded back once.
-    blocks = jax.lax.psum_scatter(_widened(rows).reshape(-1), REPLICA_AXIS, scatter_dimension=0,
-                                  tiled=True).astype(dtype)  # [B]
+    blocks = scatter_sum(_widened(rows).reshape(-1), 0, groups).astype(dtype)  # [B]
     for i, start, width in zip(group, np.cumsum([0] + widths[:-1]), widths):
-      out[i] = LocalShard(jax.lax.slice_in_dim(blocks, int(start), int(start) + width), (plan[i].size,), 0)
+      out[i] = LocalShard(jax.lax.slice_in_dim(blocks, int(start), int(start) + width), (plan[i].size,), 0, groups)
   return out
 
 
-def _gather(blocks: list[Any], plan: list[_Leaf], indices: list[int], n: int) -> dict[int, jax.Array]:
+def _gather(blocks: list[Any], plan: list[_Leaf], indices: list[int], n: int,
+            groups: Groups | None = None) -> dict[int, jax.Array]:
   """Each split leaf's whole value from every replica's block: one all-gather per dtype (typed invariant:
-  the same on every replica), padding stripped and the leaf's shape restored."""
+  the same on every replica; with `groups` within the group, whose blocks every group holds alike),
+  padding stripped and the leaf's shape restored."""
   out = {}
   for group in _by_dtype(indices, blocks).values():
     widths = [block_size(plan[i].size, n) for i in group]
     local = jnp.concatenate([jnp.ravel(blocks[i]) for i in group])  # [B]
-    whole = all_gather_invariant(to_varying(local, REPLICA_AXIS), REPLICA_AXIS, axis=0, tiled=True)
+    if groups is None:
+      whole = all_gather_invariant(to_varying(local, REPLICA_AXIS), REPLICA_AXIS, axis=0, tiled=True)
+    else:
+      whole = gather_within_groups(to_varying(local, REPLICA_AXIS), 0, groups)
     whole = whole.reshape(n, -1)  # [n, B]
     for i, start, width in zip(group, np.cumsum([0] + widths[:-1]), widths):
       flat = whole[:, int(start):int(start) + width].reshape(-1)[:plan[i].size]
@@ -285,9 +328,32 @@ def _check_elementwise(tx: Any, g_tree: Any, state: Any, p_tree: Any, plan: list
         f"with the partitioner (return None for them); see {_NAME}'s docstring.")
 
 
+def _check_group_lists(groups: Any) -> None:
+  """Checks explicit groups as far as they can be without a strategy: a list of equal-sized lists of
+  distinct replica ids (the rest is checked where the step runs, on its strategy)."""
+  try:
+    found = [list(g) for g in groups]
+    ids = [r for g in found for r in g]
+  except TypeError:
+    raise TypeError(f"{_NAME}: groups={groups!r:.100} must be 'process', 'slice', a list of lists of replica ids, "
+                    "or None.") from None
+  if not found or not found[0]:
+    raise ValueError(f"{_NAME}: groups={groups!r:.100} must be a non-empty list of non-empty lists of replica ids.")
+  if len({len(g) for g in found}) > 1:
+    raise ValueError(f"{_NAME}: groups={groups!r:.200} has groups of unequal sizes {[len(g) for g in found]}; every "
+                     "group must have the same number of replicas.")
+  bad = [r for r in ids if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0]
+  if bad:
+    raise ValueError(f"{_NAME}: groups={groups!r:.200} holds {bad[0]!r}, not a replica id (an int >= 0).")
+  twice = sorted({r for r in ids if ids.count(r) > 1})
+  if twice:
+    raise ValueError(f"{_NAME}: groups={groups!r:.200} puts replica {twice[0]} in more than one group; each "
+                     "replica must be in exactly one group.")
+
+
 def sharded_optimizer(tx: optax.GradientTransformation,
                       partitioner: Callable[[tuple[Any, ...], tuple[int, ...], Any], Any] | None = None,
-                      ) -> optax.GradientTransformation:
+                      groups: Any = None) -> optax.GradientTransformation:
   """`tx` with its state and arithmetic split over the replicas, for `Mirrored` parameters (ZeRO-1/2).
 
   The parameters stay whole on every device (unlike `strategy.experimental_shard`, FSDP / ZeRO-3, where
@@ -311,6 +377,12 @@ def sharded_optimizer(tx: optax.GradientTransformation,
       split here is flattened and cut into ``N`` contiguous blocks of ``ceil(size / N)`` elements, the
       last zero-padded, whatever axis the partitioner names: the axis only means "split" (it is still
       checked to be an axis of the leaf). Leaves it returns None for are optimized whole on every replica.
+    groups: hybrid sharding: split the state within each group of replicas and replicate it across the
+      groups (``"process"``: one group per process; ``"slice"``: per TPU slice; or lists of replica ids,
+      as for `experimental_shard`); None (the default) splits over every replica. Per-replica gradients
+      are then reduce-scattered within the group and ``1/S`` of them all-reduced across the groups, and
+      the updates all-gathered within the group. Resolved on the strategy that runs the step (an error
+      naming the value where the groups are unequal, overlap, miss a replica or do not divide them).
 
   Returns:
     An `optax.GradientTransformation` whose ``init(params)`` and ``update(grads, state, params=None)`` are
@@ -378,24 +450,26 @@ def sharded_optimizer(tx: optax.GradientTransformation,
   if not callable(partitioner):
     raise TypeError(f"{_NAME}: partitioner must be callable (path, shape, dtype) -> axis or None, got "
                     f"{partitioner!r:.100}.")
+  if groups is not None and not isinstance(groups, str):
+    _check_group_lists(groups)
 
-  def blocks_of(params: Any, plan: list[_Leaf], treedef: Any, n: int, r: Any) -> Any:
+  def blocks_of(params: Any, plan: list[_Leaf], treedef: Any, n: int, r: Any, grouped: Groups | None) -> Any:
     leaves = [x for _, x in _flatten(params)[0]]
-    return jax.tree.unflatten(treedef, [_local_block(x, leaf, n, r) if leaf.split else x
+    return jax.tree.unflatten(treedef, [_local_block(x, leaf, n, r, grouped) if leaf.split else x
                                         for x, leaf in zip(leaves, plan)])
 
   def init(params: Any) -> Any:
     plan, treedef = _plan(params, partitioner, "parameter")
-    axis = _replica_axis()
+    axis = _replica_axis(groups)
     if axis is None:
       return tx.init(params)
-    n, r = axis
+    n, r, grouped = axis
     for (_, x), leaf in zip(_flatten(params)[0], plan):
       if REPLICA_AXIS in varying_axes(x):
         raise ValueError(
             f"{_NAME}.init: the parameter at {leaf.where} differs between replicas (a PerReplica value, or "
             "tpustrat.local_copy of one): give init the Mirrored parameters, the same on every replica.")
-    return tx.init(blocks_of(params, plan, treedef, n, r))
+    return tx.init(blocks_of(params, plan, treedef, n, r, grouped))
 
   def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
     plan, treedef = _plan(grads if params is None else params, partitioner,
@@ -411,10 +485,10 @@ def sharded_optimizer(tx: optax.GradientTransformation,
         if tuple(jnp.shape(g)) != leaf.shape:
           raise ValueError(f"{_NAME}.update: the gradient at {leaf.where} has shape {list(jnp.shape(g))}, the "
                            f"parameter {list(leaf.shape)}.")
-    axis = _replica_axis()
+    axis = _replica_axis(groups)
     if axis is None:
       return tx.update(grads, state, params)
-    n, r = axis
+    n, r, grouped = axis
     g_leaves = [x for _, x in _flatten(grads)[0]]
     if params is not None:
       for (_, x), leaf in zip(_flatten(params)[0], plan):
@@ -427,15 +501,15 @@ def sharded_optimizer(tx: optax.GradientTransformation,
     # Gradients: per-replica ones summed (split leaves reduce-scattered, the others all-reduced in one psum),
     # already-summed ones as they are (split leaves: this replica's block, no communication).
     g_blocks: list[Any] = list(g_leaves)
-    scattered = _scatter_sum(g_leaves, plan, [i for i in split if i in per_replica], n)
+    scattered = _scatter_sum(g_leaves, plan, [i for i in split if i in per_replica], n, grouped)
     for i in split:
-      g_blocks[i] = scattered[i] if i in scattered else _local_block(g_leaves[i], plan[i], n, r)
+      g_blocks[i] = scattered[i] if i in scattered else _local_block(g_leaves[i], plan[i], n, r, grouped)
     small = [i for i in per_replica if not plan[i].split]
     if small:
       for i, s in zip(small, jax.lax.psum([_widened(g_leaves[i]) for i in small], REPLICA_AXIS)):
         g_blocks[i] = s.astype(jnp.result_type(g_leaves[i]))
     g_tree = jax.tree.unflatten(treedef, g_blocks)
-    p_tree = None if params is None else blocks_of(params, plan, treedef, n, r)
+    p_tree = None if params is None else blocks_of(params, plan, treedef, n, r, grouped)
     # The state must be init's for these blocks (a LocalShard's node holds its logical shape): a state made
     # outside run, or for other parameters, would otherwise fail inside tx with a shape error.
     want = jax.tree.structure(jax.eval_shape(tx.init, g_tree if p_tree is None else p_tree))
@@ -467,7 +541,7 @@ def sharded_optimizer(tx: optax.GradientTransformation,
             "(tpustrat.global_norm) instead of optax.clip_by_global_norm (optax.tree.norm), and only "
             f"elementwise transforms on split leaves (see {_NAME}'s docstring).")
     whole = dict(zip(split, blocks))
-    gathered = _gather([whole.get(i) for i in range(len(plan))], plan, split, n)
+    gathered = _gather([whole.get(i) for i in range(len(plan))], plan, split, n, grouped)
     out = [gathered[i] if i in gathered else u_leaves[i] for i in range(len(plan))]
     return jax.tree.unflatten(treedef, out), state
 

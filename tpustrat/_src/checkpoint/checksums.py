@@ -140,7 +140,11 @@ def compute(arrays: dict[str, Any]) -> dict[str, dict[str, Any]]:
         values[name] = host
         continue
     if isinstance(x, jax.Array) and getattr(x, "committed", True):
-      key = tuple(sorted(d.id for d in x.sharding.device_set))
+      # the devices in their mesh's order: one program takes arrays of one device order (a hybrid-sharded
+      # value's saved blocks lie on its groups' mesh, the strategy's devices in another order)
+      mesh = getattr(x.sharding, "mesh", None)
+      ids = [d.id for d in mesh.devices.flat] if isinstance(mesh, jax.sharding.Mesh) else None
+      key = tuple(ids) if ids is not None else tuple(sorted(d.id for d in x.sharding.device_set))
     else:  # numpy, or a jax array JAX may place anywhere: this process's first device
       key = None
     groups.setdefault(key, []).append(name)

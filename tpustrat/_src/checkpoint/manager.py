@@ -51,7 +51,13 @@ from tpustrat._src.checkpoint.handlers import (
 )
 from tpustrat._src.input.encoding import bytes_to_text, text_to_bytes
 from tpustrat._src.names import REPLICA_AXIS
-from tpustrat._src.sharding import place_blocks
+from tpustrat._src.sharding import (
+  GROUP_AXES,
+  canonical_blocks,
+  from_canonical_blocks,
+  group_mesh,
+  place_blocks,
+)
 from tpustrat._src.values import Mirrored, PerReplica, ShardedVariable, block_size, is_distributed
 
 __all__ = ["CheckpointManager", "bounded_operation"]
@@ -81,9 +87,12 @@ def _is_node(v: Any) -> bool:
 def _unwrap(tree: Any) -> Any:
   """`tree` with every `Mirrored` / `PerReplica` replaced by the pytree of global arrays it holds, and every
   `ShardedVariable` (an embedding table among them) by ``{"blocks": [N, ...block] array, "shape": its
-  logical shape}``."""
+  logical shape}``; a hybrid-sharded one (split within groups of ``S`` replicas) by its ``S`` distinct
+  blocks, as a value split over ``S`` replicas is saved (`canonical_blocks`: the same buffers)."""
 
   def unwrap(v: Any) -> Any:
+    if isinstance(v, ShardedVariable) and v.groups is not None:
+      return {"blocks": canonical_blocks(v), "shape": np.asarray(v.shape, np.int32)}
     if isinstance(v, ShardedVariable):
       # [N, ...block]: re-split on restore when N differs; the logical shape, to check the target's against
       return {"blocks": v.tree, "shape": np.asarray(v.shape, np.int32)}
@@ -279,7 +288,18 @@ class _Plan:
           f"CheckpointManager.restore: the sharded variable at {where} was saved as "
           f"{shape[0] if shape else 0} blocks of shape {list(shape[1:])}, which are not blocks of the target's "
           f"{list(v.shape)} split along axis {v.axis} ({want} each): another shape or axis.")
-    if shape[0] == self._n:  # as many replicas: each device reads its own block
+    if v.groups is not None and shape[0] == len(v.groups[0]):  # hybrid, as many blocks: each device its own
+      groups = v.groups
+      canonical = NamedSharding(group_mesh(self._mesh, groups), P(GROUP_AXES[1]))
+      blocks = _with_shape({"blocks": jax.ShapeDtypeStruct(shape, v.dtype, sharding=canonical)}, node)
+
+      def finish_groups(take: Any) -> ShardedVariable:
+        took = take(blocks)
+        _check_logical_shape(took, where, v.shape)
+        return from_canonical_blocks(took["blocks"], v.shape, v.axis, groups, self._split)
+
+      return blocks, finish_groups
+    if v.groups is None and shape[0] == self._n:  # as many replicas: each device reads its own block
       own = _with_shape({"blocks": jax.ShapeDtypeStruct(shape, v.dtype, sharding=self._split)}, node)
 
       def finish_own(take: Any) -> ShardedVariable:
@@ -299,8 +319,8 @@ class _Plan:
     return on_host, finish_host
 
   def _place_sharded(self, whole: np.ndarray, v: ShardedVariable) -> ShardedVariable:
-    blocks = place_blocks(whole.astype(v.dtype, copy=False), v.axis, self._n, self._split)
-    return ShardedVariable.from_blocks(blocks, v.shape, v.axis)
+    blocks = place_blocks(whole.astype(v.dtype, copy=False), v.axis, self._n, self._split, v.groups)
+    return ShardedVariable.from_blocks(blocks, v.shape, v.axis, v.groups)
 
 
 def _shardings(strategy: Any) -> tuple[Any, Any, Any]:

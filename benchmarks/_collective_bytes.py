@@ -1,0 +1,124 @@
+"""The collectives of a compiled program and the bytes they send between domains (hosts, slices, groups).
+
+Read from the program's HLO text (``jax.jit(...).lower(...).compile().as_text()``, or the program
+`strategy.run` compiles): each all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute,
+its result shape and its replica groups (explicit ``{{0,1},{2,3}}``, XLA's iota form ``[2,4]<=[8]`` /
+``[4,2]<=[2,4]T(1,0)``, or ``{}``: every device). Device ids are positions in the program's device
+assignment: for `strategy.run`, replica ids.
+
+`cross_domain_bytes` counts what the devices send to devices of other domains, when each collective sends
+every member's share to the member that needs it (the bandwidth-optimal volume per device, the volume of a
+ring or of direct sends, attributed to destinations). Per device ``d`` of a group of ``m`` members, ``k`` of
+them outside ``d``'s domain:
+
+* all-gather of result ``O`` bytes: ``d``'s piece (``O / m``) to each of the ``k``: ``k * O / m``;
+* reduce-scatter of result ``B`` bytes (input ``m * B``): the piece of each of the ``k``: ``k * B``;
+* all-reduce of ``A`` bytes (reduce-scatter, then all-gather): ``2 * k * A / m``;
+* all-to-all of ``A`` bytes: ``k * A / m``; collective-permute: ``A`` for each pair across domains.
+
+A two-level (hierarchical) all-reduce, as NCCL's on several nodes, sends less across them for a group
+spanning domains (an all-reduce within each domain, then one across on ``1/m_D`` of the bytes): the model
+is that of XLA's flat collectives over the groups the program names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["Collective", "collectives", "cross_domain_bytes", "domain_of"]
+
+_OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_LINE = re.compile(r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+                   r"(?P<op>all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?P<start>-start)?\(")
+_ARRAY = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\]")
+_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32,
+         "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128, "f8e4m3fn": 8, "f8e5m2": 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of a program: its kind, the bytes of its result per device (for an async start, of the
+  result it completes), and its groups of device ids (None: every device; for collective-permute, the
+  (source, target) pairs)."""
+
+  op: str
+  nbytes: int
+  groups: tuple[tuple[int, ...], ...] | None
+
+
+def _array_bytes(text: str) -> list[int]:
+  out = []
+  for m in _ARRAY.finditer(text):
+    dims = [int(d) for d in m.group("dims").split(",") if d]
+    out.append(int(np.prod(dims, dtype=np.int64)) * _BITS[m.group("dtype")] // 8)
+  return out
+
+
+def _groups(line: str, field: str) -> tuple[tuple[int, ...], ...] | None:
+  m = re.search(field + r"=(\{\{[0-9,{} ]*\}\}|\{\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)", line)
+  if m is None or m.group(1) == "{}":
+    return None
+  text = m.group(1)
+  if text.startswith("{{"):
+    return tuple(tuple(int(x) for x in g.split(",") if x.strip()) for g in re.findall(r"\{([0-9, ]*)\}", text[1:-1]))
+  iota = re.fullmatch(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
+  assert iota is not None, text
+  shape = [int(x) for x in iota.group(1).split(",")]
+  dims = [int(x) for x in iota.group(2).split(",")]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  if iota.group(3):
+    ids = ids.transpose([int(x) for x in iota.group(3).split(",")])
+  return tuple(tuple(int(x) for x in row) for row in ids.reshape(shape[0], -1))
+
+
+def collectives(hlo: str) -> list[Collective]:
+  """Every collective of the HLO text (the ``-done`` halves of async pairs left out), in program order."""
+  found = []
+  for line in hlo.splitlines():
+    m = _LINE.search(line)
+    if m is None:
+      continue
+    sizes = _array_bytes(m.group("shape"))
+    op = m.group("op")
+    # an async all-gather / collective-permute start returns (operand, result, ...): the result's bytes
+    nbytes = sizes[1] if m.group("start") and op in ("all-gather", "collective-permute") else sum(sizes)
+    field = "source_target_pairs" if op == "collective-permute" else "replica_groups"
+    found.append(Collective(op, nbytes, _groups(line, field)))
+  return found
+
+
+def domain_of(domains: Sequence[Sequence[int]]) -> dict[int, int]:
+  """Device id -> index of its domain."""
+  return {int(d): i for i, dom in enumerate(domains) for d in dom}
+
+
+def cross_domain_bytes(hlo_or_collectives: str | Sequence[Collective], domains: Sequence[Sequence[int]]) -> dict[str, int]:
+  """Bytes the program's devices send to devices of other `domains` (lists of device ids: one per host,
+  slice or group) in one run, per kind of collective and in all (``"total"``): see the module docstring for
+  the model. A collective whose groups say "every device" (None) spans every device of `domains`."""
+  found = collectives(hlo_or_collectives) if isinstance(hlo_or_collectives, str) else hlo_or_collectives
+  where = domain_of(domains)
+  everyone = tuple(sorted(where))
+  out = {op: 0 for op in _OPS}
+  for c in found:
+    if c.op == "collective-permute":
+      out[c.op] += sum(c.nbytes for s, t in (c.groups or ()) if where[s] != where[t])
+      continue
+    for group in (c.groups if c.groups is not None else (everyone,)):
+      m = len(group)
+      for d in group:
+        k = sum(where[o] != where[d] for o in group)
+        if c.op == "all-gather":
+          out[c.op] += k * c.nbytes // m
+        elif c.op == "reduce-scatter":
+          out[c.op] += k * c.nbytes
+        elif c.op == "all-reduce":
+          out[c.op] += 2 * k * c.nbytes // m
+        else:
+          out[c.op] += k * c.nbytes // m
+  out["total"] = sum(out[op] for op in _OPS)
+  return out
