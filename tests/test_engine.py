@@ -267,7 +267,7 @@ def test_program_cache_evicts_the_least_recently_used_and_holds_functions_weakly
   import gc
   import weakref
 
-  from tpustrat._src import engine as engine_lib
+  from tpustrat._src.engine import engine as engine_lib  # the module of `Engine`, which reads its cache size
 
   monkeypatch.setattr(engine_lib, "_CACHE_SIZE", 2)
   small = tpustrat.TPUStrategy()

@@ -8,7 +8,7 @@ checks them) decide how arrays leave the host:
   *is* that memory for as long as the device array lives. GPU and TPU copy into device memory.
 
 TF's semantics are that a value handed to the runtime is captured when it is handed over. The input
-pipeline (`input.py`) and `strategy.run` (`engine.py`) keep them with the helpers here: copy an array
+pipeline (`input.py`) and `strategy.run` (`engine/engine.py`) keep them with the helpers here: copy an array
 that a transfer would alias (`may_alias`) into library memory first (`owned_copy`), and wait for a
 transfer out of memory the caller still owns before that memory can change. Arrays the library builds
 itself are allocated aligned (`host_empty`), so that on XLA:CPU they reach the devices without a copy.

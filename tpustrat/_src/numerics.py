@@ -45,9 +45,10 @@ import numpy as np
 from jax import lax
 
 from tpustrat._src.jax_compat import all_gather_invariant, to_varying, varying_axes
+from tpustrat._src.step_hooks import Step, StepHook
 
-__all__ = ["NumericsError", "Outputs", "Check", "TracedChecks", "replica_flags", "gather_flags", "collecting",
-           "collect", "replica_processes"]
+__all__ = ["NumericsError", "StepChecks", "Outputs", "Check", "TracedChecks", "replica_flags", "gather_flags",
+           "collecting", "collect", "replica_processes"]
 
 NAN, INF = 1, 2
 PAST_REAL = 4  # the NaN / Inf lies only in rows past the real rows of a batch whose rows were not traced
@@ -203,6 +204,7 @@ class TracedChecks:
 
   def __init__(self, mesh: jax.sharding.Mesh) -> None:
     self._mesh = mesh
+    self.one_process = jax.process_count() == 1  # a dispatch raises what was recorded (`StepChecks`)
     self._lock = threading.Lock()
     self._sites = 0  # programs traced with a callback so far (nothing to wait for while 0)
     self.recorded: list[tuple[_Site, int, np.ndarray]] = []  # (site, execution, flags) of bad executions
@@ -425,3 +427,30 @@ def make_check(outputs: Outputs, steps: int = 1, stacked: bool = False,
     return Check(flags, outputs, first, outputs.calls if stacked else None)
 
   return checker
+
+
+class StepChecks(StepHook):
+  """The per-step hook of `RunOptions(check_numerics=True)` (`step_hooks`; registered by the engine,
+  `engine.in_flight.STEP_HOOKS`, first of its hooks).
+
+  Before a step is dispatched (not a reduction, not while tracing), in a one-process job, it raises the
+  first error recorded by the engine's checked programs traced inside a user's jit / scan
+  (``step.traced``, a `TracedChecks`). Once a checked program is dispatched, it makes the check of its
+  flags (``step.numerics``, from `make_check`) and hands it to the bound (``step.in_flight``), which runs
+  it when it waits for that program; for a program only traced, `make_check` hands the flags on instead."""
+
+  __slots__ = ()
+
+  def before(self, step: Step) -> Any:
+    traced = step.traced
+    if traced is not None and step.steps and traced.recorded and traced.one_process and not any(
+        isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(step.args)):
+      traced.raise_recorded()
+    return None
+
+  def after(self, step: Step, state: Any, token: Any, now: float | None) -> None:
+    make = step.numerics
+    if make is not None:
+      check = make(token)
+      if check is not None:
+        step.in_flight.add_check(token, check)

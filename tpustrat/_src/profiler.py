@@ -39,9 +39,10 @@ from typing import Any
 import jax
 
 from tpustrat._src import jax_compat, names
+from tpustrat._src.step_hooks import Step, StepHook
 
-__all__ = ["input_wait", "process_logdir", "profile", "start", "start_from_environment", "step_begin", "step_end",
-           "stop", "steps_dispatched"]
+__all__ = ["StepMarks", "input_wait", "process_logdir", "profile", "start", "start_from_environment", "step_begin",
+           "step_end", "stop", "steps_dispatched"]
 
 _collecting = jax_compat.profiler_collecting
 _STEPS = [0]  # training steps this process has dispatched (`step_begin`)
@@ -150,9 +151,9 @@ def start_from_environment() -> str | None:
   return directory
 
 
-def step_begin(program: Any, steps: int) -> Any:
-  """Before a program of `steps` (> 0) training steps is dispatched: counts them and, while a profiler
-  collects, opens the step's mark (`step_end` closes it)."""
+def step_begin(name: str, steps: int) -> Any:
+  """Before a program (`name`) of `steps` (> 0) training steps is dispatched: counts them and, while a
+  profiler collects, opens the step's mark (`step_end` closes it)."""
   if _OPEN[0]:  # a `run` traced inside the program of another step (`experimental_run_steps`' scan)
     return None
   first = _STEPS[0]
@@ -160,7 +161,7 @@ def step_begin(program: Any, steps: int) -> Any:
   _OPEN[0] = True
   if not _collecting():
     return _NO_MARK
-  mark = jax.profiler.StepTraceAnnotation(getattr(program, "__name__", "step"), step_num=first, steps=steps)
+  mark = jax.profiler.StepTraceAnnotation(name, step_num=first, steps=steps)
   mark.__enter__()
   return mark
 
@@ -185,6 +186,25 @@ def step_end(mark: Any, steps: int, token: Any) -> None:
         token.block_until_ready()  # the last step's device work, in the trace
       if _SESSION[0] is session:
         stop()
+
+
+class StepMarks(StepHook):
+  """The per-step hook of profiles (`step_hooks`; registered by the engine, `engine.in_flight.STEP_HOOKS`):
+  a program that runs steps opens its mark before the in-flight wait (`step_begin`) and closes it once
+  dispatched, or when the dispatch did not happen (`step_end`)."""
+
+  __slots__ = ()
+
+  def before(self, step: Step) -> Any:
+    return step_begin(step.name, step.steps) if step.steps else None
+
+  def after(self, step: Step, state: Any, token: Any, now: float | None) -> None:
+    if state is not None:
+      step_end(state, step.steps, token)
+
+  def abort(self, step: Step, state: Any) -> None:
+    if state is not None:
+      step_end(state, step.steps, None)
 
 
 def input_wait() -> Any:

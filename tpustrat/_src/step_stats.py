@@ -38,8 +38,10 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-__all__ = ["InputBoundWarning", "RetracingWarning", "StepCounters", "StepRecord", "StepStats", "Retraces",
-           "DEFAULT_WINDOW", "DEFAULT_THRESHOLD", "HISTORY", "RETRACE_LIMIT"]
+from tpustrat._src.step_hooks import Step, StepHook
+
+__all__ = ["InputBoundWarning", "StepCounting", "RetracingWarning", "StepCounters", "StepRecord", "StepStats",
+           "Retraces", "DEFAULT_WINDOW", "DEFAULT_THRESHOLD", "HISTORY", "RETRACE_LIMIT"]
 
 DEFAULT_WINDOW = 50  # steps per window of the input-bound check
 DEFAULT_THRESHOLD = 0.5  # share of a window's time spent waiting for input above which it warns
@@ -140,7 +142,8 @@ class StepCounters:
   them) and checked for an input-bound loop every `window` steps.
 
   Hot path: `note_input` (the iterator, around its wait), `time_transfer` (the producer of batches, around
-  each transfer) and `note_steps` (the engine, after the in-flight wait, with its clock reading).
+  each transfer) and `note_steps` (the engine's per-step hook, `StepCounting`, with the clock reading at
+  the end of the in-flight wait).
   """
 
   __slots__ = ("steps", "input_seconds", "device_seconds", "start", "window", "threshold", "warned",
@@ -258,6 +261,21 @@ class StepCounters:
     history = tuple(StepRecord(b[1] - a[1], b[0] - a[0], b[2] - a[2], b[3] - a[3]) for a, b in zip(rows, rows[1:]))
     return StepStats(steps=self.steps, wall_seconds=0.0 if start is None else max(0.0, now - start),
                      input_seconds=self.input_seconds, device_seconds=self.device_seconds, history=history)
+
+
+class StepCounting(StepHook):
+  """The per-step hook of the step counters (`step_hooks`; registered by the engine,
+  `engine.in_flight.STEP_HOOKS`): the steps of each program dispatched are noted in the dispatching
+  engine's counters (``step.in_flight.stats``) at the end of its in-flight wait (`note_steps`). The wait
+  itself is added to the device time by the bound that waits (`engine.InFlight`)."""
+
+  __slots__ = ()
+
+  def after(self, step: Step, state: Any, token: Any, now: float | None) -> None:
+    if now is not None:  # counters kept, steps run, dispatched: the clock reading of the wait's end
+      stats = step.in_flight.stats
+      if stats is not None:
+        stats.note_steps(step.steps, now)
 
 
 def _finished(token: Any) -> bool:

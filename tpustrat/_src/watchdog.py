@@ -77,9 +77,10 @@ from typing import Any
 import jax
 
 from tpustrat._src import jax_compat, names
+from tpustrat._src.step_hooks import Step, StepHook
 
-__all__ = ["Watchdog", "activate", "active", "blames_line", "compile_timeout_from_environment", "exit_now",
-           "default_compile_timeout", "note", "start", "stop", "timeout_from_environment"]
+__all__ = ["Heartbeat", "Watchdog", "activate", "active", "blames_line", "compile_timeout_from_environment",
+           "exit_now", "default_compile_timeout", "note", "start", "stop", "timeout_from_environment"]
 
 _STEPS_KEY = "tpustrat/watchdog/steps/"
 _BUSY_KEY = "tpustrat/watchdog/busy/"
@@ -526,6 +527,16 @@ def note(token: Any, steps: int = 1) -> None:
   watchdog = _ACTIVE
   if watchdog is not None and not isinstance(token, jax.core.Tracer):
     watchdog.note(token, steps)
+
+
+class Heartbeat(StepHook):
+  """The per-step hook of the step watchdog (`step_hooks`; registered by the engine,
+  `engine.in_flight.STEP_HOOKS`): every dispatched program is noted (`note`; one global read when off)."""
+
+  __slots__ = ()
+
+  def after(self, step: Step, state: Any, token: Any, now: float | None) -> None:
+    note(token, step.steps)
 
 
 def _compile_begin() -> None:

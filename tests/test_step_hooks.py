@@ -1,0 +1,248 @@
+"""The per-step seam (`tpustrat._src.step_hooks`): every dispatch calls the registered hooks, once each, in
+order, with one immutable record of the step; a hook that raises stops the dispatch (before) or surfaces
+after the others ran (after)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tpustrat
+from tpustrat._src import engine, numerics, profiler, step_stats, watchdog
+from tpustrat._src.step_hooks import Step, StepHook, StepHooks
+
+
+class Recorder(StepHook):
+  """Appends ``(label, phase, step, ...)`` to a shared list for every call."""
+
+  __slots__ = ("label", "events")
+
+  def __init__(self, label, events):
+    self.label, self.events = label, events
+
+  def before(self, step):
+    self.events.append((self.label, "before", step))
+    return f"state of {self.label}"
+
+  def after(self, step, state, token, now):
+    self.events.append((self.label, "after", step, state, token, now))
+
+  def abort(self, step, state):
+    self.events.append((self.label, "abort", step, state))
+
+
+class Raising(StepHook):
+  __slots__ = ("phase",)
+
+  def __init__(self, phase):
+    self.phase = phase
+
+  def before(self, step):
+    if self.phase == "before":
+      raise RuntimeError("hook failed before")
+
+  def after(self, step, state, token, now):
+    if self.phase == "after":
+      raise RuntimeError("hook failed after")
+
+
+@pytest.fixture
+def registered():
+  """Registers hooks on the engine's registry for one test."""
+  removers = []
+
+  def register(*hooks):
+    for hook in hooks:
+      removers.append(engine.STEP_HOOKS.register(hook))
+
+  yield register
+  for remove in reversed(removers):
+    remove()
+
+
+def test_the_engine_registers_each_concern_once_in_order():
+  kinds = [type(h) for h in engine.STEP_HOOKS.hooks]
+  assert kinds == [numerics.StepChecks, profiler.StepMarks, step_stats.StepCounting, watchdog.Heartbeat]
+
+
+def test_run_calls_every_hook_once_per_dispatch_in_order_with_the_step(strategy, registered):
+  events = []
+  registered(Recorder("a", events), Recorder("b", events))
+  eng = strategy.extended.engine
+
+  def train_step(x):
+    return x * 2.0
+
+  x = jnp.ones(())
+  strategy.run(train_step, args=(x,))  # compiled outside the record
+  eng.wait()
+  events.clear()
+  steps_before = profiler.steps_dispatched()
+  counted = eng.step_stats.steps
+  out = strategy.run(train_step, args=(x,))
+  assert [(e[0], e[1]) for e in events] == [("a", "before"), ("b", "before"), ("a", "after"), ("b", "after")]
+  step = events[0][2]
+  assert all(e[2] is step for e in events)  # one record per dispatch, handed to every hook
+  assert isinstance(step, Step)
+  assert step.name == "run_train_step" and step.steps == 1
+  assert step.in_flight is eng.in_flight and step.traced is eng.traced_numerics
+  assert step.numerics is None and len(step.args) == 1  # the program's one argument: the flat leaves
+  (leaf,) = step.args[0]
+  assert isinstance(leaf, jax.Array) and float(leaf) == 1.0  # `x`, placed on the mesh
+  with pytest.raises(AttributeError):
+    step.steps = 2  # immutable
+  _, _, _, state, token, now = events[2]
+  assert state == "state of a" and events[3][3] == "state of b"  # each hook gets its own state back
+  assert isinstance(token, jax.Array) and token.size * token.dtype.itemsize <= 64 * 1024  # the wait token
+  assert isinstance(now, float)  # the counters are on: the clock reading at the end of the in-flight wait
+  # The built-in hooks ran too: the profiler counted the step, the counters noted it.
+  assert profiler.steps_dispatched() == steps_before + 1
+  assert eng.step_stats.steps == counted + 1
+  np.testing.assert_allclose(out.values[0], 2.0)
+
+
+def test_run_steps_and_check_numerics_are_in_the_record(strategy, registered):
+  events = []
+  registered(Recorder("a", events))
+
+  def add(carry, batch):
+    return carry + batch["x"], carry
+
+  carry, _ = strategy.experimental_run_steps(add, {"x": jnp.ones((3,))}, None, jnp.zeros(()))  # 3 steps, stacked
+  np.testing.assert_allclose(carry.values[0], 3.0)
+  # The first call traces the scan while it is called: the `run` inside is a dispatch of its own, only traced
+  # (a tracer token, no clock), nested in the program's.
+  assert [e[1] for e in events] == ["before", "before", "after", "after"]
+  (_, _, step), (_, _, same, _, token, now) = events[0], events[3]
+  assert step is same and step.name == "run_steps_add" and step.steps == 3
+  assert step.numerics is None and isinstance(token, jax.Array) and not isinstance(token, jax.core.Tracer)
+  assert isinstance(now, float)
+  inner = events[2]
+  assert inner[2] is events[1][2] and inner[2].steps == 1 and isinstance(inner[4], jax.core.Tracer)
+  assert inner[5] is None
+  events.clear()
+  strategy.experimental_run_steps(add, {"x": jnp.ones((3,))}, None, carry)  # compiled: one dispatch
+  assert [(e[0], e[1], e[2].steps) for e in events] == [("a", "before", 3), ("a", "after", 3)]
+  events.clear()
+  strategy.run(lambda x: x + 1.0, args=(jnp.ones(()),), options=tpustrat.RunOptions(check_numerics=True))
+  step = events[0][2]
+  assert step.steps == 1 and callable(step.numerics)
+  strategy.experimental_run_wait()
+
+
+def test_a_program_dispatched_without_an_engine_counts_no_steps(registered):
+  events = []
+  registered(Recorder("a", events))
+
+  def reduction(x):
+    y = x + 1
+    return y, y
+
+  out = engine.dispatch(reduction, jnp.ones(()))
+  np.testing.assert_allclose(out, 2.0)
+  (_, _, step), (_, _, _, _, token, now) = events
+  assert step.name == "reduction" and step.steps == 0 and step.traced is None
+  assert isinstance(step.in_flight, engine.InFlight) and step.in_flight is not None
+  assert now is None  # no steps: nothing for the counters
+  assert token is out
+
+
+def test_a_run_traced_inside_jit_hands_the_hooks_a_tracer_and_no_clock(strategy, registered):
+  events = []
+  registered(Recorder("a", events))
+  counted = strategy.extended.engine.step_stats.steps
+
+  @jax.jit
+  def outer(x):
+    return strategy.run(lambda v: v * 3.0, args=(x,)).values[0]
+
+  outer(jnp.ones(()))
+  (_, _, step), (_, _, _, _, token, now) = events
+  assert step.steps == 1 and isinstance(token, jax.core.Tracer) and now is None
+  assert strategy.extended.engine.step_stats.steps == counted  # traced, not dispatched: not a step
+
+
+def test_a_hook_that_raises_before_stops_the_dispatch_and_aborts_the_hooks_before_it(strategy, registered):
+  events = []
+  registered(Recorder("a", events), Raising("before"), Recorder("c", events))
+  calls = []
+
+  def fn(x):
+    calls.append(1)
+    return x
+
+  steps_before = profiler.steps_dispatched()
+  with pytest.raises(RuntimeError, match="hook failed before"):
+    strategy.run(fn, args=(jnp.ones(()),))
+  assert [(e[0], e[1]) for e in events] == [("a", "before"), ("a", "abort")]  # c never began
+  assert events[1][3] == "state of a"
+  assert calls == []  # not even traced: the program was not called
+  # The profiler's mark was closed by its abort: the next step counts and marks as usual.
+  assert profiler.steps_dispatched() == steps_before + 1  # counted when it began, as a wait that raised
+  events.clear()
+
+
+def test_a_hook_that_raises_after_surfaces_once_every_hook_ran(strategy, registered):
+  events = []
+  registered(Raising("after"), Recorder("b", events))
+  with pytest.raises(RuntimeError, match="hook failed after"):
+    strategy.run(lambda x: x + 1.0, args=(jnp.ones(()),))
+  assert [(e[0], e[1]) for e in events] == [("b", "before"), ("b", "after")]  # b's after ran anyway
+  strategy.experimental_run_wait()  # the program was dispatched and is waited for as usual
+
+
+def test_a_program_that_raises_aborts_every_hook_newest_first(registered):
+  events = []
+  registered(Recorder("a", events), Recorder("b", events))
+
+  def failing():
+    raise ValueError("the program failed")
+
+  with pytest.raises(ValueError, match="the program failed"):
+    engine.dispatch(failing)
+  assert [(e[0], e[1]) for e in events] == [("a", "before"), ("b", "before"), ("b", "abort"), ("a", "abort")]
+
+
+# -- the registry alone (no JAX) ----------------------------------------------------------------------
+
+
+def test_registry_order_removal_and_errors():
+  events = []
+  hooks = StepHooks([Recorder("a", events)])
+  remove_b = hooks.register(Recorder("b", events))
+  step = Step("p", 2, None, None, None, ())
+  began = hooks.before(step)
+  hooks.after(step, began, "t", 1.5)
+  assert [(e[0], e[1]) for e in events] == [("a", "before"), ("b", "before"), ("a", "after"), ("b", "after")]
+  assert events[2][3:] == ("state of a", "t", 1.5)
+  remove_b()
+  assert [h.label for h in hooks.hooks] == ["a"]
+  with pytest.raises(TypeError, match="expects a StepHook"):
+    hooks.register(lambda step: None)
+
+  class FailingAbort(StepHook):
+    def abort(self, step, state):
+      raise KeyError("abort broke")
+
+  hooks.register(FailingAbort())
+  error = RuntimeError("dispatch failed")
+  events.clear()
+  hooks.abort(step, hooks.before(step), error)
+  assert [(e[0], e[1]) for e in events] == [("a", "before"), ("a", "abort")]  # a still aborted
+  assert any("abort broke" in note for note in error.__notes__)
+
+
+def test_hooks_without_before_or_after_are_not_called():
+  calls = []
+
+  class AfterOnly(StepHook):
+    def after(self, step, state, token, now):
+      calls.append(("after", state))
+
+  hooks = StepHooks([AfterOnly()])
+  step = Step("p", 1, None, None, None, ())
+  began = hooks.before(step)
+  assert began[1] == [None]
+  hooks.after(step, began, None, None)
+  hooks.abort(step, began, RuntimeError())
+  assert calls == [("after", None)]

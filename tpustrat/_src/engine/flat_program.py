@@ -1,0 +1,111 @@
+"""`FlatProgram`: a `run` program compiled over flat argument leaves, so that `jax.jit`'s C++ fast path
+sees plain arrays in and out.
+
+The structured program (`program.make_program`: pytrees of `PerReplica` / `Mirrored` in and out) is
+wrapped in a `jax.jit` that takes the flattened argument leaves and returns the flattened result, plus the
+output to wait on (`in_flight.wait_leaf`; a one-byte token when nothing small is computed, and always for a
+program that donates). The result's structure is recorded when the program is traced and rebuilt after
+each call: the host work per step is one flatten, one dict lookup, one sharding check per leaf and one
+unflatten. `donating` gives the same program with some argument leaves donated (compiled once per set).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tpustrat._src import numerics as numerics_lib
+from tpustrat._src.engine.in_flight import wait_leaf
+
+__all__ = ["FlatProgram"]
+
+
+class FlatProgram:
+  """A `run` program over flat argument leaves that returns flat result leaves plus the one to wait on.
+
+  The result's structure (with its `Mirrored` / `PerReplica` nodes) is recorded when the program is
+  traced and rebuilt after each call. If one argument structure ever traces to two result structures
+  (a result structure that depends on shapes), the program falls back to returning the pytree, which
+  `jax.jit` tracks per signature.
+  """
+
+  def __init__(self, structured: Callable[..., Any], seen_tree: Any, donate: tuple[int, ...] = (),
+               checked: numerics_lib.Outputs | None = None,
+               on_trace: Callable[[Any, list[Any]], None] | None = None,
+               traced_numerics: numerics_lib.TracedChecks | None = None) -> None:
+    """`checked` (`RunOptions.check_numerics`): `structured` returns ``(result, flags)``; the flags are the
+    output to wait on, and `numerics_check` makes the check of a call's flags (`traced_numerics`: the
+    engine's, for a call traced inside a user's jit / scan). `on_trace(seen_tree,
+    leaves)` is called each time JAX traces the program (a new program is compiled), with the traced
+    argument leaves."""
+    self._on_trace = on_trace
+    # What the latest trace recorded, and the (result treedef, index of the leaf to wait on) kept.
+    self._record: dict[str, tuple[Any, int] | None] = {"traced": None, "out": None}
+    self._fallback: Callable[..., Any] | None = None
+    self._structured, self._seen_tree, self._checked = structured, seen_tree, checked
+    self.notes: dict[str, str | None] = getattr(structured, "notes", {})
+    self._traced_numerics = traced_numerics
+    self.numerics_check = None if checked is None else numerics_lib.make_check(checked, traced=traced_numerics)
+
+    def flat(*leaves: Any) -> tuple[list[Any], Any, int]:
+      if on_trace is not None:
+        on_trace(seen_tree, list(leaves))
+      args, kwargs = jax.tree.unflatten(seen_tree, leaves)
+      if checked is not None:  # the flags: the last output, and the one to wait on
+        result, flags = structured(args, kwargs)
+        out, out_tree = jax.tree.flatten(result)
+        out.append(flags)
+        return out, out_tree, len(out) - 1
+      out, out_tree = jax.tree.flatten(structured(args, kwargs))
+      # A donating program always waits on a token of its own: its small outputs are typically part of
+      # the state the next step donates, and a donated array cannot be waited on.
+      wait = None if donate else wait_leaf(out, leaves)
+      if wait is None:  # nothing small computed: a one-byte token to wait on
+        out.append(jnp.zeros((), jnp.int8))
+        wait = len(out) - 1
+      return out, out_tree, wait
+
+    def flat_program(*leaves: Any) -> list[Any]:
+      out, out_tree, wait = flat(*leaves)
+      self._record["traced"] = (out_tree, wait)
+      return out
+
+    def tree_program(*leaves: Any) -> tuple[Any, Any]:
+      out, out_tree, wait = flat(*leaves)
+      return out_tree.unflatten(out[:out_tree.num_leaves]), out[wait]
+
+    self.__name__ = getattr(structured, "__name__", "run_fn")
+    flat_program.__name__ = tree_program.__name__ = self.__name__
+    self._flat = jax.jit(flat_program, donate_argnums=donate)
+    self._tree = jax.jit(tree_program, donate_argnums=donate)
+    self._donating: dict[tuple[int, ...], FlatProgram] = {}
+
+  def donating(self, leaves: tuple[int, ...]) -> FlatProgram:
+    """This program with the argument leaves at positions `leaves` donated (compiled once per set)."""
+    if not leaves:
+      return self
+    variant = self._donating.get(leaves)
+    if variant is None:
+      variant = self._donating[leaves] = FlatProgram(self._structured, self._seen_tree, leaves, self._checked,
+                                                      self._on_trace, self._traced_numerics)
+    return variant
+
+  def __call__(self, leaves: list[Any]) -> tuple[Any, Any]:
+    """Runs the program; returns (result pytree, the output to wait on)."""
+    if self._fallback is not None:
+      return self._fallback(*leaves)
+    self._record["traced"] = None
+    out = self._flat(*leaves)
+    traced = self._record["traced"]
+    known = self._record.get("out")
+    if traced is not None and known is not None and traced != known:
+      self._fallback = self._tree  # two result structures: let jax.jit keep them apart from now on
+    elif traced is not None and known is None:
+      self._record["out"] = traced
+    kept = traced or self._record["out"]
+    assert kept is not None  # a new program's first call traces it, and every trace records its result
+    out_tree, wait = kept
+    return out_tree.unflatten(out[:out_tree.num_leaves]), out[wait]

@@ -1,0 +1,229 @@
+"""The bound on programs in flight, and `dispatch`: the one way a compiled program is run.
+
+Before dispatching step ``i``, the caller waits for step ``i - k`` (``k`` = `RunOptions.max_steps_in_flight`,
+`DEFAULT_STEPS_IN_FLIGHT` by default), on the smallest output the program computes (`wait_leaf`: chosen when
+it is traced; a one-byte token output is added only when there is none of at most 64 KiB). Unbounded
+asynchronous dispatch of collective programs can deadlock XLA:CPU's rendezvous on small machines, and buys
+nothing once the device is busy. `InFlight` is one such bound: each `Engine` has its own; programs dispatched
+without an engine (cross-replica reductions) share a process-wide one.
+
+`dispatch` calls a program that returns ``(result, token)`` under a bound, and around it the per-step seam
+(`tpustrat._src.step_hooks`) and nothing else: `STEP_HOOKS` holds, in order, the NaN / Inf checks
+(`numerics.StepChecks`), the profile's step marks (`profiler.StepMarks`), the step counters
+(`step_stats.StepCounting`) and the step watchdog's heartbeat (`watchdog.Heartbeat`). One dispatch::
+
+  hooks' before (Step)  ->  wait for the bound  ->  program(*args)  ->  record the token  ->  hooks' after
+                                       (raised: hooks' abort, newest first)
+
+The bound times its own wait (device time, into its step counters) and runs, once a token is ready, the
+check a hook attached to it (`add_check`).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tpustrat._src import numerics as numerics_lib
+from tpustrat._src import profiler, watchdog
+from tpustrat._src import step_stats as step_stats_lib
+from tpustrat._src.jax_compat import forget_failed_programs
+from tpustrat._src.step_hooks import Step, StepHooks
+
+__all__ = ["DEFAULT_STEPS_IN_FLIGHT", "InFlight", "STEP_HOOKS", "dispatch", "wait_leaf"]
+
+DEFAULT_STEPS_IN_FLIGHT = 2
+_MAX_WAIT_BYTES = 64 * 1024  # waiting on an output keeps it alive two steps longer: only small ones
+_Tracer = jax.core.Tracer
+_make_step = tuple.__new__
+
+# The per-step hooks of every dispatch, in order (`step_hooks.StepHooks`; `STEP_HOOKS.register` adds one).
+STEP_HOOKS = StepHooks((numerics_lib.StepChecks(), profiler.StepMarks(), step_stats_lib.StepCounting(),
+                        watchdog.Heartbeat()))
+
+
+class InFlight:
+  """Bounds the number of dispatched-but-unfinished programs: before a dispatch, waits for the oldest
+  until fewer than `limit` are pending; after it, records the output to wait on (the token).
+
+  `Engine.dispatch` uses the engine's own; the module-level `dispatch` a process-wide one. With `stats`
+  (the engine's `step_stats.StepCounters`), the time spent waiting is added to its device wait, and
+  `before_dispatch` returns the clock reading the steps are noted at (by the step counters' hook,
+  `step_stats.StepCounting`): two clock reads per dispatch that waits, one per dispatch that does not.
+  """
+
+  def __init__(self, stats: step_stats_lib.StepCounters | None = None) -> None:
+    self._pending: collections.deque[jax.Array] = collections.deque()
+    # id(token) -> the check to run once it is ready (`RunOptions.check_numerics`; empty without it)
+    self._checks: dict[int, Callable[..., None]] = {}
+    self.stats = stats
+    if stats is not None:  # an iterator's transfer that waits for a running step is device time (`step_stats`)
+      stats.programs = self._pending
+
+  def before_dispatch(self, limit: int, steps: int = 0) -> float | None:
+    """Waits until fewer than `limit` programs are pending. A program of `steps` training steps follows:
+    with `stats`, returns the time (`time.perf_counter`) to note its steps at (by the step counters' hook,
+    `step_stats.StepCounting`, or `after_dispatch`)."""
+    pending = self._pending
+    stats = self.stats
+    if len(pending) < limit:
+      return time.perf_counter() if stats is not None and steps else None
+    start = time.perf_counter()
+    while len(pending) >= limit:
+      try:
+        oldest = pending.popleft()
+      except IndexError:  # another thread took it
+        break
+      try:
+        _wait(oldest)
+      except Exception as e:
+        # An earlier step failed (its outputs raise the same error wherever they are read). It is out of
+        # the queue now, so the next call dispatches; this one raises, naming what happened.
+        self._checks.pop(id(oldest), None)
+        e.add_note("tpustrat: this error is a step's dispatched before this call, raised while the call waited "
+                   f"for it (at most {limit} steps in flight); the step of this call was not dispatched.")
+        raise
+      if self._checks:
+        self._check(oldest)
+    if stats is None:
+      return None
+    now = time.perf_counter()
+    stats.device_seconds += now - start
+    return now if steps else None
+
+  def _check(self, token: Any) -> None:
+    """Runs the check of `token`'s program (it has finished). When it raises, the checks of the programs
+    dispatched after it are dropped: they ran on its results, and the error names the first bad step."""
+    check = self._checks.pop(id(token), None)
+    if check is None:
+      return
+    try:
+      check()
+    except Exception:
+      dropped = len(self._checks)
+      self._checks.clear()
+      if dropped:
+        check(dropped)  # the same error, saying how many later steps are not checked
+      raise
+
+  def after_dispatch(self, token: Any, check: Callable[..., None] | None = None, steps: int = 0,
+                     now: float | None = None) -> bool:
+    """Records `token`, the output of the program just dispatched to wait on (None: nothing to wait on), and
+    `check`, run once it is ready. Returns False when the token is a tracer: the program was only traced,
+    inside another program's trace (`experimental_run_steps`, a user's jit), and is not a program in flight.
+    `steps` / `now`: `steps` training steps dispatched at `now` (`before_dispatch`'s clock reading), noted in
+    `stats`; `dispatch` leaves that to the step counters' hook, this is for a caller that drives the bound
+    by hand (`benchmarks/bench_run.py`)."""
+    # The token is a small output of the step's program (at most 64 KiB, often a scalar loss), ready when
+    # the program has finished. Holding large outputs alive would stop XLA from reusing their buffers
+    # (measured: +340 us per 1 MiB step on XLA:CPU); an extra output costs every step (measured: +6.5 us
+    # on a 90 us step on XLA:CPU with 8 devices), so a one-byte token is added only when nothing small
+    # is computed.
+    if isinstance(token, _Tracer):
+      return False  # a `run` traced inside another program (`experimental_run_steps`, a user's jit)
+    if token is not None:
+      self._pending.append(token)
+      if check is not None:
+        self._checks[id(token)] = check
+    if now is not None:
+      assert self.stats is not None  # `before_dispatch` returns a clock reading only with `stats`
+      self.stats.note_steps(steps, now)
+    return True
+
+  def add_check(self, token: Any, check: Callable[..., None]) -> None:
+    """Runs `check` once the program of `token` (recorded by `after_dispatch`) has finished: when the bound
+    waits for it, or `drain` (`RunOptions.check_numerics`: `numerics.StepChecks`)."""
+    self._checks[id(token)] = check
+
+  def drain(self) -> None:
+    start = time.perf_counter()
+    try:
+      while self._pending:
+        try:
+          oldest = self._pending.popleft()
+        except IndexError:
+          break
+        _wait(oldest)
+        if self._checks:
+          self._check(oldest)
+    finally:
+      if self.stats is not None:
+        self.stats.device_seconds += time.perf_counter() - start
+
+  def forget(self, arrays: list[Any]) -> None:
+    """Stops waiting on any of `arrays` (by identity): arguments about to be donated to a program
+    (`RunOptions.donate_argnums`). That program cannot finish before the one that computed them, and
+    its own output is waited on instead, so the bound still holds."""
+    ids = {id(x) for x in arrays}
+    if any(id(t) in ids for t in self._pending):
+      kept = [t for t in self._pending if id(t) not in ids]
+      self._pending.clear()
+      self._pending.extend(kept)
+
+
+def _wait(token: jax.Array) -> None:
+  """Waits for a program's output (skipped if it was deleted). When the program failed, its error is
+  raised here, to the caller: JAX's own record of the failure, which it would report again at exit, is
+  dropped (`jax_compat.forget_failed_programs`)."""
+  if not token.is_deleted():
+    try:
+      token.block_until_ready()
+    except Exception:
+      forget_failed_programs()
+      raise
+
+
+_PROCESS_IN_FLIGHT = InFlight()  # for programs dispatched without an engine (cross-replica reductions)
+
+
+def dispatch(program: Callable[..., tuple[Any, Any]], *args: Any, in_flight: InFlight | None = None,
+             limit: int | None = None, steps: int = 0,
+             numerics: Callable[[Any], Callable[..., None] | None] | None = None, traced: Any = None) -> Any:
+  """Calls ``program(*args)``, which returns ``(result, token)``, with at most `limit` (default
+  `DEFAULT_STEPS_IN_FLIGHT`) programs in flight in `in_flight` (default: one process-wide bound);
+  returns `result`. `token` is the output to wait on (see `wait_leaf`), or None for nothing. The program
+  runs `steps` training steps (0 for a reduction). `numerics` (`RunOptions.check_numerics`): the token is
+  the program's numerics flags, and ``numerics(token)`` the check to run once the program has finished
+  (`numerics.make_check`); `traced`: the dispatching engine's `numerics.TracedChecks`. Every per-step
+  concern is a hook of `STEP_HOOKS`, told of this dispatch by one `step_hooks.Step`."""
+  bound = _PROCESS_IN_FLIGHT if in_flight is None else in_flight
+  # `Step(...)` without the named tuple's Python-level `__new__` (one frame less per dispatch).
+  step = _make_step(Step, (getattr(program, "__name__", "step"), steps, bound, numerics, traced, args))
+  hooks = STEP_HOOKS
+  began = hooks.before(step)
+  try:
+    now = bound.before_dispatch(DEFAULT_STEPS_IN_FLIGHT if limit is None else limit, steps)
+    result, token = program(*args)
+  except BaseException as e:
+    hooks.abort(step, began, e)
+    raise
+  if not bound.after_dispatch(token):
+    now = None  # only traced inside another program: no steps on the devices to note
+  hooks.after(step, began, token, now)
+  return result
+
+
+def wait_leaf(out: list[Any], inputs: Sequence[Any]) -> int | None:
+  """Index of the smallest output (at most `_MAX_WAIT_BYTES`) the program computes, or None.
+
+  `out` are the outputs of the `shard_map` of the step, so an argument `fn` returns unchanged is a new
+  tracer here, not one of `inputs`: on jax 0.10.2 it is not forwarded to the input's buffer either
+  (the pass-through is copied into a fresh output buffer by the compiled program, which becomes ready
+  when the program finishes, like every output), so choosing it is correct. The `inputs` check only
+  skips a jit argument returned as is, should a future jax forward shard_map pass-throughs to the outer
+  jaxpr; such an output would be the argument's own buffer, ready before the step runs.
+  """
+  passed = {id(x) for x in inputs}
+  best, best_size = None, _MAX_WAIT_BYTES + 1
+  for i, x in enumerate(out):
+    if id(x) in passed:
+      continue
+    size = int(np.prod(np.shape(x))) * x.dtype.itemsize  # a typed PRNG key's dtype is no numpy dtype
+    if size < best_size:
+      best, best_size = i, size
+  return best

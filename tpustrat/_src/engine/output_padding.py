@@ -1,0 +1,150 @@
+"""Padding on a step's outputs: which outputs carry a padded batch's rows, and the padding-read warning.
+
+A padded batch (from the input pipeline, or an output marked with `tpustrat.per_example`) enters `run`
+with its per-replica real-row counts. On the way out, `output_padding` says for each output leaf whether
+it is a padded batch again: ``(batch, True)`` for an output `fn` marked `per_example` (its padding is
+skipped everywhere), ``(batch, False)`` for an unmarked varying output whose axis 0 the step's jaxpr shows
+to hold that batch's rows (`batch_rows`: traced, never read off a size; its counts are used only by
+``reduce(op, v, axis=0)`` and ``gather(v, axis=0)``), None for the rest. An output that only has a padded
+batch's size, its rows not traced, is warned about (`BatchRowsWarning`).
+
+The padding-read warning (`PaddingReadWarning`: an output is a sum over a padded batch's rows that no mask
+removed, `padding_reads`) is found when the step is traced (`step_jaxpr.StepJaxpr.padding_reads_message`)
+and said at the first call whose batch is partial (`warn_padding_reads`): a dataset whose batches are all
+full never pads. A `run` traced inside `experimental_run_steps` leaves it to the enclosing program
+(`inner_padding_notes`, `warn_padding_reads_stacked`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from tpustrat._src.batch_rows import BatchRowsWarning, Rows
+from tpustrat._src.padding_reads import PaddingReadWarning
+from tpustrat._src.values import PerReplica, is_distributed
+
+__all__ = ["inner_padding_notes", "output_padding", "warn_padding_reads", "warn_padding_reads_stacked"]
+
+
+def output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[bool],
+                    marked: dict[int, int | None], sizes: list[int], names: tuple[str, ...],
+                    rows: list[Rows] | Callable[[], list[Rows]], guessed: set[int] | None = None) -> list[Any]:
+  """For each output leaf: None (whole), ``(batch, True)`` (marked per-example: its padding skipped
+  everywhere) or ``(batch, False)`` (axis 0 holds that batch's rows: skipped along ``axis=0``).
+  `rows`: the `Rows` of every output, or a function that traces them when first needed. The positions of
+  outputs whose batch is only assumed from their size (their rows were not traced) go into `guessed`."""
+  traced: list[list[Rows]] = []  # the rows, once known
+
+  def rows_of(i: int) -> Rows:
+    if not traced:
+      traced.append(rows() if callable(rows) else rows)
+    return traced[0][i]
+
+  def describe(r: Rows) -> str:
+    if r.is_unknown:
+      return f"they pass through `{r.unknown_via}`, whose effect on axis 0 is not traced"
+    return "it combines, row by row, the rows of " + " and ".join(names[b] for b in sorted(r.batches))
+
+  result: list[Any] = []
+  for i, (x, v) in enumerate(zip(out_leaves, is_varying)):
+    k = x.shape[0] if x.ndim else None
+    if i in marked:
+      b = marked[i]
+      if b is None:
+        r = rows_of(i)
+        if r.is_unknown or len(r.batches) != 1 or r.axis != 0 or sizes[next(iter(r.batches))] != k:
+          candidates = ", ".join(names[j] for j, size in enumerate(sizes) if size == k)
+          why = describe(r) if r.carries_rows else "its axis 0 does not hold any batch's rows"
+          raise ValueError(
+              f"tpustrat.per_example: the output at {paths[i]} has leading size {k}, like several padded "
+              f"batches of this step ({candidates}), and its rows cannot be traced to one of them ({why}). "
+              "Say which with tpustrat.per_example(x, batch=the_batch).")
+        b = next(iter(r.batches))
+      result.append((b, True))
+      continue
+    if not v or k is None or k not in sizes:
+      result.append(None)
+      continue
+    r = rows_of(i)
+    matching = [j for j, size in enumerate(sizes) if size == k]
+    if not r.is_unknown and r.batches and r.axis != 0:
+      result.append(None)  # the rows are on another axis: axis 0 is something else, kept whole
+    elif not r.is_unknown and len(r.batches) == 1 and sizes[next(iter(r.batches))] == k:
+      result.append((next(iter(r.batches)), False))
+    elif r.carries_rows:
+      chosen = matching[0] if r.is_unknown and len(matching) == 1 else None
+      effect = (f"skip the padding of {names[chosen]}" if chosen is not None
+                else "keep every row, padding included")
+      warnings.warn(
+          f"strategy.run: the output at {paths[i]} ({x.dtype}{list(x.shape)}) has the per-replica size of "
+          f"the padded batch {' / '.join(names[j] for j in matching)} on axis 0, but its rows cannot be "
+          f"traced to one batch: {describe(r)}. strategy.reduce(..., axis=0) and gather(..., axis=0) "
+          f"will {effect}. Mark it with tpustrat.per_example(x, batch=...) to say whose rows it holds.",
+          BatchRowsWarning, stacklevel=2)
+      result.append(None if chosen is None else (chosen, False))
+      if chosen is not None and guessed is not None:
+        guessed.add(i)
+    else:
+      result.append(None)  # its axis 0 is not a batch's rows, whatever its size
+  return result
+
+
+_INNER_NOTES = threading.local()
+_INNER_NOTES.stack = []
+
+
+@contextlib.contextmanager
+def inner_padding_notes() -> Iterator[list[dict[str, str | None]]]:
+  """While a program that runs `run` inside it is traced (`experimental_run_steps`), collects the notes of
+  the inner programs whose padding-read warning waits for a partial batch; the enclosing program says it
+  at its first call with one (`warn_padding_reads_stacked`)."""
+  if not hasattr(_INNER_NOTES, "stack"):
+    _INNER_NOTES.stack = []
+  found: list[dict[str, str | None]] = []
+  _INNER_NOTES.stack.append(found)
+  try:
+    yield found
+  finally:
+    _INNER_NOTES.stack.pop()
+
+
+def warn_padding_reads_stacked(notes: list[dict[str, str | None]], batches: Any) -> None:
+  """`warn_padding_reads` for stacked steps (``[steps, num_replicas, rows, ...]``): once per program, at
+  the first call whose batches hold a partial one."""
+  pending = [n for n in notes if n.get("padding_reads")]
+  if not pending:
+    return
+  for node in jax.tree.leaves(batches, is_leaf=is_distributed):
+    if isinstance(node, PerReplica) and node.padding_is_marked:
+      leaves = jax.tree.leaves(node.tree)
+      rows = leaves[0].shape[2] if leaves and leaves[0].ndim >= 3 else None
+      if rows is not None and (np.asarray(node.host_real_rows()) < rows).any():
+        for n in pending:
+          message, n["padding_reads"] = n["padding_reads"] or "", None
+          warnings.warn(message, PaddingReadWarning, stacklevel=4)
+        return
+
+
+def warn_padding_reads(notes: dict[str, str | None], args: Any, kwargs: Any) -> None:
+  """Says the program's padding-read warning (`step_jaxpr.StepJaxpr.padding_reads_message`) once, at the first call
+  whose padded batch is partial: a dataset whose batches are all full never pads, and is not warned."""
+  for node in jax.tree.leaves((args, kwargs), is_leaf=is_distributed):
+    if isinstance(node, PerReplica) and node.padding_is_marked:
+      leaves = jax.tree.leaves(node.tree)
+      k = leaves[0].shape[1] if leaves and leaves[0].ndim >= 2 else None
+      if isinstance(node.real_rows_array, jax.core.Tracer):  # a run traced inside another program (run_steps):
+        # its counts are not known on the host here: the enclosing program says it (`inner_padding_notes`)
+        if _INNER_NOTES.stack:
+          _INNER_NOTES.stack[-1].append(notes)
+        return
+      if k is not None and (node.host_real_rows() < k).any():
+        message, notes["padding_reads"] = notes["padding_reads"] or "", None
+        warnings.warn(message, PaddingReadWarning, stacklevel=4)
+        return
