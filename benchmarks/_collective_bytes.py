@@ -32,7 +32,7 @@ import numpy as np
 __all__ = ["Collective", "collectives", "cross_domain_bytes", "domain_of"]
 
 _OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_LINE = re.compile(r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+_LINE = re.compile(r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
                    r"(?P<op>all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?P<start>-start)?\(")
 _ARRAY = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\]")
 _BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32,
@@ -51,6 +51,7 @@ class Collective:
 
 
 def _array_bytes(text: str) -> list[int]:
+  text = re.sub(r"/\*.*?\*/", "", text)  # XLA's /*index=5*/ comments in long tuples
   out = []
   for m in _ARRAY.finditer(text):
     dims = [int(d) for d in m.group("dims").split(",") if d]

@@ -12,6 +12,8 @@ before anything is traced. The 2 processes x 4 devices job (one group per proces
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import json
 import os
@@ -23,7 +25,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import assert_close
+from conftest import EMBEDDING_LAYOUTS, assert_close, distribute_batch, embedding_layout
 
 import tpustrat
 from tpustrat import Mirrored, ShardedVariable
@@ -329,9 +331,13 @@ def test_collective_bytes_reads_iota_groups_and_async_starts():
   %c = (f32[2,4]{1,0}, f32[8,4]{1,0}) all-gather-start(f32[2,4]{1,0} %p), replica_groups={{0,1,2,3},{4,5,6,7}}
   %d = f32[3]{0} collective-permute(f32[3]{0} %r), source_target_pairs={{0,4},{1,2}}
   %e = bf16[4]{0} reduce-scatter(bf16[16]{0} %s), replica_groups={}, dimensions={0}
+  %f = (f32[2]{0}, /*index=1*/f32[3]{0}) all-reduce(f32[2]{0} %t, f32[3]{0} %u), to_apply=%add, metadata={op_name="x"}
   """
   found = cb.collectives(hlo)
-  assert [c.op for c in found] == ["all-gather", "all-reduce", "all-gather", "collective-permute", "reduce-scatter"]
+  assert [c.op for c in found] == ["all-gather", "all-reduce", "all-gather", "collective-permute", "reduce-scatter",
+                                   "all-reduce"]
+  assert found[5].nbytes == 20 and found[5].groups is None  # a combined all-reduce's tuple; no groups: all
+  found = found[:5]
   assert found[0].groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and found[0].nbytes == 128
   assert found[1].groups == ((0, 4), (1, 5), (2, 6), (3, 7)) and found[1].nbytes == 8
   assert found[2].nbytes == 128 and found[4].groups is None and found[4].nbytes == 8
@@ -452,3 +458,42 @@ def test_two_processes_one_group_each(tmp_path):
         np.testing.assert_array_equal(got[k], after[str(i)], err_msg=k)
   want = one_device(optax.adam(1e-2), init_params(), batches()[:2] + batches(seed=2)[:3])
   check_close(restored["params"], want)
+
+
+# -- embedding tables ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", EMBEDDING_LAYOUTS)
+def test_embedding_tables_split_within_groups_equal_the_dense_reference(strategy, monkeypatch, layout):
+  """`TPUEmbedding(..., groups=...)`: SGD, Adagrad, lazy and non-lazy Adam, every combiner, on each layout,
+  against test_embedding's dense numpy reference; each replica holds its group position's block, the
+  groups' blocks stay equal, and the lookups' collectives stay within the groups."""
+  te = importlib.import_module("test_embedding")
+  monkeypatch.setattr(te.emb_lib, "TPUEmbedding", functools.partial(te.emb_lib.TPUEmbedding, groups=INTERLEAVED))
+  assignment = te.ASSIGNMENTS[te.ASSIGNMENT_OF[4]]
+  emb = embedding_layout(te.make_embedding(strategy, assignment), layout)
+  step = te.make_step(emb)
+  state = emb.build()
+  for name in emb.table_names:
+    t = state["tables"][name]
+    assert t.groups == tuple(tuple(g) for g in INTERLEAVED) and emb.rows_per_replica(name) == -(-te.V // 4)
+    check_blocks(t, te.INITIAL[name], INTERLEAVED)
+  ref = te.reference(assignment)
+  for s, batch in enumerate(te.BATCHES):
+    state, activations = strategy.run(step, args=(state, distribute_batch(strategy, batch)))
+    got = te.gathered(strategy, activations)
+    expected = ref.lookup(batch["ids"], batch["weights"])
+    for f in te.FEATURES:
+      assert_close(got[f], expected[f], err_msg=f"step {s}: activations of {f}")
+    ref.apply_gradients(batch["ids"], batch["grads"], batch["weights"])
+  te.assert_matches(emb, state, ref, "groups of 4")
+  for name in emb.table_names:
+    check_blocks(state["tables"][name], np.asarray(state["tables"][name]), INTERLEAVED)
+    for slot in state["slots"][name].values():
+      check_blocks(slot, np.asarray(slot), INTERLEAVED)
+  args = (state, distribute_batch(strategy, te.BATCHES[0]))
+  groups = tuple(tuple(g) for g in INTERLEAVED)
+  lookups = cb.collectives(jax.jit(lambda st, b: strategy.run(
+      lambda st, b: emb.lookup(st, b["ids"], {f: b["weights"].get(f) for f in b["ids"]}), args=(st, b))).lower(
+          *args).compile().as_text())
+  assert lookups and all(c.groups == groups for c in lookups), lookups

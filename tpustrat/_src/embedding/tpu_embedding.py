@@ -79,18 +79,27 @@ from tpustrat._src.embedding.exchange import (
 )
 from tpustrat._src.embedding.optimizers import OPTIMIZERS, touched_matters, updates_untouched_rows
 from tpustrat._src.names import REPLICA_AXIS
-from tpustrat._src.sharding import place_blocks
-from tpustrat._src.values import LocalShard, Mirrored, ShardedVariable, is_distributed
+from tpustrat._src.sharding import place_blocks, resolve_groups
+from tpustrat._src.values import (
+    Groups,
+    LocalShard,
+    Mirrored,
+    ShardedVariable,
+    group_position,
+    is_distributed,
+    scatter_sum,
+)
 
 
-def split_rows(full: Any, num_replicas: int, mesh: Any) -> ShardedVariable:
+def split_rows(full: Any, num_replicas: int, mesh: Any, groups: Groups | None = None) -> ShardedVariable:
   """`full` ``[V, D]`` as a `ShardedVariable` split along axis 0: padded with zero rows to a multiple of
   `num_replicas` and split into one block of ``ceil(V / N)`` rows per replica, the blocks stacked
   ``[N, ceil(V / N), D]`` and sharded over the replicas. Placed from the host as `experimental_shard`
-  places a value (`place_blocks`): each device receives only its block, each process builds only its own."""
+  places a value (`place_blocks`): each device receives only its block, each process builds only its own.
+  With `groups` (hybrid), split within each group (``ceil(V / S)`` rows a block) and replicated across."""
   value = np.asarray(jax.device_get(full))
-  blocks = place_blocks(value, 0, num_replicas, NamedSharding(mesh, P(REPLICA_AXIS)))
-  return ShardedVariable.from_blocks(blocks, value.shape, 0)
+  blocks = place_blocks(value, 0, num_replicas, NamedSharding(mesh, P(REPLICA_AXIS)), groups)
+  return ShardedVariable.from_blocks(blocks, value.shape, 0, groups)
 
 
 def local_block(value: Any, name: str, where: str) -> jax.Array:
@@ -128,6 +137,12 @@ class TPUEmbedding:
       activations have this structure.
     optimizer: the `SGD` / `Adagrad` / `Adam` / `FTRL` / `AdagradMomentum` of the tables that name none.
     strategy: the strategy whose replicas hold the tables; None: the current one.
+    groups: hybrid sharding, as `Strategy.experimental_shard`'s: ``"process"``, ``"slice"`` or lists of
+      replica ids. Each table is split by rows within each group (``ceil(V/S)`` rows a block, ``S``
+      replicas a group) and replicated across the groups: lookups exchange ids and rows within the
+      group only; the gradients of the rows reach the block's owners in every group (the dense layout:
+      reduce-scattered within the group, the block all-reduced across; the others: the per-id gradients
+      gathered across the groups), so every group's tables stay equal.
 
   How rows travel depends on each table's size and bounds, decided when a step is traced: a table whose
   block (``ceil(V/N)`` rows) holds at most twice the ids a replica looks up in it per step is
@@ -137,7 +152,7 @@ class TPUEmbedding:
   details). The results are the same on every layout.
   """
 
-  def __init__(self, feature_config: Any, optimizer: Any = None, strategy: Any = None) -> None:
+  def __init__(self, feature_config: Any, optimizer: Any = None, strategy: Any = None, groups: Any = None) -> None:
     with_paths, self._treedef = jax.tree_util.tree_flatten_with_path(
         feature_config, is_leaf=lambda x: isinstance(x, FeatureConfig))
     leaves = [leaf for _, leaf in with_paths]
@@ -167,7 +182,11 @@ class TPUEmbedding:
     mesh = self._strategy.mesh
     if mesh is None:
       raise ValueError("TPUEmbedding needs a TPUStrategy or MirroredStrategy (the default strategy has no mesh).")
-    self._n = self._strategy.num_replicas_in_sync
+    # hybrid sharding: the tables split within each group of replicas, replicated across the groups
+    self._groups = resolve_groups(mesh, groups, "TPUEmbedding")
+    self._replicas = self._strategy.num_replicas_in_sync
+    self._n = self._replicas if self._groups is None else len(self._groups[0])  # blocks of a table: its owners
+    self._lax_groups = None if self._groups is None else [list(g) for g in self._groups]
     self._mesh = mesh
     self._forced_layout: str | None = None  # tests: every unbounded table on this layout
 
@@ -180,7 +199,8 @@ class TPUEmbedding:
     return table.optimizer or self._optimizer
 
   def rows_per_replica(self, table_name: str) -> int:
-    """``Vp / N``: the rows of table `table_name` that each replica holds (padding included)."""
+    """``Vp / N``: the rows of table `table_name` that each replica holds (padding included; with groups,
+    ``Vp / S`` for ``S`` replicas per group)."""
     t = self._tables[self._names.index(table_name)]
     return -(-t.vocabulary_size // self._n)
 
@@ -209,8 +229,8 @@ class TPUEmbedding:
         if full.shape != shape:
           raise ValueError(f"TPUEmbedding.build: the initializer of table {name!r} returned shape {full.shape}, "
                            f"expected {shape}.")
-      tables[name] = split_rows(full, self._n, self._mesh)
-      slots[name] = {slot: split_rows(np.full(shape, value, np.float32), self._n, self._mesh)
+      tables[name] = split_rows(full, self._replicas, self._mesh, self._groups)
+      slots[name] = {slot: split_rows(np.full(shape, value, np.float32), self._replicas, self._mesh, self._groups)
                      for slot, value in self._opt(t).slot_initial_values().items()}
     step = Mirrored.from_global(jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self._mesh, P())))
     return {"tables": tables, "slots": slots, "step": step}
@@ -294,7 +314,7 @@ class TPUEmbedding:
     """`x` [N, ...]: block `o` to replica `o`; returns [N, ...], block `s` from replica `s`."""
     if self._n == 1:
       return x
-    return lax.all_to_all(x, REPLICA_AXIS, 0, 0, tiled=True)
+    return lax.all_to_all(x, REPLICA_AXIS, 0, 0, tiled=True, axis_index_groups=self._lax_groups)
 
   def _exchange_stacked(self, parts: list[jax.Array]) -> list[jax.Array]:
     """One `all_to_all` for every table: each ``[N, C_t, ...]`` part flattened to ``[N, C_t * ...]``,
@@ -303,12 +323,36 @@ class TPUEmbedding:
     return [g.reshape(p.shape) for p, g in zip(parts, got)]
 
   def _gather(self, x: jax.Array) -> jax.Array:
-    """`x` [X] of every replica: [N, X]."""
-    return x[None] if self._n == 1 else lax.all_gather(x, REPLICA_AXIS)
+    """`x` [X] of every replica (of this replica's group): [N, X]."""
+    return x[None] if self._n == 1 else lax.all_gather(x, REPLICA_AXIS, axis_index_groups=self._lax_groups)
 
   def _scatter_sum(self, x: jax.Array) -> jax.Array:
-    """`x` [N, X]: row `r` summed over the replicas, on replica `r` ([X])."""
-    return x[0] if self._n == 1 else lax.psum_scatter(x, REPLICA_AXIS)
+    """`x` [N, X]: row `r` summed over the replicas (of this replica's group), on replica `r` ([X])."""
+    return x[0] if self._n == 1 else lax.psum_scatter(x, REPLICA_AXIS, axis_index_groups=self._lax_groups)
+
+  def _gradient_sum(self, x: jax.Array) -> jax.Array:
+    """`x` [N, X]: row `r` summed over every replica, on the replicas holding block `r` ([X]): with groups,
+    within the group, then the block across the groups (each group's updates are every group's)."""
+    if self._groups is None:
+      return self._scatter_sum(x)
+    return scatter_sum(x, 0, self._groups).reshape(x.shape[1:])
+
+  def _gather_everyone(self, x: jax.Array) -> jax.Array:
+    """`x` [X] of every replica of the job, groups or not: [replicas, X] (the gradients' ids)."""
+    return self._gather(x) if self._groups is None else lax.all_gather(x, REPLICA_AXIS)
+
+  def _across_groups(self, x: jax.Array) -> jax.Array:
+    """`x` of the replica at this replica's position in every group, stacked on axis 0 (``[G, ...]``), and
+    flattened into that axis: what the owners of one block receive, in every group alike."""
+    if self._groups is None:
+      return x
+    across = [list(c) for c in zip(*self._groups)]
+    return lax.all_gather(x, REPLICA_AXIS, axis_index_groups=across, tiled=True)
+
+  def _block_index(self) -> Any:
+    """Which block of each table this replica holds: its replica id, or with groups its position."""
+    r = lax.axis_index(REPLICA_AXIS)
+    return r if self._groups is None else jnp.asarray(group_position(self._groups), jnp.int32)[r]
 
   def _weights(self, ids: jax.Array, weights: Any, combiner: str | None) -> jax.Array:
     """The coefficient of each id in its example's activation ([b, L]), zero for padding. `combiner`
@@ -461,7 +505,7 @@ class TPUEmbedding:
   def _owned(self, w: Gathered, ids: jax.Array) -> jax.Array:
     """`ids` as local rows of this replica's block of `w`'s table where it owns them, -1 elsewhere."""
     rows = w.block.shape[0]
-    local = ids if self._n == 1 else ids - lax.axis_index(REPLICA_AXIS) * rows  # padding (-1) stays < 0
+    local = ids if self._n == 1 else ids - self._block_index() * rows  # padding (-1) stays < 0
     return jnp.where((local >= 0) & (local < rows), local, -1)  # compares: cheaper than // and %
 
   def _rows_by_ids(self, spread: list[Gathered]) -> list[jax.Array]:
@@ -537,8 +581,8 @@ class TPUEmbedding:
     def store(name: str, table: TableConfig, new_rows: jax.Array, new_slots: dict[str, jax.Array]) -> None:
       # Blocks again, so that run returns them as ShardedVariables of the same [V, D] along axis 0.
       shape = state["tables"][name].shape
-      tables[name] = LocalShard(new_rows, shape, 0)
-      slots[name] = {k: LocalShard(v, shape, 0) for k, v in new_slots.items()}
+      tables[name] = LocalShard(new_rows, shape, 0, self._groups)
+      slots[name] = {k: LocalShard(v, shape, 0, self._groups) for k, v in new_slots.items()}
 
     def old_slots(name: str) -> dict[str, jax.Array]:
       return {k: local_block(v, f"slot {k!r} of table {name!r}", "apply_gradients")
@@ -552,6 +596,8 @@ class TPUEmbedding:
             self._per_id_gradients(r, prepared, grad_list), mode="drop"))
       asked = self._exchange_stacked([r.send for r in routes])  # the lookup's exchange: XLA merges the two
       received = self._exchange_stacked(sent)  # [N, C, D]: the gradients of the rows in `asked`
+      # with groups: every group's owner of this block receives every group's buckets
+      asked, received = [self._across_groups(a) for a in asked], [self._across_groups(g) for g in received]
       for r, a, g in zip(routes, asked, received):
         store(r.name, r.table, *update_rows(self._opt(r.table), r.block, old_slots(r.name), a.reshape(-1),
                                         g.reshape(-1, r.table.dim) + r.check, step))
@@ -561,8 +607,10 @@ class TPUEmbedding:
     if spread:
       # every replica's per-id gradients, all-gathered for all these tables at once
       everyone = one_collective([self._per_id_gradients(w, prepared, grad_list).reshape(-1) for w in spread],
-                                 self._gather)
-      for w, g, ids in zip(spread, everyone, self._everyones_ids(spread)):
+                                 self._gather_everyone)
+      ids_of_all = self._everyones_ids(spread) if self._groups is None else one_collective(
+          [w.ids for w in spread], self._gather_everyone)  # with groups: every group's ids
+      for w, g, ids in zip(spread, everyone, ids_of_all):
         grads = g.reshape(-1, w.table.dim)  # [N * M, D]
         store(w.name, w.table, *update_rows(self._opt(w.table), w.block, old_slots(w.name),
                                         self._owned(w, ids).reshape(-1), grads, step))
@@ -612,13 +660,13 @@ class TPUEmbedding:
       parts.append(dense.reshape(self._n, -1))
       counted.append(count)
     out = []
-    for w, mine, count in zip(wholes, one_collective(parts, self._scatter_sum), counted):
+    for w, mine, count in zip(wholes, one_collective(parts, self._gradient_sum), counted):
       rows, dim = w.block.shape[0], w.table.dim
       g = mine.reshape(rows, -1)  # [rows, D (+ 1)]
       if count:
         touched = g[:, dim] > 0
       else:  # every real row (a padding row's slots are zeros: Adagrad's 0 / sqrt(0) must not run there)
-        first = 0 if self._n == 1 else lax.axis_index(REPLICA_AXIS) * rows
+        first = 0 if self._n == 1 else self._block_index() * rows
         touched = first + jnp.arange(rows) < w.table.vocabulary_size
       out.append((g[:, :dim], touched))
     return out
