@@ -41,11 +41,11 @@ import jax
 from tpustrat._src import jax_compat, names
 from tpustrat._src.step_hooks import Step, StepHook
 
-__all__ = ["StepMarks", "input_wait", "process_logdir", "profile", "start", "start_from_environment", "step_begin",
-           "step_end", "stop", "steps_dispatched"]
+__all__ = ["StepMarks", "input_wait", "process_logdir", "profile", "start", "start_from_environment", "step_end",
+           "stop", "steps_dispatched"]
 
 _collecting = jax_compat.profiler_collecting
-_STEPS = [0]  # training steps this process has dispatched (`step_begin`)
+_STEPS = [0]  # training steps this process has dispatched (`StepMarks.before`)
 _OPEN = [False]  # a step mark is open: a `run` traced inside another step's program is not a step of its own
 _NO_MARK = contextlib.nullcontext()
 _LOCK = threading.Lock()
@@ -151,23 +151,8 @@ def start_from_environment() -> str | None:
   return directory
 
 
-def step_begin(name: str, steps: int) -> Any:
-  """Before a program (`name`) of `steps` (> 0) training steps is dispatched: counts them and, while a
-  profiler collects, opens the step's mark (`step_end` closes it)."""
-  if _OPEN[0]:  # a `run` traced inside the program of another step (`experimental_run_steps`' scan)
-    return None
-  first = _STEPS[0]
-  _STEPS[0] = first + steps
-  _OPEN[0] = True
-  if not _collecting():
-    return _NO_MARK
-  mark = jax.profiler.StepTraceAnnotation(name, step_num=first, steps=steps)
-  mark.__enter__()
-  return mark
-
-
 def step_end(mark: Any, steps: int, token: Any) -> None:
-  """After the dispatch `step_begin` opened (also when it raised: `token` None): closes the mark; a program
+  """After the dispatch whose mark `StepMarks.before` opened (also when it raised: `token` None): closes the mark; a program
   that was only traced (`token` a tracer: `run` inside a user's `jax.jit`) does not count. Ends a profile
   of `steps` steps once it has recorded them."""
   if mark is None:
@@ -190,13 +175,24 @@ def step_end(mark: Any, steps: int, token: Any) -> None:
 
 class StepMarks(StepHook):
   """The per-step hook of profiles (`step_hooks`; registered by the engine, `engine.in_flight.STEP_HOOKS`):
-  a program that runs steps opens its mark before the in-flight wait (`step_begin`) and closes it once
-  dispatched, or when the dispatch did not happen (`step_end`)."""
+  before the in-flight wait, a program of ``step.steps`` (> 0) training steps counts them and, while a
+  profiler collects, opens its mark; the mark is closed once the program is dispatched, or when the
+  dispatch did not happen (`step_end`)."""
 
   __slots__ = ()
 
   def before(self, step: Step) -> Any:
-    return step_begin(step.name, step.steps) if step.steps else None
+    steps = step.steps
+    if not steps or _OPEN[0]:  # a reduction; or a `run` traced inside another step's program (run_steps' scan)
+      return None
+    first = _STEPS[0]
+    _STEPS[0] = first + steps
+    _OPEN[0] = True
+    if not _collecting():
+      return _NO_MARK
+    mark = jax.profiler.StepTraceAnnotation(step.name, step_num=first, steps=steps)
+    mark.__enter__()
+    return mark
 
   def after(self, step: Step, state: Any, token: Any, now: float | None) -> None:
     if state is not None:
