@@ -3,8 +3,10 @@
 Read from the program's HLO text (``jax.jit(...).lower(...).compile().as_text()``, or the program
 `strategy.run` compiles): each all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute,
 its result shape and its replica groups (explicit ``{{0,1},{2,3}}``, XLA's iota form ``[2,4]<=[8]`` /
-``[4,2]<=[2,4]T(1,0)``, or ``{}``: every device). Device ids are positions in the program's device
-assignment: for `strategy.run`, replica ids.
+``[4,2]<=[2,4]T(1,0)``, or ``{}``: every device), and how many times it runs per run of the program (a
+collective in a loop's body, a `lax.scan` over layers, runs once per iteration: XLA's
+``known_trip_count`` of the ``while``; a loop without one counts once). Device ids are positions in the
+program's device assignment: for `strategy.run`, replica ids.
 
 `cross_domain_bytes` counts what the devices send to devices of other domains, when each collective sends
 every member's share to the member that needs it (the bandwidth-optimal volume per device, the volume of a
@@ -48,6 +50,7 @@ class Collective:
   op: str
   nbytes: int
   groups: tuple[tuple[int, ...], ...] | None
+  count: int = 1  # runs per run of the program (inside loops: their trip counts multiplied)
 
 
 def _array_bytes(text: str) -> list[int]:
@@ -76,10 +79,56 @@ def _groups(line: str, field: str) -> tuple[tuple[int, ...], ...] | None:
   return tuple(tuple(int(x) for x in row) for row in ids.reshape(shape[0], -1))
 
 
+_HEADER = re.compile(r"^(?:ENTRY )?%(?P<name>[^ (]+) \(.*\{\s*$")
+_CALLS = re.compile(r"(?P<kind>body|condition|to_apply|calls|true_computation|false_computation)=%(?P<name>[^ ,)}]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_TRIPS = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(?P<n>[0-9]+)"')
+
+
+def _run_counts(lines: list[str]) -> dict[str, int]:
+  """How many times each computation of the HLO runs per run of its entry computation."""
+  edges: dict[str, list[tuple[str, int]]] = {}
+  entry, current = None, None
+  for line in lines:
+    header = _HEADER.match(line)
+    if header:
+      current = header.group("name")
+      edges.setdefault(current, [])
+      if line.startswith("ENTRY"):
+        entry = current
+      continue
+    if current is None:
+      continue
+    trips = _TRIPS.search(line)
+    for m in _CALLS.finditer(line):
+      factor = int(trips.group("n")) if trips and m.group("kind") == "body" else 1
+      edges[current].append((m.group("name"), factor))
+    for m in _BRANCHES.finditer(line):
+      edges[current].extend((n.strip().lstrip("%"), 1) for n in m.group("names").split(",") if n.strip())
+  counts: dict[str, int] = {}
+
+  def visit(name: str, times: int) -> None:
+    counts[name] = counts.get(name, 0) + times
+    for callee, factor in edges.get(name, ()):
+      visit(callee, times * factor)
+
+  if entry is not None:
+    visit(entry, 1)
+  return counts
+
+
 def collectives(hlo: str) -> list[Collective]:
-  """Every collective of the HLO text (the ``-done`` halves of async pairs left out), in program order."""
+  """Every collective of the HLO text (the ``-done`` halves of async pairs left out), in program order,
+  with how many times it runs per run of the program."""
   found = []
-  for line in hlo.splitlines():
+  lines = hlo.splitlines()
+  runs = _run_counts(lines)
+  current = None
+  for line in lines:
+    header = _HEADER.match(line)
+    if header:
+      current = header.group("name")
+      continue
     m = _LINE.search(line)
     if m is None:
       continue
@@ -88,7 +137,7 @@ def collectives(hlo: str) -> list[Collective]:
     # an async all-gather / collective-permute start returns (operand, result, ...): the result's bytes
     nbytes = sizes[1] if m.group("start") and op in ("all-gather", "collective-permute") else sum(sizes)
     field = "source_target_pairs" if op == "collective-permute" else "replica_groups"
-    found.append(Collective(op, nbytes, _groups(line, field)))
+    found.append(Collective(op, nbytes, _groups(line, field), runs.get(current, 1) if current else 1))
   return found
 
 
@@ -107,19 +156,19 @@ def cross_domain_bytes(hlo_or_collectives: str | Sequence[Collective], domains: 
   out = {op: 0 for op in _OPS}
   for c in found:
     if c.op == "collective-permute":
-      out[c.op] += sum(c.nbytes for s, t in (c.groups or ()) if where[s] != where[t])
+      out[c.op] += c.count * sum(c.nbytes for s, t in (c.groups or ()) if where[s] != where[t])
       continue
     for group in (c.groups if c.groups is not None else (everyone,)):
       m = len(group)
       for d in group:
         k = sum(where[o] != where[d] for o in group)
         if c.op == "all-gather":
-          out[c.op] += k * c.nbytes // m
+          out[c.op] += c.count * k * c.nbytes // m
         elif c.op == "reduce-scatter":
-          out[c.op] += k * c.nbytes
+          out[c.op] += c.count * k * c.nbytes
         elif c.op == "all-reduce":
-          out[c.op] += 2 * k * c.nbytes // m
+          out[c.op] += c.count * 2 * k * c.nbytes // m
         else:
-          out[c.op] += k * c.nbytes // m
+          out[c.op] += c.count * k * c.nbytes // m
   out["total"] = sum(out[op] for op in _OPS)
   return out

@@ -22,6 +22,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -497,3 +498,19 @@ def test_embedding_tables_split_within_groups_equal_the_dense_reference(strategy
       lambda st, b: emb.lookup(st, b["ids"], {f: b["weights"].get(f) for f in b["ids"]}), args=(st, b))).lower(
           *args).compile().as_text())
   assert lookups and all(c.groups == groups for c in lookups), lookups
+
+
+def test_collective_bytes_counts_a_loop_body_once_per_iteration():
+  """A collective in a `lax.scan` over 3 layers runs 3 times per run of the program (XLA's trip count)."""
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()), ("r",))
+
+  def body(w, x):
+    return jax.lax.scan(lambda h, wl: (h @ jax.lax.all_gather(wl, "r", axis=0, tiled=True), None), x, w)[0]
+
+  program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "r"), P("r")), out_specs=P("r")))
+  found = cb.collectives(program.lower(jnp.ones((3, 16, 16)), jnp.ones((8, 16))).compile().as_text())
+  assert [(c.op, c.nbytes, c.count) for c in found] == [("all-gather", 16 * 16 * 4, 3)]
+  # each device sends its 2 rows (128 bytes) to the 4 devices of the other half, 3 times
+  assert cb.cross_domain_bytes(found, HALVES)["total"] == 8 * 4 * 128 * 3
