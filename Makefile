@@ -29,8 +29,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/classifier.py
 
+# Two pytest-xdist workers (TEST_WORKERS=...; 0 runs in this process), modules kept whole (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadgroup
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

@@ -1,9 +1,40 @@
-"""Every test sees 8 emulated CPU devices: configured here, before JAX initialises its backends."""
+"""Every test sees 8 emulated CPU devices: configured here, before JAX initialises its backends.
+
+The suite's own speed settings (docs/development.md, "The test suite's speed"), each inherited by the
+processes the tests start through the environment:
+
+* XLA:CPU compiles without LLVM's expensive optimisation passes (``--xla_backend_optimization_level=0``,
+  ``--xla_llvm_disable_expensive_passes=true``): the suite's time is mostly compile time of small programs;
+  the HLO passes (fusion, layouts, SPMD partitioning, buffer assignment) are unchanged, so memory figures and
+  compiled collectives are the same. ``TPUSTRAT_TESTS_XLA_OPT=1`` compiles as users do.
+* One JAX persistent compilation cache for the whole run (``JAX_COMPILATION_CACHE_DIR``, every program
+  written): a program compiled again by another test, another xdist worker or a test's subprocess (a
+  restart, a resumed run) is read back instead. A temporary directory removed at the end of the run, or
+  the directory ``TPUSTRAT_TESTS_JAX_CACHE`` names (kept, so a second run starts warm). Entries are keyed by
+  the program, its devices, the compile options and the JAX version, never by a coincidence.
+"""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KERAS_BACKEND", "jax")  # Keras 3 models in the tests run on JAX (the `keras` extra)
+
+# The devices come from `jax_num_cpu_devices` below; a device count in the caller's XLA_FLAGS is dropped, so
+# that the flags left can go to every process a test starts (which sets its own device count).
+_FAST_XLA = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+_flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if not f.startswith("--xla_force_host_platform_device_count")]
+if os.environ.get("TPUSTRAT_TESTS_XLA_OPT") != "1":
+  _flags += [f for f in _FAST_XLA if f not in _flags]
+os.environ["XLA_FLAGS"] = " ".join(_flags)
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ  # set by this run's controller for its workers
+if _OWN_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = (os.environ.get("TPUSTRAT_TESTS_JAX_CACHE")
+                                            or tempfile.mkdtemp(prefix="tpustrat-tests-jax-cache-"))
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import jax  # noqa: E402
 
@@ -20,6 +51,31 @@ import pytest  # noqa: E402
 import tpustrat  # noqa: E402
 
 NUM_DEVICES = 8
+
+
+# Modules whose tests each start processes of their own and share nothing compiled in this process: with
+# `make test`'s workers (pytest-xdist, ``--dist loadgroup``) their tests are spread over the workers one by
+# one. Every other module's tests run in one worker, in order, so that its module- and session-scoped
+# strategies and compiled programs are built once.
+SPREAD_MODULES = frozenset({
+    "test_benchmarks", "test_notebooks", "test_multiprocess",
+    "test_launch", "test_watchdog", "test_preemption", "test_loop_multiprocess", "test_input_multiprocess",
+    "test_embedding_multiprocess", "test_compilation_cache", "test_distributed", "test_cluster_resolver",
+    "test_cluster_resolvers_slurm_tfconfig", "test_docs", "test_packaging",
+})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+  for item in items:
+    module = item.path.stem
+    if module not in SPREAD_MODULES:
+      item.add_marker(pytest.mark.xdist_group(module))
+
+
+def pytest_unconfigure(config) -> None:
+  """The run's temporary compilation cache goes with the run (the controller's, once its workers ended)."""
+  if _OWN_CACHE and not os.environ.get("TPUSTRAT_TESTS_JAX_CACHE") and not hasattr(config, "workerinput"):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

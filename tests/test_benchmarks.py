@@ -60,39 +60,26 @@ class Case:
   key: tuple[str, ...]
   rows: tuple[tuple[str, ...], ...]
   table: int = 0  # which table of the output the rows are checked in
+  more: tuple[tuple[int, tuple[str, ...], tuple[tuple[str, ...], ...]], ...] = ()  # (table, key, rows) of others
 
 
 CASES = {
-    # README: `bench_run.py --noise-floor` (both steps, the hand-written second copy).
+    # README: `bench_run.py --noise-floor` (both steps, the hand-written second copy) and `--only mlp
+    # --check-numerics` (run with RunOptions(check_numerics=True), against run), in one run.
     "run": Case(
-        "bench_run.py", ("--noise-floor", "--steps", "2", "--trials", "2"),
+        "bench_run.py", ("--noise-floor", "--check-numerics", "--steps", "2", "--trials", "2"),
         ("# tiny: results allclose;", "# mlp: results allclose;"),
         ("step", "variant", "steps x trials"),
-        tuple((label, variant, "2 x 2") for label in (TINY, MLP) for variant in ("tpustrat", "hand-written (copy 2)"))),
-    # README: `bench_run.py --only tiny ...` (one benchmark, no noise floor: one hand-written copy).
+        tuple((label, variant, "2 x 2") for label in (TINY, MLP)
+              for variant in ("tpustrat", "hand-written (copy 2)", "tpustrat + check_numerics"))),
+    # README: `bench_run.py --only tiny --watchdog` (run with the step watchdog on, against run without it) and
+    # `--only tiny --step-stats` (run, whose step counters are on, against run with them off), in one run.
     "run-only-tiny": Case(
-        "bench_run.py", ("--only", "tiny", "--steps", "3", "--trials", "1"),
-        ("# tiny: results allclose;",),
-        ("step", "variant", "steps x trials"),
-        ((TINY, "tpustrat", "3 x 1"),)),
-    # README: `bench_run.py --only tiny --watchdog` (run with the step watchdog on, against run without it).
-    "run-watchdog": Case(
-        "bench_run.py", ("--only", "tiny", "--watchdog", "--steps", "3", "--trials", "1"),
-        ("# tiny: results allclose;",),
-        ("step", "variant", "steps x trials"),
-        ((TINY, "tpustrat", "3 x 1"), (TINY, "tpustrat + step watchdog", "3 x 1"))),
-    # README: `bench_run.py --only mlp --check-numerics` (run with RunOptions(check_numerics=True), against run).
-    "run-check-numerics": Case(
-        "bench_run.py", ("--only", "mlp", "--check-numerics", "--steps", "2", "--trials", "1"),
-        ("# mlp: results allclose;",),
-        ("step", "variant", "steps x trials"),
-        ((MLP, "tpustrat", "2 x 1"), (MLP, "tpustrat + check_numerics", "2 x 1"))),
-    # README: `bench_run.py --only tiny --step-stats` (run, whose step counters are on, against run with them off).
-    "run-step-stats": Case(
-        "bench_run.py", ("--only", "tiny", "--step-stats", "--steps", "3", "--trials", "1"),
+        "bench_run.py", ("--only", "tiny", "--watchdog", "--step-stats", "--steps", "3", "--trials", "1"),
         ("# tiny: results allclose;", "step counters alone"),
         ("step", "variant", "steps x trials"),
-        ((TINY, "tpustrat", "3 x 1"), (TINY, "tpustrat (step counters on)", "3 x 1"))),
+        ((TINY, "tpustrat", "3 x 1"), (TINY, "tpustrat + step watchdog", "3 x 1"),
+         (TINY, "tpustrat (step counters on)", "3 x 1"))),
     # README: `bench_collectives.py --mechanisms --noise-floor` with both default group shapes, at 1/4 MiB.
     "collectives": Case(
         "bench_collectives.py",
@@ -178,13 +165,8 @@ CASES = {
                                   "--trials", "1", "--steps", "1"),
         ("# loss and gradients allclose to k=1's (k = 2, 4)",),
         ("model", "k"),
-        tuple(("MLP 2 x 32", k) for k in ("1", "2", "4"))),
-    "accumulation step time": Case(
-        "bench_accumulation.py", ("--width", "32", "--rows", "64", "--layers", "2", "--ks", "1,4",
-                                  "--trials", "1", "--steps", "1"),
-        ("# loss and gradients allclose to k=1's (k = 4)",),
-        ("model", "k"),
-        tuple(("MLP 2 x 32", k) for k in ("1", "4")), table=1),
+        tuple(("MLP 2 x 32", k) for k in ("1", "2", "4")),
+        more=((1, ("model", "k"), tuple(("MLP 2 x 32", k) for k in ("1", "2", "4"))),)),
     # `bench_peers.py` (its docstring's command): tpustrat, hand-written JAX and, where it is installed
     # (the `bench` extra), Keras 3; then compile times at k = 1, 8, 64. Without Keras its rows are left out.
     "peers": Case(
@@ -211,7 +193,7 @@ CASES = {
 
 def run_script(script: str, *flags: str) -> str:
   """Runs ``benchmarks/SCRIPT FLAGS --cpu-devices 8`` from the repository root; returns stdout + stderr."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script configures the devices itself
+  env = dict(os.environ)  # the script configures the devices itself (conftest.py left no count)
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *flags, "--cpu-devices", "8"], cwd=ROOT,
                         env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -258,8 +240,9 @@ def test_benchmark_runs_and_its_variants_agree(name):
   assert out.startswith("# jax "), out[:500]  # the machine line
   for line in case.agree:
     assert sum(x.startswith(line) for x in out.splitlines()) == 1, f"missing {line!r} in:\n{out}"
-  rows = markdown_table(out, case.table)
-  assert [tuple(r[c] for c in case.key) for r in rows] == list(case.rows), out
+  for table, key, expected in ((case.table, case.key, case.rows), *case.more):
+    rows = markdown_table(out, table)
+    assert [tuple(r[c] for c in key) for r in rows] == list(expected), out
   # The headline figures for run_all.py: `# FIGURE | name | value | target | verdict` lines at the end.
   figures = [line.split(" | ")[1:] for line in out.splitlines() if line.startswith("# FIGURE | ")]
   assert figures and all(len(f) == 4 and f[3] in ("met", "MISSED", "-") for f in figures), out[-3000:]
@@ -269,7 +252,7 @@ def test_run_all_writes_one_table_of_every_figure(tmp_path):
   """`make bench` (`benchmarks/run_all.py`), here `--quick` on one script: the table of figures, with the
   platform and JAX version of each, to stdout and to the output file."""
   output = tmp_path / "RESULTS.md"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = dict(os.environ)
   proc = subprocess.run([sys.executable, str(BENCHMARKS / "run_all.py"), "--quick", "--only", "run",
                          "--output", str(output)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
   assert proc.returncode == 0, proc.stderr[-5000:]

@@ -324,7 +324,7 @@ def test_restore_onto_two_processes(strategy, reference, saved, tmp_path):
   shutil.copytree(saved, directory)
   out.mkdir()
   np.savez(tmp_path / "reference.npz", *reference["states"][SAVE_AT])
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
   command = [sys.executable, "-m", "tpustrat.launch", "--num-processes", "2", "--devices-per-process", "4",
              "--timeout", "240", str(SCRIPTS / "restore_mp.py"), str(directory), str(tmp_path / "reference.npz"),
              str(out)]
@@ -512,7 +512,7 @@ def test_a_save_the_storage_refuses_stops_the_job_at_once_as_a_failed_save(strat
   timeout = 40
   command = [sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "2", str(SCRIPTS / "failed_save.py"),
              str(ckpt), mode, str(timeout), str(mount)]
-  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_") and k != "XLA_FLAGS"}
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_")}
   try:
     start = time.monotonic()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -547,7 +547,6 @@ def test_killed_save_keeps_the_last_good_checkpoint(strategy, reference, tmp_pat
   """SIGKILL after every file of step 2 is written, before orbax commits it: step 1 is the latest."""
   directory = tmp_path / "run"
   env = dict(os.environ, PYTHONUNBUFFERED="1")
-  env.pop("XLA_FLAGS", None)
   proc = subprocess.Popen([sys.executable, str(SCRIPTS / "killed_save.py"), str(directory),
                            str(tmp_path / "reference.npz")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -811,7 +810,8 @@ def test_a_truncated_data_file_falls_back_without_event_loop_tracebacks(strategy
   dirs = [tmp_path / f"ckpt{i}" for i in range(12)]
   for d in dirs:
     shutil.copytree(tmp_path / "saved", d)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8")
   done = subprocess.run([sys.executable, str(SCRIPTS / "truncated_chunk.py"), "restore", *map(str, dirs)],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -883,7 +883,7 @@ def test_damage_seen_by_one_process_moves_every_process_to_the_previous_step(tmp
   out.mkdir()
   command = [sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "4", str(SCRIPTS / "fallback_mp.py"),
              str(ckpt)]
-  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_") and k != "XLA_FLAGS"}
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_")}
   saved = subprocess.run([*command, "save"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
   assert saved.returncode == 0, saved.stderr[-3000:]
   (ckpt / "2" / "iterator" / "process_1-of-2.json").unlink()
@@ -916,7 +916,7 @@ def test_a_checkpoint_operation_stuck_on_one_process_stops_the_job_naming_it(tmp
   launcher_args, timeout = (args, ()) if args[0].startswith("--") else ((), args)
   command = [sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "2", *launcher_args,
              str(SCRIPTS / "stuck_save.py"), str(tmp_path), mode, *timeout]
-  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_") and k != "XLA_FLAGS"}
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_")}
   start = time.monotonic()
   done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   elapsed = time.monotonic() - start

@@ -413,7 +413,7 @@ def test_two_processes_connect_through_a_slurm_environment():
   '127.0.0.1', two tasks): SlurmClusterResolver -> experimental_connect_to_cluster -> TPUStrategy, then an
   all-reduce over the 8 replicas of both processes, checked against numpy."""
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("TPUSTRAT_", "SLURM")) and k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "TF_CONFIG")}
+         if not k.startswith(("TPUSTRAT_", "SLURM")) and k not in ("JAX_NUM_CPU_DEVICES", "TF_CONFIG")}
   out = subprocess.run(
       [sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "4", "--timeout", "120",
        str(ROOT / "tests" / "_mp_scripts" / "slurm_job.py")],

@@ -45,8 +45,11 @@ _ONE_PROCESS = textwrap.dedent("""
 
 
 def _env() -> dict[str, str]:
+  """This process's environment without tpustrat's variables, the device count and the test suite's own
+  compilation cache (tests/conftest.py): each process here starts with the cache off."""
   return {k: v for k, v in os.environ.items()
-          if not k.startswith("TPUSTRAT_") and k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+          if not k.startswith(("TPUSTRAT_", "JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))
+          and k != "JAX_NUM_CPU_DEVICES"}
 
 
 def _results(stdout: str) -> list[dict]:
@@ -80,12 +83,16 @@ def test_off_by_default_and_on_from_the_environment(tmp_path):
 
 
 def test_enable_compilation_cache_arguments(tmp_path):
+  before_dir = tpustrat.experimental.compilation_cache_dir()
+  before_min = jax.config.jax_persistent_cache_min_compile_time_secs
   with pytest.raises(ValueError, match="min_compile_time_secs"):
     compilation_cache.enable_compilation_cache(tmp_path, min_compile_time_secs=-1)
   with pytest.raises(ValueError, match="must not be empty"):
     compilation_cache.enable_compilation_cache(" ")
-  assert tpustrat.experimental.compilation_cache_dir() is None  # this test process never turned it on
-  assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0  # JAX's default, untouched
+  # Refused before anything was set: the directory and the threshold are this process's own (the test
+  # suite's cache, tests/conftest.py), untouched.
+  assert tpustrat.experimental.compilation_cache_dir() == before_dir
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == before_min
 
 
 @pytest.mark.parametrize("kind", ["tpu", "mirrored"])

@@ -32,7 +32,7 @@ ENV = "TPUSTRAT_EXIT_ON_UNCAUGHT_EXCEPTION"
 def _env(**extra: str) -> dict[str, str]:
   """This environment without the job's variables and this process's 8 devices, plus `extra`."""
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith("TPUSTRAT_") and k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+         if not k.startswith("TPUSTRAT_") and k != "JAX_NUM_CPU_DEVICES"}
   return env | {"JAX_PLATFORMS": "cpu"} | extra
 
 

@@ -609,7 +609,7 @@ def test_a_table_without_ids_in_a_step_looks_up_nothing_and_only_non_lazy_adam_m
 
 _BOUND_FAILS_THEN_EXITS = """
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import numpy as np, jax, tpustrat
 from tpustrat import embedding as E
 s = tpustrat.TPUStrategy()
@@ -629,7 +629,7 @@ def test_a_failed_bound_check_is_reported_once_not_again_at_exit(tmp_path):
   script = tmp_path / "bound.py"
   script.write_text(_BOUND_FAILS_THEN_EXITS)
   done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                        env=dict(os.environ))
   assert done.returncode == 0, done.stderr[-3000:]
   assert done.stdout.strip() == "CAUGHT True"
   assert "Exception ignored" not in done.stderr, done.stderr[-3000:]

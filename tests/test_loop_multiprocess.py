@@ -39,7 +39,7 @@ lf = _load_script()
 
 def _env() -> dict[str, str]:
   return {k: v for k, v in os.environ.items()
-          if not k.startswith("TPUSTRAT_") and k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+          if not k.startswith("TPUSTRAT_") and k != "JAX_NUM_CPU_DEVICES"}
 
 
 @pytest.fixture(scope="module")

@@ -34,14 +34,14 @@ STEPS = 60
 
 def _env(**extra: str) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith("TPUSTRAT_") and k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+         if not k.startswith("TPUSTRAT_") and k != "JAX_NUM_CPU_DEVICES"}
   env.update(extra)
   return env
 
 
 def _single(ckpt: pathlib.Path, out: pathlib.Path, *fault: str, attempt: int = 0) -> subprocess.CompletedProcess:
   """The script as one process with 8 CPU devices, run by hand (`attempt` labels its records only)."""
-  env = _env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = _env(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
              TPUSTRAT_RESTART_COUNT=str(attempt))
   return subprocess.run([sys.executable, str(SCRIPT), str(ckpt), str(out), *fault], env=env, cwd=ROOT,
                         capture_output=True, text=True, timeout=300)

@@ -37,7 +37,7 @@ def _job_env() -> dict[str, str]:
   """This environment without what a job's processes get for themselves (and without this process's 8
   devices)."""
   return {k: v for k, v in os.environ.items()
-          if not k.startswith("TPUSTRAT_") and k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "TF_CONFIG")}
+          if not k.startswith("TPUSTRAT_") and k not in ("JAX_NUM_CPU_DEVICES", "TF_CONFIG")}
 
 
 # -- multi_worker_ctl: TF's "Custom training loop with Keras and MultiWorkerMirroredStrategy" -----------

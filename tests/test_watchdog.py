@@ -36,7 +36,7 @@ REPLICAS = 8  # 2 processes x 4 devices
 
 def _env() -> dict[str, str]:
   return {k: v for k, v in os.environ.items()
-          if not k.startswith("TPUSTRAT_") and k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+          if not k.startswith("TPUSTRAT_") and k != "JAX_NUM_CPU_DEVICES"}
 
 
 def _launched(mode: str, seconds: float, steps: int, step_timeout: float) -> subprocess.CompletedProcess:
