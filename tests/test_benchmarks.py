@@ -39,7 +39,7 @@ _CDO_VARIANTS = [
     "hierarchical copy, num_packs=1", "ring, num_packs=1", "to one device, 4 MiB packs",
 ]
 _INPUT_LOOPS = ["on device", "iterator", "iterator, no prefetch", "bare device_put"]
-_KS = (1, 2, 10)  # 10: the k the tiny step's target row is reported for
+_KS = (1, 10)  # 10: the k the tiny step's target row is reported for (the models run k = 1, 2)
 _MODEL_SIZES = ("--conv-batch", "16", "--conv-width", "4", "--tf-batch", "8", "--tf-seq-len", "16", "--tf-layers", "1",
                 "--tf-d-model", "32")
 CONV = "convnet 28x28x1, 4/8 channels, batch 16"
@@ -119,7 +119,7 @@ CASES = {
         ("variant",),
         (("per tensor",), ("num_packs=1",), ("agg small <=32 KiB x10",), ("agg small <=32 KiB x32",))),
     # README: `bench_multistep.py` (tiny with the input family, mlp, and the conv and transformer steps against
-    # the one-device control, rolled and unrolled), with k = 1, 2, 10 (the models: 1, 2), at tiny sizes.
+    # the one-device control, rolled and unrolled), with k = 1, 10 (the models: 1, 2), at tiny sizes.
     "multistep": Case(
         "bench_multistep.py", ("--ks", *map(str, _KS), "--model-ks", "1", "2", "--steps", "10", "--trials", "1",
                                *_MODEL_SIZES),
@@ -139,25 +139,19 @@ CASES = {
         ("# 1000 rows: results allclose;",),
         ("rows", "optimizer", "steps x trials"),
         (("1000", "sgd", "2 x 1"),)),
-    # README: `bench_sharding.py` (donation, FSDP, per-layer gathering), on a tiny transformer; the step
-    # timing is left out (its own table).
+    # README: `bench_sharding.py` (donation, FSDP, per-layer gathering), on a tiny transformer: the memory
+    # table, then the step timing (FSDP against data parallel and hand-written FSDP).
     "sharding": Case(
-        "bench_sharding.py", ("--layers", "2", "--d-model", "32", "--batch", "8", "--seq-len", "16",
-                              "--trials", "0"),
-        ("# new states allclose (donated vs not; FSDP vs data parallel; hand-written FSDP)",),
-        ("variant",),
-        (("data parallel",), ("data parallel, state donated",), ("data parallel, remat, state donated",),
-         ("FSDP, state donated",), ("FSDP, per-layer gathering, donated",))),
-    # ... and its step timing (the second table): FSDP against data parallel and hand-written FSDP.
-    "sharding step time": Case(
         "bench_sharding.py", ("--layers", "1", "--d-model", "32", "--batch", "8", "--seq-len", "16",
                               "--trials", "1", "--steps", "1"),
         ("# new states allclose (donated vs not; FSDP vs data parallel; hand-written FSDP)",),
-        ("variant", "throughput vs"),
-        (("data parallel, state donated", ""), ("FSDP, state donated", "data parallel, state donated"),
-         ("FSDP, per-layer gathering, donated", "data parallel, state donated"),
-         ("FSDP, state donated", "hand-written FSDP"), ("hand-written FSDP", "")),
-        table=1),
+        ("variant",),
+        (("data parallel",), ("data parallel, state donated",), ("data parallel, remat, state donated",),
+         ("FSDP, state donated",), ("FSDP, per-layer gathering, donated",)),
+        more=((1, ("variant", "throughput vs"),
+               (("data parallel, state donated", ""), ("FSDP, state donated", "data parallel, state donated"),
+                ("FSDP, per-layer gathering, donated", "data parallel, state donated"),
+                ("FSDP, state donated", "hand-written FSDP"), ("hand-written FSDP", ""))),)),
     # README: `bench_accumulation.py` (k = 1, 2, 4, 8 micro-batches in one program), on a tiny MLP: memory
     # table, then the step-time table.
     "accumulation": Case(
