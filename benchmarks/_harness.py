@@ -61,12 +61,20 @@ def parse_args(doc: str, add_flags: Callable[[argparse.ArgumentParser], None],
   """A benchmark's command line: the flags `add_flags` adds, then ``--cpu-devices`` (every script has it).
 
   The description is the first line of `doc` (the script's docstring).
+
+  Every benchmark computes float32 matrix products at full float32 precision
+  (``jax_default_matmul_precision="highest"``): each script first checks that its variants compute the same
+  results at float32 tolerances, and on GPUs JAX's default lets XLA use TF32 (10-bit mantissas), with which
+  two programs of the same step (one step per program against ten, say) differ by ~1e-3 relative. On CPUs
+  this changes nothing; the variants compared in a timing always share it.
   """
   parser = argparse.ArgumentParser(description=doc.split("\n", 1)[0])
   add_flags(parser)
   parser.add_argument("--cpu-devices", type=int, default=8,
                       help="number of emulated CPU devices (0: leave JAX's device configuration alone)")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  jax.config.update("jax_default_matmul_precision", "highest")
+  return args
 
 
 def selected_benchmarks(args: argparse.Namespace,
