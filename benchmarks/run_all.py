@@ -79,6 +79,9 @@ BENCHES = [
           ("--layers", "2", "--d-model", "32", "--seq-len", "16", "--batch", "8", "--trials", "0")),
     Bench("accumulation", ("--trials", "3"), ("--model", "transformer"),
           ("--ks", "1,2,4", "--rows", "64", "--width", "32", "--layers", "2", "--trials", "0")),
+    # 2 processes x 4 devices through the launcher; compiling seven variants in both dominates
+    Bench("hybrid", ("--d-model", "64", "--trials", "3", "--steps", "2"), ("--d-model", "256", "--seq-len", "128"),
+          ("--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch", "8", "--trials", "0"), timeout_s=900.0),
     Bench("compile_cache", ("--pairs", "2"), ("--pairs", "3", "--layers", "6", "--d-model", "512"),
           ("--pairs", "1", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch", "16", "--max-files", "20")),
 ]
