@@ -61,7 +61,8 @@ from tpustrat._src.checkpoint.handlers import (
            DamagedCheckpointError,
            DamagedCheckpointWarning,
 )
-from tpustrat._src.checkpoint.manager import CheckpointManager, bounded_operation
+from tpustrat._src.checkpoint.manager import CheckpointManager
+from tpustrat._src.checkpoint.operations import bounded_operation
 
 __all__ = ["DEFAULT_TIMEOUT", "CheckpointManager", "CheckpointSaveError", "DamagedCheckpointError",
            "DamagedCheckpointWarning", "bounded_operation"]

@@ -78,8 +78,8 @@ class Operation:
 
   `done_key` names the marks that say a process has finished its own part (the operation's, or, for a
   wait, the save's). `report(expired, waited, innermost)` makes the message when `expired` runs past its
-  deadline, from the innermost operation of the same `owner` in flight (a save inside the preemption
-  handler's, say), which knows most.
+  deadline, from the innermost operation of the same `owner` (a manager's `operations.Operations`) in
+  flight (a save inside the preemption handler's, say), which knows most.
   """
 
   def __init__(self, owner: Any, store: Store, seq: int, what: str, done_key: str, timeout: float, source: str,

@@ -1,41 +1,28 @@
 """`CheckpointManager`: orbax's manager with tpustrat's items, checksums, fallback and bounded operations.
 
-See the package docstring (`tpustrat._src.checkpoint`) for what is saved and guaranteed.
+See the package docstring (`tpustrat._src.checkpoint`) for what is saved and guaranteed. The state pytree
+(unwrapping on save, the restore plan) is `state`; the bounded operations' bookkeeping is `operations`;
+the deadline thread is `deadlines`; the items' orbax handlers are `handlers`.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import threading
 import time
-import types
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
-from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
 from tpustrat._src import names
 from tpustrat._src.checkpoint import checksums
-from tpustrat._src.checkpoint.deadlines import (
-  DEADLINES,
-  DEFAULT_TIMEOUT,
-  KEY,
-  Operation,
-  Store,
-  abort,
-  check_timeout,
-  step_timeout,
-)
+from tpustrat._src.checkpoint.deadlines import KEY, Operation, Store, abort, check_timeout
 from tpustrat._src.checkpoint.handlers import (
   CHECKSUMS,
   ITERATOR,
@@ -49,326 +36,17 @@ from tpustrat._src.checkpoint.handlers import (
   api,
   read_json,
 )
+from tpustrat._src.checkpoint.operations import POLL_SECONDS, Operations
+from tpustrat._src.checkpoint.state import RestorePlan, check_alive, check_shapes, shardings, unwrap
 from tpustrat._src.input.encoding import bytes_to_text, text_to_bytes
-from tpustrat._src.names import REPLICA_AXIS
-from tpustrat._src.sharding import (
-  GROUP_AXES,
-  canonical_blocks,
-  from_canonical_blocks,
-  group_mesh,
-  place_blocks,
-)
-from tpustrat._src.values import Mirrored, PerReplica, ShardedVariable, block_size, is_distributed
 
-__all__ = ["CheckpointManager", "bounded_operation"]
+__all__ = ["CheckpointManager"]
 
-_POLL_SECONDS = 0.02  # how often a process looks for the others' verdicts
 _TMP_MARK = ".orbax-checkpoint-tmp"  # in the name of the directory orbax writes a step into before its commit
 
 _INSTANCES: collections.Counter[str] = collections.Counter()  # managers per directory in this process
 _OPEN: collections.Counter[str] = collections.Counter()  # of them, those not closed yet
 _INSTANCES_LOCK = threading.Lock()
-
-
-# -- the state pytree -----------------------------------------------------------------------------
-
-
-def _check_saveable(v: Any, where: str) -> None:
-  if isinstance(v, PerReplica) and v.padding_is_marked:
-    raise ValueError(
-        f"CheckpointManager.{where}: the state holds a padded batch from the input pipeline ({v!r}); save "
-        "the iterator's position (`iterator=`) instead of batches.")
-
-
-def _is_node(v: Any) -> bool:
-  return is_distributed(v)  # PerReplica, Mirrored and ShardedVariable (embedding tables included)
-
-
-def _unwrap(tree: Any) -> Any:
-  """`tree` with every `Mirrored` / `PerReplica` replaced by the pytree of global arrays it holds, and every
-  `ShardedVariable` (an embedding table among them) by ``{"blocks": [N, ...block] array, "shape": its
-  logical shape}``; a hybrid-sharded one (split within groups of ``S`` replicas) by its ``S`` distinct
-  blocks, as a value split over ``S`` replicas is saved (`canonical_blocks`: the same buffers)."""
-
-  def unwrap(v: Any) -> Any:
-    if isinstance(v, ShardedVariable) and v.groups is not None:
-      return {"blocks": canonical_blocks(v), "shape": np.asarray(v.shape, np.int32)}
-    if isinstance(v, ShardedVariable):
-      # [N, ...block]: re-split on restore when N differs; the logical shape, to check the target's against
-      return {"blocks": v.tree, "shape": np.asarray(v.shape, np.int32)}
-    if is_distributed(v):
-      _check_saveable(v, "save")
-      return v.tree
-    return v
-
-  return jax.tree.map(unwrap, tree, is_leaf=_is_node)
-
-
-def _check_alive(tree: Any) -> None:
-  """Raises unless every array of the (unwrapped) state still has its buffers: one donated to a step is
-  deleted, and the state to save is the one that step returned."""
-  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
-      raise RuntimeError(
-          f"CheckpointManager.save: the array at {jax.tree_util.keystr(path) or '<root>'} of the state has been "
-          "deleted: it was donated to a step (RunOptions(donate_argnums=...)) or deleted. Save the state that "
-          "step returned.")
-
-
-def _saved_at(saved: Any, path: tuple[Any, ...]) -> Any:
-  """The node of the saved metadata tree at a target's key path (dict keys and sequence indices)."""
-  node = saved
-  for key in path:
-    name = getattr(key, "key", getattr(key, "idx", getattr(key, "name", None)))
-    try:
-      node = node[name] if isinstance(node, dict) or not isinstance(name, str) else node[name]
-    except (KeyError, IndexError, TypeError):
-      return None
-  return node
-
-
-def _blocks_meta(node: Any) -> Any:
-  """The metadata of the saved blocks when the saved node is a sharded value (``{"blocks": array, "shape":
-  its logical shape}``; checkpoints written before the shape was saved have ``{"blocks": array}`` only)."""
-  if isinstance(node, dict) and set(node) in ({"blocks"}, {"blocks", "shape"}) and hasattr(node["blocks"], "shape"):
-    return node["blocks"]
-  return None
-
-
-def _with_shape(item: dict[str, Any], node: Any) -> dict[str, Any]:
-  """`item` (a sharded value's restore item) with the saved logical shape read too, where it was saved."""
-  if isinstance(node, dict) and "shape" in node and hasattr(node["shape"], "shape"):
-    return {**item, "shape": _host_item(node["shape"])}
-  return item
-
-
-def _check_logical_shape(took: dict[str, Any], where: str, shape: tuple[int, ...]) -> None:
-  """Raises unless the saved logical shape (where saved) is `shape`, the target's: blocks alone cannot tell
-  a value of 15 rows from one of 16 on 8 replicas (both blocks of 2)."""
-  if "shape" in took and tuple(int(d) for d in np.asarray(took["shape"])) != tuple(shape):
-    raise ValueError(
-        f"CheckpointManager.restore: the sharded value at {where} was saved with shape "
-        f"{[int(d) for d in np.asarray(took['shape'])]}, but the target's is {list(shape)}: another shape.")
-
-
-def _split_axis(blocks_shape: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
-  """The axis along which ``[N, ...block]`` blocks (`blocks_shape`) are blocks of a value of `shape`, or
-  None when they are not. Where several axes fit (size 1 along each), they all give the same value."""
-  if len(blocks_shape) != len(shape) + 1 or not blocks_shape:
-    return None
-  n, block = blocks_shape[0], blocks_shape[1:]
-  for axis in range(len(shape)):
-    want = list(shape)
-    want[axis] = block_size(shape[axis], n) if n else 0
-    if list(block) == want:
-      return axis
-  return None
-
-
-def _host_item(meta: Any) -> np.ndarray:
-  """The restore item of a saved array read into host memory (orbax reads a numpy leaf as numpy): a
-  zero-byte broadcast view of the saved shape and dtype."""
-  return np.broadcast_to(np.zeros((), meta.dtype), tuple(meta.shape))
-
-
-def _whole_from_blocks(blocks: np.ndarray, axis: int, size: int) -> np.ndarray:
-  """The value of `size` rows along `axis` whose ``[N, ...block]`` blocks are `blocks` (padding stripped)."""
-  full = np.concatenate(list(blocks), axis=axis) if blocks.shape[0] else blocks.reshape(blocks.shape[1:])
-  return np.take(full, np.arange(size), axis=axis)
-
-
-def _place_whole(value: np.ndarray, sharding: Any) -> jax.Array:
-  """A host value as a global array of `sharding`: each device gets its own shard of it (the whole value
-  only where the sharding replicates it), and each process builds only its own devices' shards."""
-  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-
-class _Plan:
-  """How the target's values are restored: the restore item handed to orbax (`abstract`: the saved
-  tree's structure, each array as a `jax.ShapeDtypeStruct` on the sharding it gets, or as a host numpy
-  leaf where it is re-laid out) and how each restored piece becomes the target's value (`finish`).
-
-  Every array orbax places on the devices carries the target's own sharding, so each device reads only
-  its shard: a `ShardedVariable` (an embedding table too) restored onto as many replicas as saved, its block;
-  a `Mirrored` or plain array, the whole value it holds anyway. A value that changes layout (sharded
-  saved onto another replica count, sharded onto `Mirrored` or back) is read into host memory by every
-  process, once, and placed from there: each device then receives only its block (`place_blocks`), or
-  the whole value where the target replicates it. No device holds a whole copy of a sharded value.
-  """
-
-  def __init__(self, target: Any, saved: Any, strategy: Any) -> None:
-    self._n = strategy.num_replicas_in_sync
-    mesh, self._replicated, self._split = _shardings(strategy)
-    self._mesh = mesh
-    flat, self._outer = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_node)
-    self._slots: list[tuple[Any, Any]] = []  # per outer node: (its restore item, its finisher)
-    for path, v in flat:
-      self._slots.append(self._node(tuple(path), v, saved))
-    self.abstract = self._outer.unflatten([item for item, _ in self._slots])
-
-  def finish(self, restored: Any) -> Any:
-    """The target's structure over the restored pieces (read back in the order of `abstract`'s leaves)."""
-    leaves = iter(jax.tree.leaves(restored))
-
-    def take(item: Any) -> Any:
-      treedef = jax.tree.structure(item)
-      return treedef.unflatten([next(leaves) for _ in range(treedef.num_leaves)])
-
-    return self._outer.unflatten([finisher(take) for _, finisher in self._slots])
-
-  # -- one node of the target -----------------------------------------------------------------------
-
-  def _node(self, path: tuple[Any, ...], v: Any, saved: Any) -> tuple[Any, Any]:
-    if isinstance(v, ShardedVariable):
-      return self._sharded(path, v, _saved_at(saved, path))
-    if isinstance(v, PerReplica):
-      _check_saveable(v, "restore")
-      item = jax.tree.map(lambda x: _leaf(x, self._split, self._mesh, self._replicated), v.tree)
-      return item, lambda take: PerReplica.from_stacked(take(item))
-    if isinstance(v, Mirrored):
-      inner, treedef = jax.tree_util.tree_flatten_with_path(v.tree)
-      slots = [self._whole(path + tuple(p), x, _saved_at(saved, path + tuple(p)), self._replicated)
-               for p, x in inner]
-      item = treedef.unflatten([s[0] for s in slots])
-      return item, lambda take: Mirrored.from_global(treedef.unflatten([f(take) for _, f in slots]))
-    return self._whole(path, v, _saved_at(saved, path), self._replicated)
-
-  def _whole(self, path: tuple[Any, ...], x: Any, node: Any, sharding: Any) -> tuple[Any, Any]:
-    """A leaf of a `Mirrored` value or a plain leaf: restored onto `sharding` (or its own, see `_leaf`);
-    saved as a sharded value, its blocks are read on the host and joined."""
-    item = _leaf(x, sharding, self._mesh, self._replicated)
-    meta = _blocks_meta(node)
-    if meta is None or not isinstance(item, jax.ShapeDtypeStruct):
-      return item, lambda take: take(item)
-    axis = _split_axis(tuple(meta.shape), item.shape)
-    if axis is None:
-      raise ValueError(
-          f"CheckpointManager.restore: the value at {jax.tree_util.keystr(path)} was saved as a sharded value "
-          f"of {meta.shape[0] if meta.shape else 0} blocks of shape {list(meta.shape[1:])}, which are not "
-          f"blocks of the target's {list(item.shape)} along any axis: another shape.")
-    host = _with_shape({"blocks": _host_item(meta)}, node)
-
-    def finish(take: Any) -> Any:
-      took = take(host)
-      _check_logical_shape(took, jax.tree_util.keystr(path), tuple(item.shape))
-      whole = _whole_from_blocks(np.asarray(took["blocks"]), axis, item.shape[axis])
-      return _place_whole(whole.astype(item.dtype, copy=False), item.sharding)
-
-    return host, finish
-
-  def _sharded(self, path: tuple[Any, ...], v: ShardedVariable, node: Any) -> tuple[Any, Any]:
-    where = jax.tree_util.keystr(path)
-    meta = _blocks_meta(node)
-    if meta is None:
-      if node is not None and hasattr(node, "shape") and hasattr(node, "dtype"):  # saved whole (Mirrored)
-        if tuple(node.shape) != tuple(v.shape):
-          raise ValueError(
-              f"CheckpointManager.restore: the value at {where} was saved whole with shape {list(node.shape)}, "
-              f"but the target is a sharded variable of shape {list(v.shape)}.")
-        whole = _host_item(node)
-        return whole, lambda take: self._place_sharded(np.asarray(take(whole)), v)
-      raise ValueError(f"CheckpointManager.restore: the checkpoint has no sharded variable blocks at {where} "
-                       "(it was saved from another structure).")
-    shape = tuple(meta.shape)
-    want = list(v.shape)
-    want[v.axis] = block_size(v.shape[v.axis], shape[0]) if shape and shape[0] else 0
-    if len(shape) != len(v.shape) + 1 or list(shape[1:]) != want:
-      saved_axis = _split_axis(shape, tuple(v.shape))
-      if saved_axis is not None:  # split along another axis: the whole value on the host, re-split
-        across = _with_shape({"blocks": _host_item(meta)}, node)
-
-        def finish_across(take: Any) -> ShardedVariable:
-          took = take(across)
-          _check_logical_shape(took, where, v.shape)
-          whole = _whole_from_blocks(np.asarray(took["blocks"]), saved_axis, v.shape[saved_axis])
-          return self._place_sharded(whole, v)
-
-        return across, finish_across
-      raise ValueError(
-          f"CheckpointManager.restore: the sharded variable at {where} was saved as "
-          f"{shape[0] if shape else 0} blocks of shape {list(shape[1:])}, which are not blocks of the target's "
-          f"{list(v.shape)} split along axis {v.axis} ({want} each): another shape or axis.")
-    if v.groups is not None and shape[0] == len(v.groups[0]):  # hybrid, as many blocks: each device its own
-      groups = v.groups
-      canonical = NamedSharding(group_mesh(self._mesh, groups), P(GROUP_AXES[1]))
-      blocks = _with_shape({"blocks": jax.ShapeDtypeStruct(shape, v.dtype, sharding=canonical)}, node)
-
-      def finish_groups(take: Any) -> ShardedVariable:
-        took = take(blocks)
-        _check_logical_shape(took, where, v.shape)
-        return from_canonical_blocks(took["blocks"], v.shape, v.axis, groups, self._split)
-
-      return blocks, finish_groups
-    if v.groups is None and shape[0] == self._n:  # as many replicas: each device reads its own block
-      own = _with_shape({"blocks": jax.ShapeDtypeStruct(shape, v.dtype, sharding=self._split)}, node)
-
-      def finish_own(take: Any) -> ShardedVariable:
-        took = take(own)
-        _check_logical_shape(took, where, v.shape)
-        return ShardedVariable.from_blocks(took["blocks"], v.shape, v.axis)
-
-      return own, finish_own
-    # Another replica count: the whole value on the host, re-split.
-    on_host = _with_shape({"blocks": _host_item(meta)}, node)
-
-    def finish_host(take: Any) -> ShardedVariable:
-      took = take(on_host)
-      _check_logical_shape(took, where, v.shape)
-      return self._place_sharded(_whole_from_blocks(np.asarray(took["blocks"]), v.axis, v.shape[v.axis]), v)
-
-    return on_host, finish_host
-
-  def _place_sharded(self, whole: np.ndarray, v: ShardedVariable) -> ShardedVariable:
-    blocks = place_blocks(whole.astype(v.dtype, copy=False), v.axis, self._n, self._split, v.groups)
-    return ShardedVariable.from_blocks(blocks, v.shape, v.axis, v.groups)
-
-
-def _shardings(strategy: Any) -> tuple[Any, Any, Any]:
-  """(mesh, sharding of replicated values, sharding of per-replica stacks) of `strategy`."""
-  mesh = strategy.mesh
-  if mesh is None:  # the default strategy: one replica on JAX's default device
-    device = SingleDeviceSharding(jax.local_devices()[0])
-    return None, device, device
-  return mesh, NamedSharding(mesh, P()), NamedSharding(mesh, P(REPLICA_AXIS))
-
-
-def _leaf(x: Any, sharding: Any, mesh: Any, replicated: Any) -> Any:
-  """The restore item of one target leaf: a `jax.ShapeDtypeStruct` on `sharding` (a plain array already
-  laid out on the strategy's mesh keeps its own sharding), or a Python number as it is."""
-  if isinstance(x, (bool, int, float, complex)):
-    return x  # saved as a Python scalar by orbax; restored as one
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return x if x.sharding is not None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(
-        f"CheckpointManager.restore: `target` must be a pytree of arrays, jax.ShapeDtypeStructs or "
-        f"Python numbers (like the saved state), got a {type(x).__name__}: {x!r:.100}.")
-  if (sharding is replicated and isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
-      and x.sharding.mesh == mesh):
-    sharding = x.sharding  # a plain array already laid out on this strategy's mesh keeps its layout
-  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-
-
-def _check_shapes(abstract: Any, saved: Any, directory: str, step: int) -> None:
-  """Raises a readable ValueError where the target's shapes differ from the checkpoint's."""
-  ocp = api().ocp
-  try:
-    want = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract))
-    have = ocp.tree.to_flat_dict(saved)
-  except Exception:  # pylint: disable=broad-except  # unusual trees: leave the checks to orbax
-    return
-  for key, x in want.items():
-    m = have.get(key)
-    if m is None or not isinstance(x, jax.ShapeDtypeStruct) or tuple(getattr(m, "shape", ())) == x.shape:
-      continue
-    name = "/".join(str(k) for k in key)
-    hint = ""
-    if x.sharding is not None and getattr(x.sharding, "spec", None) == P(REPLICA_AXIS):
-      hint = (" A PerReplica value keeps one component per replica and can only be restored onto as many "
-              "replicas; save replicated (Mirrored) state to change the number of replicas.")
-    raise ValueError(
-        f"CheckpointManager.restore: the array at {name!r} of step {step} in {directory} has shape "
-        f"{tuple(m.shape)}, but `target` expects {x.shape}.{hint}")
 
 
 # -- iterator states ------------------------------------------------------------------------------
@@ -462,7 +140,7 @@ class CheckpointManager:
                timeout: float | None = None) -> None:
     orbax = api()
     ocp = orbax.ocp
-    self._timeout = check_timeout(timeout)
+    checked_timeout = check_timeout(timeout)
     if options is None:
       options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
                                              enable_async_checkpointing=enable_async_checkpointing)
@@ -500,8 +178,8 @@ class CheckpointManager:
         item_handlers={STATE: self._state_handler, ITERATOR: self._iterator_handler,
                        CHECKSUMS: self._checksum_handler})
     # The same name in every process (the processes create their managers in the same order).
-    self._prefix = f"{KEY}/{hashlib.sha1(path.encode()).hexdigest()[:12]}-{instance}"
-    self._seq = 0
+    self._ops = Operations(self, self._store, f"{KEY}/{hashlib.sha1(path.encode()).hexdigest()[:12]}-{instance}",
+                           path, checked_timeout)
     self._pending: tuple[int, int] | None = None  # (seq, step) of a save whose writing may still run
     self._last_restored_step: int | None = None
 
@@ -519,7 +197,7 @@ class CheckpointManager:
   def timeout(self) -> float:
     """Seconds a blocking operation may take now (the `timeout` argument, else the step timeout, else
     1200 s)."""
-    return self._timeout_and_source()[0]
+    return self._ops.timeout_and_source()[0]
 
   @property
   def last_restored_step(self) -> int | None:
@@ -602,19 +280,19 @@ class CheckpointManager:
     if not force and not self._manager.should_save(step):
       return False
     self._wait_pending()  # orbax waits for the previous save too; here within the deadline
-    with self._operation(f"save of step {step}") as op:
-      unwrapped = _unwrap(state)
-      _check_alive(unwrapped)
+    with self._ops.operation(f"save of step {step}") as op:
+      unwrapped = unwrap(state)
+      check_alive(unwrapped)
       items = {STATE: orbax.StateSave(unwrapped)}
       if iterator is not None:
-        self._progress(op, f"taking the iterator's position for step {step}")
+        self._ops.progress(op, f"taking the iterator's position for step {step}")
         items[ITERATOR] = orbax.IteratorSave(_iterator_state(iterator))
-      self._progress(op, f"computing the checksums of step {step}")
+      self._ops.progress(op, f"computing the checksums of step {step}")
       items[CHECKSUMS] = orbax.ChecksumSave({"algorithm": checksums.ALGORITHM,
                                               "arrays": checksums.compute(checksums.flat_arrays(unwrapped))})
-      tracker = SaveTracker(set(items), lambda: self._mark_done(op.done_key, "written"),
+      tracker = SaveTracker(set(items), lambda: self._ops.mark_done(op.done_key, "written"),
                             lambda item, error: self._background_failure(op, step, error))
-      self._progress(op, f"in orbax's save of step {step} (writing its part, or waiting at orbax's barriers)")
+      self._ops.progress(op, f"in orbax's save of step {step} (writing its part, or waiting at orbax's barriers)")
       for handler in (self._state_handler, self._iterator_handler, self._checksum_handler):
         handler.tracker = tracker
       try:
@@ -628,11 +306,11 @@ class CheckpointManager:
         for handler in (self._state_handler, self._iterator_handler, self._checksum_handler):
           handler.tracker = None
       if not saved:
-        self._mark_done(op.done_key, "skipped")
-        self._progress(op, f"skipped step {step} (orbax's interval policy)")
+        self._ops.mark_done(op.done_key, "skipped")
+        self._ops.progress(op, f"skipped step {step} (orbax's interval policy)")
       else:
         self._pending = (op.seq, step)
-        self._progress(op, f"writing its part of step {step} in the background")
+        self._ops.progress(op, f"writing its part of step {step} in the background")
       return saved
 
   def restore(self, step: int | None = None, *, target: Any = None, iterator: Any = None) -> Any:
@@ -658,7 +336,7 @@ class CheckpointManager:
         `ShardedVariable` comes back split. Every array is read onto the target's sharding, so a device
         gets only its block of a sharded value; a value that changes layout (another replica count, or
         sharded <-> whole) is read into host memory on every process and placed from there (see
-        `_Plan`). Shapes must be the saved ones (logical shapes for sharded values); dtypes are the
+        `state.RestorePlan`). Shapes must be the saved ones (logical shapes for sharded values); dtypes are the
         target's (an array restored with another dtype than it was saved with is not compared with its
         checksum). With no target, the saved tree comes back as nested dicts and lists of replicated
         arrays (a sharded value as ``{"blocks": [N, ...block], "shape": its logical shape}``).
@@ -689,7 +367,7 @@ class CheckpointManager:
       candidates = [step]
     strategy = self._strategy if self._strategy is not None else context_lib.get_strategy()
     problems: list[tuple[int, str]] = []
-    with self._operation(f"restore of step {candidates[0]}") as op:
+    with self._ops.operation(f"restore of step {candidates[0]}") as op:
       for attempt, candidate in enumerate(candidates):
         op.what, op.done_key = f"restore of step {candidate}", f"{op.seq}.{attempt}"
         restored, problem = self._restore_step(op, candidate, target, iterator, strategy)
@@ -707,7 +385,7 @@ class CheckpointManager:
           if iterator is not None:
             _set_iterator_state(iterator, restored[ITERATOR])
           self._last_restored_step = candidate
-          self._progress(op, f"restored step {candidate}")
+          self._ops.progress(op, f"restored step {candidate}")
           return restored[STATE]
         problems.append((candidate, problem))
         where = f"checkpoint {candidate} at {self.step_path(candidate)}"
@@ -763,11 +441,11 @@ class CheckpointManager:
     """(the restored items, None), or (None, what is wrong with `step` on some process). Every process
     returns the same verdict: they exchange their reading's outcome before the checksums (a program over
     the global arrays) are computed."""
-    self._progress(op, f"reading step {step}")
+    self._ops.progress(op, f"reading step {step}")
     problem: str | None = None
     restored: Any = None
     metadata: Any = None
-    plan: _Plan | None = None
+    plan: RestorePlan | None = None
     try:
       metadata = self._manager.item_metadata(step)
       saved = metadata[STATE] if STATE in metadata else None
@@ -790,13 +468,13 @@ class CheckpointManager:
     if problem is None:
       saved = getattr(saved, "tree", saved)
       if target is None:
-        _, replicated, _ = _shardings(strategy)
+        _, replicated, _ = shardings(strategy)
         abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated), saved,
                                 is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
       else:
-        plan = _Plan(target, saved, strategy)
+        plan = RestorePlan(target, saved, strategy)
         abstract = plan.abstract
-        _check_shapes(abstract, saved, self._directory, step)
+        check_shapes(abstract, saved, self._directory, step)
       if iterator is not None and ITERATOR not in metadata:
         raise ValueError(
             f"CheckpointManager.restore: checkpoint {step} in {self._directory} has no iterator state (it "
@@ -815,13 +493,13 @@ class CheckpointManager:
         raise
       except Exception as e:  # noqa: BLE001  # a file that is missing or does not decode: damaged
         problem = f"{type(e).__name__}: {e}"
-    failures = self._agree(op, problem)
+    failures = self._ops.agree(op, problem)
     if failures:
       if self._store.count == 1:
         return None, failures[0]
       return None, "; ".join(f"process {p}: {text}" for p, text in sorted(failures.items()))
     if restored is not None and CHECKSUMS in restored:
-      self._progress(op, f"verifying the checksums of step {step}")
+      self._ops.progress(op, f"verifying the checksums of step {step}")
       saved_sums = restored[CHECKSUMS]
       if not isinstance(saved_sums, dict) or saved_sums.get("algorithm") != checksums.ALGORITHM:
         return None, f"its checksums file has an unknown format ({str(saved_sums)[:100]})"
@@ -832,25 +510,6 @@ class CheckpointManager:
     if plan is not None:  # verified as read: now the target's values, re-laid out where they must be
       restored[STATE] = plan.finish(restored[STATE])
     return restored, None
-
-  def _agree(self, op: Operation, problem: str | None) -> dict[int, str]:
-    """Publishes this process's outcome of reading the step; waits (within the operation's deadline) for
-    every process's; returns the problems, by process."""
-    self._mark_done(op.done_key, json.dumps({"problem": problem}))
-    store = self._store
-    if store.count == 1:
-      return {0: problem} if problem is not None else {}
-    self._progress(op, f"waiting for the other processes' reading of {op.what.removeprefix('restore of ')}")
-    found: dict[int, str | None] = {}
-    while len(found) < store.count:
-      for p in range(store.count):
-        if p not in found:
-          text = store.get(f"{self._prefix}/done/{op.done_key}/{p}")
-          if text is not None:
-            found[p] = json.loads(text)["problem"]
-      if len(found) < store.count:
-        time.sleep(_POLL_SECONDS)
-    return {p: text for p, text in found.items() if text is not None}
 
   def _damaged_path(self, step: int) -> Any:
     """Where a damaged `step` is moved: ``<step>.damaged``, or ``<step>.damaged-<k>`` when that is taken."""
@@ -865,7 +524,7 @@ class CheckpointManager:
     """Process 0 renames the damaged `steps` to ``<step>.damaged`` and publishes what it did; every process
     then forgets them. Returns, per step, (where it was moved, None) or (None, why it could not be)."""
     store = self._store
-    key = f"{self._prefix}/aside/{op.seq}"
+    key = f"{self._ops.prefix}/aside/{op.seq}"
     text: str | None
     if store.index == 0:
       outcome: dict[str, list[str | None]] = {}
@@ -879,42 +538,13 @@ class CheckpointManager:
       text = json.dumps(outcome)
       store.set(key, text)
     else:
-      self._progress(op, "waiting for process 0 to move the damaged steps aside")
+      self._ops.progress(op, "waiting for process 0 to move the damaged steps aside")
       while (text := store.get(key)) is None:
-        time.sleep(_POLL_SECONDS)
+        time.sleep(POLL_SECONDS)
     self._manager.reload()
     return {int(s): (dest, failure) for s, (dest, failure) in json.loads(text).items()}
 
   # -- bounded operations ---------------------------------------------------------------------------
-
-  def _timeout_and_source(self) -> tuple[float, str]:
-    if self._timeout is not None:
-      return self._timeout, "CheckpointManager(timeout=...)"
-    seconds = step_timeout()
-    if seconds is not None:
-      return seconds, "the step timeout; CheckpointManager(timeout=...) sets another"
-    return DEFAULT_TIMEOUT, "the default; CheckpointManager(timeout=...) sets another"
-
-  @contextlib.contextmanager
-  def _operation(self, what: str, done_key: str | None = None) -> Iterator[Operation]:
-    """Runs the body as one bounded operation (see `_Deadlines`)."""
-    self._seq += 1
-    timeout, source = self._timeout_and_source()
-    op = Operation(self, self._store, self._seq, what, done_key or f"{self._seq}.0", timeout, source, self._report)
-    self._progress(op, f"starting the {what}")
-    DEADLINES.add(op)
-    try:
-      yield op
-    finally:
-      DEADLINES.remove(op)
-
-  def _progress(self, op: Operation, phase: str) -> None:
-    op.stage += 1
-    self._store.set(f"{self._prefix}/progress/{self._store.index}", json.dumps(
-        {"seq": op.seq, "stage": op.stage, "what": op.what, "phase": phase, "since": time.time()}))
-
-  def _mark_done(self, done_key: str, value: str) -> None:
-    self._store.set(f"{self._prefix}/done/{done_key}/{self._store.index}", value)
 
   def _wait_pending(self) -> None:
     """Waits for this manager's save still being written, if any, as a bounded operation."""
@@ -923,65 +553,12 @@ class CheckpointManager:
       self._manager.wait_until_finished()
       return
     seq, step = pending
-    with self._operation(f"wait for the save of step {step}", done_key=f"{seq}.0") as op:
-      self._progress(op, f"waiting for its save of step {step} to be written and committed")
+    with self._ops.operation(f"wait for the save of step {step}", done_key=f"{seq}.0") as op:
+      self._ops.progress(op, f"waiting for its save of step {step} to be written and committed")
       try:
         self._manager.wait_until_finished()
       except Exception as e:  # noqa: BLE001  # its writing failed in orbax's background thread
         self._save_failed(op, step, e)
-
-  def _report(self, expired: Operation, waited: float, op: Operation) -> str:
-    """The message when `expired` runs past its deadline: which processes have not finished their part of
-    `op` (the innermost operation in flight), the ones behind the others first, and what each is doing."""
-    store, me = self._store, self._store.index
-    lines = [f"tpustrat: checkpoint timeout: process {me} has waited {waited:.1f} s for the {expired.what} in "
-             f"{self._directory} (checkpoint timeout {expired.timeout:g} s: {expired.source})."]
-    target = int(op.done_key.split(".")[0])
-    now = time.time()
-    where: dict[int, tuple[int, int]] = {}
-    said: dict[int, str] = {}
-    for p in range(store.count):
-      if store.get(f"{self._prefix}/done/{op.done_key}/{p}") is not None:
-        continue
-      who = f"process {p}"
-      text = store.get(f"{self._prefix}/progress/{p}")
-      if text is None:
-        where[p], said[p] = (-1, 0), f"{who} has started no checkpoint operation on this directory"
-        continue
-      progress = json.loads(text)
-      where[p] = (progress["seq"], progress["stage"])
-      doing = f"{progress['phase']} (for {now - progress['since']:.1f} s)"
-      if progress["seq"] < target:
-        said[p] = f"{who} has not reached the {op.what} (its last checkpoint operation: the {progress['what']}, {doing})"
-      else:
-        said[p] = f"{who} is {doing}"
-    if not where:
-      lines.append(f"every process has finished its own part of the {op.what}; the commit did not finish (orbax's "
-                   "barriers, or process 0 renaming the temporary directory): check the storage.")
-    else:
-      low = min(where.values())
-      behind = [p for p in sorted(where) if where[p] == low]
-      waiting = [p for p in sorted(where) if where[p] != low]
-      finished = [p for p in range(store.count) if p not in where]
-      lines.append("stuck: " + "; ".join(said[p] for p in behind) + ".")
-      if waiting:
-        lines.append("waiting for them: " + "; ".join(said[p] for p in waiting) + ".")
-      if finished:
-        lines.append(f"finished their part of the {op.what}: " + ", ".join(f"process {p}" for p in finished) + ".")
-    lines.append(f"Every process of the job stops with status {names.EXIT_STEP_TIMEOUT}.")
-    return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def bounded_operation(manager: CheckpointManager, what: str) -> Iterator[Any]:
-  """A bounded operation of `manager` (its timeout, its report) around work that is not the manager's own
-  (the preemption handler's save, through its `save_fn`). The body gets an object with ``progress(phase)``
-  (what this process is doing, for the report) and ``finished()`` (this process's part is done)."""
-  with manager._operation(what) as op:  # pylint: disable=protected-access
-    manager._progress(op, f"in the {what}")  # pylint: disable=protected-access
-    yield types.SimpleNamespace(
-        finished=lambda: manager._mark_done(op.done_key, "done"),  # pylint: disable=protected-access
-        progress=lambda phase: manager._progress(op, phase))  # pylint: disable=protected-access
 
 
 def _describe_contents(path: Any) -> str:
