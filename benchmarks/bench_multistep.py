@@ -385,9 +385,10 @@ def check(name: str, variants: list[Variant], steps: int) -> None:
     for ref in refs:
       for a, b in zip(jax.tree.leaves(results[ref]), jax.tree.leaves(results[v.name])):
         # Other programs add in other orders: a leaf's tolerance scales with its largest magnitude too (a
-        # model's small optimizer moments are sums of larger gradients that cancel).
+        # model's small optimizer moments are sums of larger gradients that cancel; on an H200 the MLP's
+        # weights after 10 steps differed by 1.5e-5 in 6 of 802,816 elements, k = 10 against k = 1).
         leaf_tol = dict(tol, atol=tol["atol"] + (tol["rtol"] * float(np.abs(a).max(initial=0.0))
-                                                 if name == "conv" else 0.0))
+                                                 if name != "tiny" else 0.0))
         np.testing.assert_allclose(b, a, **leaf_tol, err_msg=f"{name}: {v.name} differs from {ref}")
 
 
