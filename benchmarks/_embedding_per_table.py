@@ -20,7 +20,7 @@ from tpustrat import embedding
 from tpustrat._src.batch_rows import same_rows
 from tpustrat._src.embedding import _block
 from tpustrat._src.names import REPLICA_AXIS
-from tpustrat._src.values import LocalShard
+from tpustrat._src.sharded_variable import LocalShard
 
 
 class PerTableEmbedding(embedding.TPUEmbedding):

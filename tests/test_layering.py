@@ -17,8 +17,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpustrat._version", "tpustrat._src.jax_compat", "tpustrat._src.names", "tpustrat._src.validation",
      "tpustrat._src.host_memory", "tpustrat._src.watchdog", "tpustrat._src.termination_notice", "tpustrat._src.profiler",
      "tpustrat._src.compilation_cache", "tpustrat._src.step_hooks", "tpustrat._src.step_stats"),
-    # Values and the reduce op.
-    ("tpustrat._src.values", "tpustrat._src.reduce_op"),
+    # Values (replicated, per replica, sharded) and the reduce op.
+    ("tpustrat._src.values", "tpustrat._src.sharded_variable", "tpustrat._src.reduce_op"),
     # The context: thread-local state only.
     ("tpustrat._src.context",),
     # Collectives and reductions.

@@ -54,6 +54,11 @@ from tpustrat._src.preemption import TerminationConfig as TerminationConfig
 from tpustrat._src.reduce_op import ReduceOp as ReduceOp
 from tpustrat._src.replica_random import replica_key as replica_key
 from tpustrat._src.replica_random import replica_rngs as replica_rngs
+from tpustrat._src.sharded_variable import GATHERED as GATHERED
+from tpustrat._src.sharded_variable import LocalShard as LocalShard
+from tpustrat._src.sharded_variable import ShardedVariable as ShardedVariable
+from tpustrat._src.sharded_variable import gather_again_policy as gather_again_policy
+from tpustrat._src.sharded_variable import read_values as read_values
 from tpustrat._src.sharding import MinSizePartitioner as MinSizePartitioner
 from tpustrat._src.sharding import clip_by_global_norm as clip_by_global_norm
 from tpustrat._src.sharding import global_norm as global_norm
@@ -69,14 +74,9 @@ from tpustrat._src.strategy import StrategyExtended as StrategyExtended
 from tpustrat._src.strategy import TPUStrategy as TPUStrategy
 from tpustrat._src.topology import DeviceAssignment as DeviceAssignment
 from tpustrat._src.topology import Topology as Topology
-from tpustrat._src.values import GATHERED as GATHERED
 from tpustrat._src.values import DistributedValues as DistributedValues
-from tpustrat._src.values import LocalShard as LocalShard
 from tpustrat._src.values import Mirrored as Mirrored
 from tpustrat._src.values import PerReplica as PerReplica
-from tpustrat._src.values import ShardedVariable as ShardedVariable
-from tpustrat._src.values import gather_again_policy as gather_again_policy
-from tpustrat._src.values import read_values as read_values
 from tpustrat._src.zero import sharded_optimizer as sharded_optimizer
 from tpustrat._version import __version__ as __version__  # written in tpustrat/_version.py only
 

@@ -38,8 +38,8 @@ from tpustrat._src import context as context_lib
 from tpustrat._src.input.padding import batch_of
 from tpustrat._src.jax_compat import to_varying, varying_axes
 from tpustrat._src.reduce_op import ReduceOp
+from tpustrat._src.sharded_variable import LocalShard
 from tpustrat._src.validation import check_int, tree_path
-from tpustrat._src.values import LocalShard
 
 __all__ = ["accumulate_gradients"]
 

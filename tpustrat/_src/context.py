@@ -28,8 +28,8 @@ from jax import lax
 
 from tpustrat._src.jax_compat import primal_value, same_trace
 from tpustrat._src.reduce_op import ReduceOp
+from tpustrat._src.sharded_variable import LocalShard
 from tpustrat._src.validation import normalize_axis
-from tpustrat._src.values import LocalShard
 
 __all__ = [
     "ReplicaContext",

@@ -40,8 +40,8 @@ import optax
 from tpustrat._src.context import get_replica_context, replica_axis
 from tpustrat._src.jax_compat import varying_axes
 from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.sharded_variable import LocalShard
 from tpustrat._src.validation import check_int, x64_enabled
-from tpustrat._src.values import LocalShard
 
 __all__ = ["LossScaleOptimizer", "LossScaleState", "Policy", "all_finite", "all_reduce_gradients"]
 

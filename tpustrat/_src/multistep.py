@@ -39,17 +39,11 @@ from tpustrat._src import numerics as numerics_lib
 from tpustrat._src.engine import RunOptions
 from tpustrat._src.jax_compat import varying_axes
 from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.sharded_variable import ShardedVariable
 from tpustrat._src.steps import check_not_stacked as check_not_stacked
 from tpustrat._src.steps import concat_chunks, named_leaves, num_steps
 from tpustrat._src.validation import check_int, check_tree_fits_32_bits
-from tpustrat._src.values import (
-    Mirrored,
-    PerReplica,
-    ShardedVariable,
-    is_distributed,
-    name_replica_axis,
-    stacked_steps,
-)
+from tpustrat._src.values import Mirrored, PerReplica, is_distributed, name_replica_axis, stacked_steps
 
 __all__ = ["as_carry", "check_not_stacked", "run_steps", "take"]
 

@@ -30,8 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import watchdog
 from tpustrat._src.reduce_op import ReduceOp
+from tpustrat._src.sharded_variable import ShardedVariable
 from tpustrat._src.validation import normalize_axis
-from tpustrat._src.values import Mirrored, PerReplica, ShardedVariable, check_components, is_distributed
+from tpustrat._src.values import Mirrored, PerReplica, check_components, is_distributed
 
 __all__ = ["reduce", "gather", "local_results"]
 

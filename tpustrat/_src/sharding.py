@@ -39,17 +39,9 @@ from jax.sharding import PartitionSpec as P
 from tpustrat._src import logical
 from tpustrat._src.groups import normalize_group_assignment
 from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.sharded_variable import Groups, LocalShard, ShardedVariable, block_size, group_position
 from tpustrat._src.validation import check_int, normalize_axis, tree_path
-from tpustrat._src.values import (
-    Groups,
-    LocalShard,
-    Mirrored,
-    PerReplica,
-    ShardedVariable,
-    block_size,
-    group_position,
-    is_distributed,
-)
+from tpustrat._src.values import Mirrored, PerReplica, is_distributed
 
 __all__ = ["MinSizePartitioner", "canonical_blocks", "clip_by_global_norm", "from_canonical_blocks", "global_norm",
            "place_blocks", "resolve_groups", "shard", "sharding_groups"]

@@ -46,18 +46,18 @@ from tpustrat._src import jax_compat as compat
 from tpustrat._src.block_statistics import Mixed, caller, mixed_results
 from tpustrat._src.jax_compat import all_gather_invariant, to_varying, varying_axes
 from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.sharded_variable import (
+  Groups,
+  LocalShard,
+  ShardedVariable,
+  block_size,
+  gather_within_groups,
+  group_position,
+  scatter_sum,
+)
 from tpustrat._src.sharding import MinSizePartitioner, resolve_groups
 from tpustrat._src.validation import normalize_axis, tree_path
-from tpustrat._src.values import (
-    DistributedValues,
-    Groups,
-    LocalShard,
-    ShardedVariable,
-    block_size,
-    gather_within_groups,
-    group_position,
-    scatter_sum,
-)
+from tpustrat._src.values import DistributedValues
 
 __all__ = ["sharded_optimizer"]
 

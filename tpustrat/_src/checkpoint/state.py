@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpustrat._src.checkpoint.handlers import api
 from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.sharded_variable import ShardedVariable, block_size
 from tpustrat._src.sharding import (
   GROUP_AXES,
   canonical_blocks,
@@ -26,7 +27,7 @@ from tpustrat._src.sharding import (
   group_mesh,
   place_blocks,
 )
-from tpustrat._src.values import Mirrored, PerReplica, ShardedVariable, block_size, is_distributed
+from tpustrat._src.values import Mirrored, PerReplica, is_distributed
 
 __all__ = ["RestorePlan", "check_alive", "check_shapes", "shardings", "unwrap"]
 

@@ -65,30 +65,23 @@ from tpustrat._src import context as context_lib
 from tpustrat._src.batch_rows import same_rows
 from tpustrat._src.embedding.config import FeatureConfig, TableConfig, bounds_of, truncated_normal
 from tpustrat._src.embedding.exchange import (
-    ALL_GATHER_IDS,
-    ALL_GATHER_TABLE,
-    ALL_TO_ALL,
-    EMPTY,
-    GATHER_TABLE_UP_TO,
-    Gathered,
-    Route,
-    check_bounds,
-    one_collective,
-    route,
-    update_rows,
+  ALL_GATHER_IDS,
+  ALL_GATHER_TABLE,
+  ALL_TO_ALL,
+  EMPTY,
+  GATHER_TABLE_UP_TO,
+  Gathered,
+  Route,
+  check_bounds,
+  one_collective,
+  route,
+  update_rows,
 )
 from tpustrat._src.embedding.optimizers import OPTIMIZERS, touched_matters, updates_untouched_rows
 from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.sharded_variable import Groups, LocalShard, ShardedVariable, group_position, scatter_sum
 from tpustrat._src.sharding import place_blocks, resolve_groups
-from tpustrat._src.values import (
-    Groups,
-    LocalShard,
-    Mirrored,
-    ShardedVariable,
-    group_position,
-    is_distributed,
-    scatter_sum,
-)
+from tpustrat._src.values import Mirrored, is_distributed
 
 
 def split_rows(full: Any, num_replicas: int, mesh: Any, groups: Groups | None = None) -> ShardedVariable:

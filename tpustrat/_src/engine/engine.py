@@ -44,15 +44,9 @@ from tpustrat._src.engine.program import batch_group, make_program
 from tpustrat._src.engine.weak_keys import weak_key
 from tpustrat._src.logical import LayoutMap, check_layout_map
 from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.sharded_variable import ShardedVariable
 from tpustrat._src.validation import check_fits_32_bits, tree_path
-from tpustrat._src.values import (
-  Mirrored,
-  PerReplica,
-  ShardedVariable,
-  check_components,
-  is_distributed,
-  stacked_steps,
-)
+from tpustrat._src.values import Mirrored, PerReplica, check_components, is_distributed, stacked_steps
 
 __all__ = ["Engine", "check_run_call", "same_over_replicas"]
 

@@ -71,15 +71,9 @@ from tpustrat._src.jax_compat import to_varying, varying_axes
 from tpustrat._src.logical import LayoutMap, layout_spec
 from tpustrat._src.logical_interpreter import place_on_logical_devices
 from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.sharded_variable import LocalShard, ShardedVariable
 from tpustrat._src.validation import tree_path
-from tpustrat._src.values import (
-  LocalShard,
-  Mirrored,
-  PerReplica,
-  ShardedVariable,
-  check_components,
-  is_distributed,
-)
+from tpustrat._src.values import Mirrored, PerReplica, check_components, is_distributed
 
 __all__ = ["batch_group", "make_program", "pin_layouts"]
 

@@ -30,7 +30,8 @@ from tpustrat._src.batch_rows import BatchRowsWarning, Rows, leading_rows
 from tpustrat._src.block_statistics import Mixed, caller, mixed_results
 from tpustrat._src.jax_compat import eval_closed_jaxpr, open_jaxpr, same_trace
 from tpustrat._src.padding_reads import Value, padding_reads
-from tpustrat._src.values import LocalShard, is_distributed
+from tpustrat._src.sharded_variable import LocalShard
+from tpustrat._src.values import is_distributed
 
 __all__ = ["StepJaxpr", "as_output_array", "is_output_node", "leaf_paths", "warn_unresolved"]
 
