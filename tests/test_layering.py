@@ -38,7 +38,8 @@ LAYERS: list[tuple[str, ...]] = [
      "tpustrat._src.cluster_resolver", "tpustrat._src.slurm_cluster_resolver",
      "tpustrat._src.tfconfig_cluster_resolver", "tpustrat._src.topology"),
     # Strategies.
-    ("tpustrat._src.strategy", "tpustrat._src.mirrored_strategy"),
+    ("tpustrat._src.strategy_extended", "tpustrat._src.strategy", "tpustrat._src.tpu_strategy",
+     "tpustrat._src.mirrored_strategy"),
     # State beyond the loop: checkpoint, the preemption handler that saves through it, sharded embeddings.
     ("tpustrat._src.checkpoint", "tpustrat._src.preemption", "tpustrat._src.embedding"),
     # The public surface.

@@ -70,10 +70,10 @@ from tpustrat._src.step_stats import StepStats as StepStats
 from tpustrat._src.steps import stack_steps as stack_steps
 from tpustrat._src.steps import unstack_steps as unstack_steps
 from tpustrat._src.strategy import Strategy as Strategy
-from tpustrat._src.strategy import StrategyExtended as StrategyExtended
-from tpustrat._src.strategy import TPUStrategy as TPUStrategy
+from tpustrat._src.strategy_extended import StrategyExtended as StrategyExtended
 from tpustrat._src.topology import DeviceAssignment as DeviceAssignment
 from tpustrat._src.topology import Topology as Topology
+from tpustrat._src.tpu_strategy import TPUStrategy as TPUStrategy
 from tpustrat._src.values import DistributedValues as DistributedValues
 from tpustrat._src.values import Mirrored as Mirrored
 from tpustrat._src.values import PerReplica as PerReplica

@@ -41,7 +41,8 @@ from tpustrat._src.cross_device import (
 )
 from tpustrat._src.engine import Engine
 from tpustrat._src.reduce_op import ReduceOp
-from tpustrat._src.strategy import Strategy, StrategyExtended
+from tpustrat._src.strategy import Strategy
+from tpustrat._src.strategy_extended import StrategyExtended
 from tpustrat._src.tfconfig_cluster_resolver import TFConfigClusterResolver
 
 __all__ = ["MirroredExtended", "MirroredStrategy", "MultiWorkerMirroredExtended", "MultiWorkerMirroredStrategy"]

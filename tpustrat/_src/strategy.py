@@ -1,10 +1,11 @@
-"""`Strategy`, `TPUStrategy` and the default strategy: TF's distribution API over a JAX device mesh.
+"""`Strategy` and the default strategy: TF's distribution API over a JAX device mesh.
 
 A strategy owns a `jax.sharding.Mesh` whose first axis is ``'replica'``, followed by the logical-core
 axes of a replica when a `DeviceAssignment` gives each replica several cores (`tpustrat._src.logical`;
 none with one device per replica). `run` compiles the step into one SPMD program
 (`tpustrat._src.engine`); `reduce`, `gather` and `experimental_local_results` work on the global arrays
-that hold distributed values (`tpustrat._src.reduce`).
+that hold distributed values (`tpustrat._src.reduce`). `strategy.extended` is a `StrategyExtended`
+(`tpustrat._src.strategy_extended`); `TPUStrategy` is in `tpustrat._src.tpu_strategy`, as in TF.
 """
 
 from __future__ import annotations
@@ -19,159 +20,22 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import cluster_resolver as cluster_resolver_lib
-from tpustrat._src import collectives, gradient_semantics, host_memory, multistep, profiler
 from tpustrat._src import context as context_lib
+from tpustrat._src import host_memory, multistep, profiler
 from tpustrat._src import input as input_lib
 from tpustrat._src import logical as logical_lib
 from tpustrat._src import reduce as reduce_lib
 from tpustrat._src import sharding as sharding_lib
 from tpustrat._src import step_stats as step_stats_lib
-from tpustrat._src.cluster_resolver import ClusterResolver, experimental_connect_to_cluster
-from tpustrat._src.cross_device import CrossDeviceExtendedMixin
-from tpustrat._src.engine import DEFAULT_STEPS_IN_FLIGHT, Engine, RunOptions, check_run_call
-from tpustrat._src.jax_compat import all_gather_invariant
+from tpustrat._src.cluster_resolver import ClusterResolver
+from tpustrat._src.engine import Engine, RunOptions, check_run_call
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.reduce_op import ReduceOp
-from tpustrat._src.topology import DeviceAssignment, device_grid
-from tpustrat._src.validation import check_int, check_tree_fits_32_bits
+from tpustrat._src.strategy_extended import StrategyExtended
+from tpustrat._src.validation import check_tree_fits_32_bits
 from tpustrat._src.values import PerReplica
 
-__all__ = ["Strategy", "StrategyExtended", "TPUStrategy"]
-
-
-class StrategyExtended(CrossDeviceExtendedMixin):
-  """Additional strategy APIs (TF's `tf.distribute.StrategyExtended`)."""
-
-  def __init__(self, strategy: Strategy, devices: Sequence[Any], engine: Engine | None = None) -> None:
-    self._strategy = strategy
-    self._devices = tuple(devices)
-    self._engine = engine  # the strategy's `run` engine; None for the default strategy
-    self._max_steps_in_flight = DEFAULT_STEPS_IN_FLIGHT  # used only without an engine (default strategy)
-    # The engine's step counters (`experimental_step_stats`); the default strategy keeps its own.
-    self._step_counters = step_stats_lib.StepCounters() if engine is None else engine.step_stats
-
-  @property
-  def engine(self) -> Engine | None:
-    """The engine that compiles and dispatches this strategy's programs (internal API; None for the default
-    strategy, whose `run` calls the function directly): `experimental_run_steps` dispatches through it."""
-    return self._engine
-
-  @property
-  def worker_devices(self) -> tuple[Any, ...]:
-    """The devices of this process that run replicas, in replica order (`jax.Device` objects)."""
-    return tuple(d for d in self._devices if d.process_index == jax.process_index())
-
-  @property
-  def parameter_devices(self) -> tuple[Any, ...]:
-    """The devices that hold copies of `Mirrored` values (every replica's device)."""
-    return self.worker_devices
-
-  @property
-  def num_logical_cores_per_replica(self) -> int:
-    """Number of logical devices (cores) of each replica: ``num_cores_per_replica`` of the device assignment."""
-    mesh = self._strategy.mesh
-    return 1 if mesh is None else mesh.size // mesh.shape[REPLICA_AXIS]
-
-  @property
-  def logical_core_axes(self) -> tuple[str, ...]:
-    """The mesh axes of a replica's logical cores (``()`` with one core per replica), for your own
-    `jax.sharding.PartitionSpec` annotations inside `run`; logical core ``l`` is the row-major index over
-    them."""
-    mesh = self._strategy.mesh
-    return () if mesh is None else tuple(a for a in mesh.axis_names if a != REPLICA_AXIS)
-
-  @property
-  def max_steps_in_flight(self) -> int:
-    """Default bound on `run` steps queued on the devices (`RunOptions.max_steps_in_flight`); 2 unless set.
-
-    Settable to an int >= 1 (a `TypeError` for a non-int, a `ValueError` for a smaller int). The default
-    strategy (outside any `strategy.scope()`) reports and keeps the bound as well, but its `run` calls the
-    function directly, so nothing is queued there.
-    """
-    engine = self._engine
-    return self._max_steps_in_flight if engine is None else engine.max_steps_in_flight
-
-  @max_steps_in_flight.setter
-  def max_steps_in_flight(self, value: int) -> None:
-    # RunOptions accepts None ("the strategy's default"); the strategy's default itself needs a number.
-    value = check_int(value, "strategy.extended", "max_steps_in_flight", minimum=1)
-    engine = self._engine
-    if engine is None:  # the default strategy: no engine, nothing in flight
-      self._max_steps_in_flight = value
-    else:
-      engine.max_steps_in_flight = value
-
-  @property
-  def step_counters(self) -> step_stats_lib.StepCounters:
-    """The counters behind `strategy.experimental_step_stats()` (internal API): the strategy's `run` and
-    `experimental_run_steps` and its distributed datasets' iterators add to them."""
-    return self._step_counters
-
-  @property
-  def experimental_input_bound_threshold(self) -> float | None:
-    """Above which share of a window's time spent waiting for input `tpustrat.InputBoundWarning` is given
-    (once per strategy); 0.5 unless set. A float in ``(0, 1]``, or None: no warning."""
-    return self._step_counters.threshold
-
-  @experimental_input_bound_threshold.setter
-  def experimental_input_bound_threshold(self, value: float | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not 0 < value <= 1):
-      raise ValueError(f"strategy.extended.experimental_input_bound_threshold must be a number in (0, 1] or None, "
-                       f"got {value!r:.100}.")
-    self._step_counters.threshold = None if value is None else float(value)
-
-  @property
-  def experimental_input_bound_window(self) -> int:
-    """How many steps make one window of the input-bound check (`experimental_input_bound_threshold`); 50
-    unless set. An int >= 1; a window also needs half a second of wall time to be judged."""
-    return self._step_counters.window
-
-  @experimental_input_bound_window.setter
-  def experimental_input_bound_window(self, value: int) -> None:
-    counters = self._step_counters
-    counters.window = check_int(value, "strategy.extended", "experimental_input_bound_window", minimum=1)
-    counters.reset_window()
-
-  # -- the collectives of `ReplicaContext` (TF's `extended._replica_ctx_all_reduce`, ...) ----------------
-
-  def replica_all_reduce(self, reduce_op: ReduceOp, value: Any, options: Any, axis_name: str | None,
-                         group_assignment: Any = None) -> Any:
-    """`ReplicaContext.all_reduce` (internal API): over `axis_name` (None: one replica, no axis), through
-    the strategy's cross-device ops, or within replica groups with a `group_assignment`."""
-    if group_assignment is not None:
-      if options is not None:
-        raise ValueError(
-            "all_reduce: `options` cannot be combined with `group_assignment`: grouped reductions use "
-            "the XLA collective directly, not the strategy's cross-device ops that honour "
-            f"CommunicationOptions. Drop `options` (got {options!r:.100}).")
-      return collectives.all_reduce_in_groups(
-          reduce_op, value, group_assignment, axis_name=axis_name,
-          num_replicas=self._strategy.num_replicas_in_sync)
-    if axis_name is None:
-      return value  # the default strategy has one replica
-    # The strategy's CrossDeviceOps (a plain psum when none is configured and no options); they warn under
-    # the name the user called.
-    with gradient_semantics.reported_as("ReplicaContext.all_reduce"):
-      return self._replica_all_reduce(reduce_op, value, options, axis_name)
-
-  def replica_all_gather(self, value: Any, axis: int, options: Any, axis_name: str | None,
-                         group_assignment: Any = None) -> Any:
-    """`ReplicaContext.all_gather` (internal API), its arguments already checked: every replica's `value`
-    concatenated along `axis`, typed identical on every replica (within groups with a `group_assignment`)."""
-    del options
-    if group_assignment is not None:
-      return collectives.all_gather_in_groups(
-          value, axis, group_assignment, axis_name=axis_name,
-          num_replicas=self._strategy.num_replicas_in_sync)
-    if axis_name is None:
-      return value
-
-    def gather(x: Any) -> jax.Array:
-      x = jax.numpy.asarray(x)
-      return all_gather_invariant(x, axis_name, axis=axis % x.ndim, tiled=True)
-
-    return jax.tree.map(gather, value)
+__all__ = ["Strategy"]
 
 
 class Strategy:
@@ -642,150 +506,6 @@ class Strategy:
 
   def __repr__(self) -> str:
     return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
-
-
-class TPUStrategy(Strategy):
-  """Synchronous training on TPU cores, GPUs or CPU devices (TF's `tf.distribute.experimental.TPUStrategy`).
-
-  With no arguments it uses every device of JAX's default backend: the TPU cores of a TPU VM, else the
-  GPUs, else the CPU devices (emulate several with
-  ``XLA_FLAGS=--xla_force_host_platform_device_count=8``). There is one replica per device.
-
-  With a `tpustrat.DeviceAssignment` each replica runs on ``num_cores_per_replica`` logical devices:
-  the mesh is replicas x logical cores (`strategy.extended.logical_core_axes`), `run` is manual over
-  the replicas only, and inside it `experimental_split_to_logical_devices`,
-  `experimental_replicate_to_logical_devices` and `experimental_assign_to_logical_device` tell XLA how
-  to lay tensors out on a replica's cores (`tpustrat._src.logical`).
-
-  Args:
-    tpu_cluster_resolver: optional `tpustrat.cluster_resolver.TPUClusterResolver` (or another
-      `tpustrat.cluster_resolver.ClusterResolver`: `SlurmClusterResolver`, `TFConfigClusterResolver`); kept
-      as `cluster_resolver`. It is connected (`tpustrat.experimental_connect_to_cluster`, a no-op for one
-      process) before the devices are listed. Without one, the strategy joins the multi-process job
-      that the ``TPUSTRAT_*`` environment variables describe (as `python -m tpustrat.launch` sets
-      them), if any.
-    device_assignment: optional placement of replicas on devices: a `tpustrat.DeviceAssignment`, or a
-      sequence of `jax.Device` objects, one per replica, in replica order.
-
-  >>> strategy = tpustrat.TPUStrategy()
-  >>> strategy.num_replicas_in_sync
-  8
-
-  TF's model-parallel set-up, 4 replicas of 2 logical devices on 8 devices:
-
-  >>> resolver = tpustrat.cluster_resolver.TPUClusterResolver(tpu="")
-  >>> tpustrat.experimental_connect_to_cluster(resolver)
-  >>> topology = tpustrat.initialize_tpu_system(resolver)
-  >>> device_assignment = tpustrat.DeviceAssignment.build(topology, computation_shape=[1, 1, 2], num_replicas=4)
-  >>> strategy = tpustrat.TPUStrategy(resolver, device_assignment=device_assignment)
-  >>> strategy.num_replicas_in_sync, strategy.extended.num_logical_cores_per_replica
-  (4, 2)
-  >>> dict(strategy.mesh.shape)
-  {'replica': 4, 'core_0': 2}
-  """
-
-  def __init__(self, tpu_cluster_resolver: Any = None, device_assignment: Any = None) -> None:
-    if tpu_cluster_resolver is not None:
-      if not isinstance(tpu_cluster_resolver, ClusterResolver):
-        raise TypeError(
-            "tpu_cluster_resolver must be None or a tpustrat.cluster_resolver resolver (TPUClusterResolver, "
-            f"SlurmClusterResolver, TFConfigClusterResolver), got {type(tpu_cluster_resolver).__name__}: "
-            f"{tpu_cluster_resolver!r:.100}.")
-      experimental_connect_to_cluster(tpu_cluster_resolver)
-    else:
-      cluster_resolver_lib.connect_from_environment()  # the launcher's job
-    devices: Sequence[Any] | np.ndarray  # one device per replica, or the [replica, logical core] grid
-    if device_assignment is None:
-      devices = jax.devices()
-    elif isinstance(device_assignment, DeviceAssignment):
-      devices = device_grid(device_assignment)
-    elif isinstance(device_assignment, Sequence) and all(isinstance(d, jax.Device) for d in device_assignment):
-      devices = list(device_assignment)
-      if len(set(devices)) != len(devices):
-        raise ValueError(f"device_assignment names a device twice: {devices}.")
-    else:
-      raise TypeError(
-          "device_assignment must be None, a tpustrat.DeviceAssignment or a sequence of jax.Device objects "
-          f"(one per replica), got {device_assignment!r:.200}.")
-    super().__init__(devices)
-    self._cluster_resolver = tpu_cluster_resolver  # None: the job's (`Strategy.cluster_resolver`)
-    self._device_assignment = device_assignment if isinstance(device_assignment, DeviceAssignment) else None
-
-  @property
-  def mesh(self) -> Mesh:
-    """The `jax.sharding.Mesh` the strategy runs on: axis ``'replica'``, then the logical-core axes."""
-    return self._mesh
-
-  # -- logical devices (model parallelism inside a replica) -----------------------------------------
-
-  def experimental_split_to_logical_devices(self, tensor: Any, partition_dimensions: Sequence[int]) -> Any:
-    """Annotates `tensor` to be split across the replica's logical devices (inside `run`).
-
-    Dimension ``d`` of `tensor` is cut into ``partition_dimensions[d]`` equal pieces; the tiles go to
-    the logical devices as TF's tile assignment ``arange(C).reshape(partition_dimensions)``. XLA then
-    computes the operations on `tensor` (and, by propagation, around it) split the same way. With 8
-    logical devices and images ``[batch, height, width, channels]``, ``[1, 2, 4, 1]`` splits the
-    height 2 ways and the width 4 ways:
-
-    >>> topology = tpustrat.initialize_tpu_system()
-    >>> da = tpustrat.DeviceAssignment.build(topology, computation_shape=[2, 2, 2], num_replicas=1)
-    >>> strategy = tpustrat.TPUStrategy(device_assignment=da)
-    >>> def step(images):
-    ...   return strategy.experimental_split_to_logical_devices(images * 2.0, [1, 2, 4, 1])
-    >>> out = strategy.run(step, args=(np.ones([2, 8, 8, 3], np.float32),))
-    >>> array = jax.tree.leaves(out)[0]                   # the result, [2, 8, 8, 3]
-    >>> {s.data.shape for s in array.addressable_shards}  # each logical device holds 1/8 of it
-    {(2, 4, 2, 3)}
-
-    Args:
-      tensor: an array inside the function given to `run`.
-      partition_dimensions: one positive int per dimension of `tensor`, multiplying to the number of
-        logical devices per replica; each divides its dimension.
-
-    Returns:
-      `tensor`, annotated (same value).
-
-    Raises:
-      ValueError: the length of `partition_dimensions` is not the rank of `tensor`, a dimension is not
-        divisible by its entry, or the entries do not multiply to the logical devices per replica.
-      RuntimeError: called outside `run` of this strategy.
-    """
-    return logical_lib.split_to_logical_devices(self, tensor, partition_dimensions)
-
-  def experimental_replicate_to_logical_devices(self, tensor: Any) -> Any:
-    """Annotates `tensor` (or a pytree) to be replicated on every logical device of the replica (inside `run`).
-
-    Typically for values that every logical device needs whole: labels, and logits before the loss.
-
-    Returns:
-      `tensor`, annotated (same value).
-    """
-    return logical_lib.replicate_to_logical_devices(self, tensor)
-
-  def experimental_assign_to_logical_device(self, tensor: Any, logical_device_id: int) -> Any:
-    """Places the computation of `tensor` (or of each leaf of a pytree) on one logical device (inside `run`).
-
-    The operation that produced `tensor`, and the operations before it whose results serve only to
-    compute it, run on logical device `logical_device_id` of each replica only (under a conditional on
-    the core index, as XLA runs an operation with a maximal sharding); the result is then broadcast to
-    the replica's other logical devices. Operations that use the result afterwards are not moved, and a
-    tensor the step did not compute (an argument) is returned unchanged. See `tpustrat._src.logical`
-    for exactly what is placed.
-
-    Args:
-      tensor: an array (or pytree) computed inside the function given to `run`: at its top level, or
-        inside a nested `jax.jit` or `jax.checkpoint` (evaluated inline) or a `lax.scan` body (placed in
-        every iteration); not inside `lax.cond` or `lax.while_loop` (a compile-time error).
-      logical_device_id: which logical device, ``0 <= id < num_cores_per_replica``.
-
-    Returns:
-      `tensor`, with the same value.
-
-    Raises:
-      ValueError: `logical_device_id` out of range.
-      RuntimeError: called outside `run` of this strategy.
-    """
-    return logical_lib.assign_to_logical_device(self, tensor, logical_device_id)
 
 
 class _DefaultStrategy(Strategy):
