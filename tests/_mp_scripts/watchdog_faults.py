@@ -1,12 +1,12 @@
 """A small job for the step watchdog; run by tests/test_watchdog.py under ``python -m tpustrat.launch``.
 
-Usage: ``watchdog_faults.py MODE SECONDS STEPS``
+Usage: ``watchdog_faults.py MODE SECONDS STEPS [STUCK]``
 
 Every step adds ``all_reduce(SUM, x)`` to a `Mirrored` state, where ``x`` is the replica's id plus one, so
 after ``STEPS`` steps on ``N`` replicas the state is ``STEPS * N * (N + 1) / 2``. Process 0 prints one
 ``RESULT {json}`` line at the end: the state, the number of steps and replicas.
 
-MODE is what process 1 does wrong:
+MODE is what process STUCK (default 1; "process 1" below) does wrong:
 
 * ``slow-compile``: the step function sleeps SECONDS while it is traced (on process 1 only): a compile that
   takes longer than the step timeout, as a cold compilation cache beside a warm one does. Not a hang: the
@@ -39,6 +39,7 @@ STUCK_STEP = 3
 
 def main() -> None:
   mode, seconds, steps = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+  stuck = int(sys.argv[4]) if len(sys.argv) > 4 else 1
   strategy = tpustrat.TPUStrategy()
   index = jax.process_index()
   x = strategy.experimental_distribute_values_from_function(
@@ -47,12 +48,12 @@ def main() -> None:
 
   def host_check(step):
     """The step program's host callback; blocks forever on process 1 at STUCK_STEP in ``callback`` mode."""
-    if mode == "callback" and index == 1 and int(step) == STUCK_STEP:
+    if mode == "callback" and index == stuck and int(step) == STUCK_STEP:
       forever.wait()  # the stuck host callback
     return np.zeros((), np.float32)
 
   def step(state, value):
-    if mode == "slow-compile" and index == 1:
+    if mode == "slow-compile" and index == stuck:
       time.sleep(seconds)  # at trace time: part of compiling the program, on process 1 only
     total, count = state["total"], state["step"] + 1
     if mode == "callback":
@@ -61,7 +62,7 @@ def main() -> None:
 
   state = {"total": jnp.zeros((), jnp.float32), "step": jnp.zeros((), jnp.int32)}
   for i in range(1, steps + 1):
-    if mode == "hang" and index == 1 and i == STUCK_STEP:
+    if mode == "hang" and index == stuck and i == STUCK_STEP:
       print(f"process {index} hangs before step {i}", flush=True)
       forever.wait()
     state = strategy.run(step, args=(state, x))

@@ -87,6 +87,7 @@ from typing import Any
 import jax
 
 from tpustrat._src import jax_compat, names, termination_notice, validation
+from tpustrat._src import watchdog as step_watchdog
 
 __all__ = ["CoordinatorOfAnotherJob", "CoordinatorPortTaken", "initialize", "job_check_address", "job_identity"]
 
@@ -458,6 +459,7 @@ def _exit_on_uncaught_exception(index: int, count: int, heartbeat_timeout: int) 
     status = 130 if issubclass(kind, KeyboardInterrupt) else 1
     try:
       previous(kind, value, tb)
+      step_watchdog.end_if_aborted(kind.__name__)  # a step watchdog stops the job: end as it does (124)
       if issubclass(kind, CoordinatorOfAnotherJob):
         status = names.EXIT_START_FAILED
         sys.stderr.write(f"tpustrat: process {index} of {count} found the coordinator's address held by "

@@ -17,13 +17,17 @@ checked call ``c``.
 1. A process that gets a notice publishes ``tpustrat/preemption/<round>/notice``. If the notice came
    before its check of call ``c`` (the SIGTERM handler and the watcher function set a flag that the
    check reads), it can still save at ``c`` and publishes ``earliest = c``.
-2. Every other process has a watcher thread that polls the notice key. When it appears, the thread
-   publishes, under the lock that the checks take, ``earliest = checks done + 1``: the first call this
-   process has not checked yet. The thread never waits for the main thread, so a process whose main
-   thread is blocked in a collective (waiting for a peer) still answers.
-3. At its next check, each process reads every process's ``earliest`` (blocking, with a timeout) and
-   saves at call ``T = max(earliest)``. No process has checked ``T`` yet, so each reaches it; the slowest
-   process is at most `max_steps_in_flight` calls behind the fastest (the steps are collectives), so the
+2. The process that wrote the notice first also writes ``tpustrat/preemption/<round>/wake/<p>`` for every
+   process ``p`` (P requests, once per notice). Every process has a listener thread blocked on its own wake
+   key (one long-poll request, held by the coordination service until the key is written: no request per
+   poll interval, so the coordinator's work while nothing happens does not grow with the process count;
+   measured in ``benchmarks/bench_processes.py``; `close` writes its own key to end it). When it wakes,
+   the thread publishes, under the lock that the checks take, ``earliest = checks done + 1``: the first
+   call this process has not checked yet. The thread never waits for the main thread, so a process whose
+   main thread is blocked in a collective (waiting for a peer) still answers.
+3. At its next check, each process reads every process's ``earliest`` (one directory read of the
+   round's answers per poll, with a timeout) and saves at call ``T = max(earliest)``. No process has
+   checked ``T`` yet, so each reaches it; the slowest process is at most `max_steps_in_flight` calls behind the fastest (the steps are collectives), so the
    save comes within that many calls of the notice. A process never waits in a collective that another
    has left: the waits of the protocol are on the key-value store, and every process stops after the
    same call.
@@ -50,12 +54,14 @@ with a message naming the processes that have not finished it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,7 +73,9 @@ from tpustrat._src.checkpoint import CheckpointManager, bounded_operation
 __all__ = ["PreemptionCheckpointHandler", "TerminationConfig"]
 
 _PREFIX = "tpustrat/preemption"
-_POLL_SECONDS = 0.05  # how often the watcher thread looks for a peer's notice
+_POLL_SECONDS = 0.05  # how often the watcher thread wakes (watcher function, grace period, local notice)
+_LISTEN_MS = 2**31 - 1  # the listener's long-poll (JAX's int32 milliseconds): a timed-out one leaves a
+# callback with the coordination service until the key is written, so it is not renewed often
 _WATCHER_FN_SECONDS = 1.0  # how often it calls a termination_watcher_fn (as TF does)
 _AGREE_TIMEOUT_SECONDS = 120.0  # how long a check waits for every process's `earliest`
 
@@ -146,17 +154,42 @@ def _hard_exit(status: int) -> None:
   os._exit(status)
 
 
+_OPEN: weakref.WeakSet[PreemptionCheckpointHandler] = weakref.WeakSet()  # handlers whose listener may run
+
+
+@atexit.register  # registered after JAX's own shutdown (tpustrat imports JAX first): runs before it
+def _end_listeners() -> None:
+  """At exit, ends the listener threads of handlers never closed (see `PreemptionCheckpointHandler.close`)."""
+  for handler in list(_OPEN):
+    handler._end_listener()  # pylint: disable=protected-access
+
+
 class _LocalStore:
   """The key-value store of a one-process job."""
 
   def __init__(self) -> None:
     self._values: dict[str, str] = {}
 
-  def set_once(self, key: str, value: str) -> None:
-    self._values.setdefault(key, value)  # one bytecode-level dict operation: atomic under the GIL
+  def set_once(self, key: str, value: str) -> bool:
+    """Writes `key` unless it exists; True when this call wrote it."""
+    return self._values.setdefault(key, value) is value  # one dict operation: atomic under the GIL
+
+  def delete(self, key: str) -> None:
+    self._values.pop(key, None)
 
   def try_get(self, key: str) -> str | None:
     return self._values.get(key)
+
+  def dir_get(self, prefix: str) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in self._values.copy().items() if k.startswith(prefix)]
+
+  def wait(self, key: str, stop: threading.Event) -> str | None:
+    """The value of `key` once it is written, or None once `stop` is set (a local table: polled)."""
+    while not stop.wait(_POLL_SECONDS):
+      value = self._values.get(key)
+      if value is not None:
+        return value
+    return None
 
 
 class _CoordinationStore:
@@ -165,16 +198,41 @@ class _CoordinationStore:
   def __init__(self, client: Any) -> None:
     self._client = client
 
-  def set_once(self, key: str, value: str) -> None:
+  def set_once(self, key: str, value: str) -> bool:
+    """Writes `key` unless it exists; True when this call wrote it."""
     try:
       self._client.key_value_set(key, value)
     except Exception:  # noqa: BLE001  # ALREADY_EXISTS: another process (or this one) wrote it first
+      return False
+    return True
+
+  def delete(self, key: str) -> None:
+    try:
+      self._client.key_value_delete(key)
+    except Exception:  # noqa: BLE001  # the service is gone
       pass
 
   def try_get(self, key: str) -> str | None:
     try:
       return self._client.key_value_try_get(key)
     except Exception:  # noqa: BLE001  # NOT_FOUND
+      return None
+
+  def dir_get(self, prefix: str) -> list[tuple[str, str]]:
+    try:
+      return list(self._client.key_value_dir_get(prefix))
+    except Exception:  # noqa: BLE001  # the service is going away: nothing known
+      return []
+
+  def wait(self, key: str, stop: threading.Event) -> str | None:
+    """The value of `key` once it is written (one long-poll request), or None: the request timed out, or
+    failed (the runtime shut down: it cancels the request), after a short pause so that a failing service
+    is not asked in a tight loop. `stop` is not seen while the request waits: a closed handler's listener
+    stays blocked until the key is written (`close` writes it) or the runtime shuts down."""
+    try:
+      return self._client.blocking_key_value_get(key, _LISTEN_MS)
+    except Exception:  # noqa: BLE001  # DEADLINE_EXCEEDED, CANCELLED at shutdown, UNAVAILABLE
+      stop.wait(_POLL_SECONDS)
       return None
 
 
@@ -278,6 +336,7 @@ class PreemptionCheckpointHandler:
     self._closed = False
     self._previous_sigterm: Any = None
     self._counting = False  # restore or a check has set total_run_calls: the watcher may answer notices
+    self._notice_sent = -1  # the round whose notice the watcher thread published
     if termination_config.termination_watcher_fn is None:
       if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("PreemptionCheckpointHandler: create it on the main thread (it installs a SIGTERM "
@@ -291,13 +350,18 @@ class PreemptionCheckpointHandler:
                          "this PreemptionCheckpointHandler existed counts as a termination notice.\n")
         sys.stderr.flush()
     self._stop = threading.Event()
+    self._listener: threading.Thread | None = None
     self._thread = self._start_watcher()
+    _OPEN.add(self)
 
   def _start_watcher(self) -> threading.Thread:
     self._stop = threading.Event()
     thread = threading.Thread(target=self._watch, args=(self._stop,), name="tpustrat-preemption-watcher",
                               daemon=True)
     thread.start()
+    self._listener = threading.Thread(target=self._listen, args=(self._stop,),
+                                      name="tpustrat-preemption-listener", daemon=True)
+    self._listener.start()
     return thread
 
   # -- public API ---------------------------------------------------------------------------------------
@@ -390,6 +454,7 @@ class PreemptionCheckpointHandler:
       return
     self._closed = True
     self._stop_watcher()
+    self._end_listener()
     # A peer that gets a notice after this process has stopped calling `run` counts it as able to save
     # only after a call it will never make: it finishes its loop without waiting for this one.
     self._store.set_once(f"{_PREFIX}/closed/{self._index}", str(self._calls))
@@ -411,6 +476,16 @@ class PreemptionCheckpointHandler:
 
   def _key(self, what: str, round_: int | None = None) -> str:
     return f"{_PREFIX}/{self._round if round_ is None else round_}/{what}"
+
+  def _wake_key(self, round_: int, process: int) -> str:
+    return f"{_PREFIX}/{round_}/wake/{process}"
+
+  def _announce(self) -> None:
+    """Writes this round's notice; the process that wrote it first wakes every process's listener."""
+    round_ = self._round
+    if self._store.set_once(self._key("notice", round_), str(self._index)):
+      for p in range(self._count):
+        self._store.set_once(self._wake_key(round_, p), "notice")
 
   def _on_sigterm(self, signum: int, frame: Any) -> None:
     del signum, frame
@@ -465,7 +540,7 @@ class PreemptionCheckpointHandler:
   def _publish_notice(self, earliest: int) -> None:
     """Under the lock: this process has noticed this round; `earliest` is its first possible save point."""
     self._noticed = True
-    self._store.set_once(self._key("notice"), str(self._index))
+    self._announce()
     self._store.set_once(self._key(f"earliest/{self._index}"), str(earliest))
 
   def _next_round(self) -> None:
@@ -479,21 +554,22 @@ class PreemptionCheckpointHandler:
     that has closed its handler counts with the call after its last one."""
     deadline = time.monotonic() + _AGREE_TIMEOUT_SECONDS
     values: dict[int, int] = {}
+    delay = _POLL_SECONDS / 25
     while True:
-      for p in range(self._count):
-        if p in values:
-          continue
-        text = self._store.try_get(self._key(f"earliest/{p}"))
-        if text is not None:
-          values[p] = int(text)
-          continue
-        closed = self._store.try_get(f"{_PREFIX}/closed/{p}")
-        if closed is not None:
-          values[p] = int(closed) + 1
+      # Two directory reads per poll, whatever the process count (a read per process made the agreement
+      # P^2 requests at the coordinator); a process's value, once found, is kept.
+      for source, offset in ((self._key("earliest/"), 0), (f"{_PREFIX}/closed/", 1)):
+        if len(values) == self._count:
+          break
+        for key, text in self._store.dir_get(source):
+          p = int(key.rsplit("/", 1)[-1])
+          if p not in values:
+            values[p] = int(text) + offset
       missing = [p for p in range(self._count) if p not in values]
       if not missing or time.monotonic() > deadline:
         break
-      time.sleep(_POLL_SECONDS / 5)
+      time.sleep(delay)
+      delay = min(2 * delay, _POLL_SECONDS)
     if missing:
       raise RuntimeError(
           f"PreemptionCheckpointHandler: process {self._index} waited {_AGREE_TIMEOUT_SECONDS:g} s for processes "
@@ -516,10 +592,43 @@ class PreemptionCheckpointHandler:
     self._stop.set()
     if self._thread is not threading.current_thread():
       self._thread.join(timeout=5.0)
+    # The listener is not waited for here: it may be blocked in its long-poll until `_end_listener`.
+
+  def _end_listener(self) -> None:
+    """Wakes the listener (its wake key, unless a notice wrote it) and waits for it to end: a thread left
+    inside the long-poll's native call at interpreter exit aborts the process ("FATAL: exception not
+    rethrown"). The key written is removed again, for a later handler of this process."""
+    _OPEN.discard(self)
+    self._stop.set()
+    listener = self._listener
+    if listener is None or listener is threading.current_thread():
+      return
+    key = self._wake_key(self._round, self._index)
+    wrote = self._store.set_once(key, "closed")
+    listener.join(timeout=5.0)
+    if wrote:
+      self._store.delete(key)
+
+  def _listen(self, stop: threading.Event) -> None:
+    """The listener thread: waits for each round's notice (blocked in the store) and answers it with this
+    process's first possible save point, once this process counts calls; then waits (locally) for the
+    next round."""
+    while not stop.is_set():
+      round_ = self._round
+      if self._store.wait(self._wake_key(round_, self._index), stop) is None or stop.is_set():
+        continue
+      while not stop.is_set():
+        with self._lock:
+          if self._round != round_:
+            break
+          if not self._noticed and self._counting:
+            self._publish_notice(earliest=self._calls + 1)
+        stop.wait(_POLL_SECONDS)
 
   def _watch(self, stop: threading.Event) -> None:
     """The watcher thread: calls the watcher function, starts the final round of a grace period, and
-    answers a peer's notice with this process's first possible save point."""
+    publishes a notice this process got (a SIGTERM while its main thread waits in a collective, say). No
+    request to the store while nothing happens: the listener thread answers the peers' notices."""
     watcher_fn = self._config.termination_watcher_fn
     next_call = 0.0
     while not stop.wait(_POLL_SECONDS):
@@ -533,12 +642,6 @@ class PreemptionCheckpointHandler:
         if self._countdown is not None and now >= self._countdown:
           self._countdown = None
           self._local_notice = True  # the final round of the grace period
-        if self._local_notice and not self._noticed:
-          self._store.set_once(self._key("notice"), str(self._index))
-      if self._noticed:
-        continue
-      if self._store.try_get(self._key("notice")) is None:
-        continue
-      with self._lock:
-        if not self._noticed and self._counting:
-          self._publish_notice(earliest=self._calls + 1)
+        if self._local_notice and not self._noticed and self._notice_sent != self._round:
+          self._announce()
+          self._notice_sent = self._round  # once per round (the main thread's check publishes it too)

@@ -24,7 +24,10 @@ tpustrat's). A daemon thread wakes every ``min(1, S / 10)`` seconds (a *tick*) a
   it dispatched, the newest step it saw finish on its own devices, how long it has compiled, and the host
   callbacks of its programs (`jax.debug.callback`, `jax.pure_callback`, `io_callback`) that have been
   running for more than a tick, with the function's name and line (`jax_compat.host_callback_frames`);
-* counts, for the newest noted program that has not finished, the time it has waited, *except* the ticks
+* counts, for the newest noted program that has not finished (or, when every noted program has finished,
+  for a dispatch that has not returned: XLA:CPU runs a program of one device in the calling thread, so with
+  one device per process a step whose peer never joins its collectives never returns from its dispatch),
+  the time it has waited, *except* the ticks
   in which some process of the job was compiling (this one, or a peer that published it: while its newest
   program has waited more than a tick, the thread reads ``busy/`` at each tick). A peer's compile is not
   a hang: a cold compilation cache beside a warm one, or a slow trace on one process, makes the others
@@ -56,7 +59,7 @@ is exact to about two ticks (a peer's compile is seen at its own next tick). Onl
 timed: a wait outside them is not (`jax.device_put` of a numpy value onto a sharding that spans processes
 first checks, across processes, that every process passes the same value).
 
-Cost when on: a counter, a clock read, a tuple and a deque append per dispatch on the main thread
+Cost when on: a counter, two clock reads, two tuples and a deque append per dispatch on the main thread
 (measured in ``benchmarks/bench_run.py``); the thread does the rest. While a program waits longer than a
 tick, the thread makes one key-value read per tick (multi-process jobs) and looks at the threads' Python
 frames (``sys._current_frames``).
@@ -80,7 +83,8 @@ from tpustrat._src import jax_compat, names
 from tpustrat._src.step_hooks import Step, StepHook
 
 __all__ = ["Heartbeat", "Watchdog", "activate", "active", "blames_line", "compile_timeout_from_environment",
-           "exit_now", "default_compile_timeout", "note", "start", "stop", "timeout_from_environment"]
+           "end_if_aborted", "exit_now", "default_compile_timeout", "note", "start", "stop",
+           "timeout_from_environment"]
 
 _STEPS_KEY = "tpustrat/watchdog/steps/"
 _BUSY_KEY = "tpustrat/watchdog/busy/"
@@ -154,6 +158,7 @@ class Watchdog:
     self._exit = exit_fn if exit_fn is not None else exit_step_timeout
     self.steps = 0  # steps dispatched by this process (main thread)
     self._last: tuple[int, float, Any] | None = None  # (steps, dispatch time, wait token) of the newest program
+    self._dispatching: tuple[int, float, Any] | None = None  # a dispatch under way: `dispatch_begins`
     self._recent: collections.deque[tuple[int, float, Any]] = collections.deque(maxlen=_RECENT)
     self.finished = 0  # the step counter of the newest program the thread saw finished here
     self._compile_lock = threading.Lock()
@@ -168,6 +173,7 @@ class Watchdog:
     self._clock = 0.0  # when the thread last accounted for it
     self._callbacks: dict[Any, tuple[float, Any]] = {}  # see `_see_callbacks`
     self._stopping = threading.Event()
+    self._ending: str | None = None  # the message this watchdog ends the process with, once it does
     self.interval = min(1.0, timeout / 10)
     self._thread = threading.Thread(target=self._watch, name="tpustrat-step-watchdog", daemon=True)
     self._thread.start()
@@ -179,6 +185,30 @@ class Watchdog:
     self.steps += steps
     self._last = last = (self.steps, time.monotonic(), token)
     self._recent.append(last)
+
+  def dispatch_begins(self, steps: int) -> bool:
+    """A dispatch of a program of `steps` steps begins; False (nothing noted) inside another one (a `run`
+    traced in `experimental_run_steps`' program). Until `dispatch_ends`, once every noted program has
+    finished, the thread times the dispatch itself, and this process counts as having reached its steps:
+    XLA:CPU runs a program of one device in the calling thread, so with one device per process the call
+    returns only when its collectives have, and a peer that never joins them holds it forever."""
+    if self._dispatching is not None:
+      return False
+    self._dispatching = (self.steps + steps, time.monotonic(), _UNDER_WAY)
+    return True
+
+  def dispatch_ends(self) -> None:
+    """The dispatch `dispatch_begins` noted has returned (noted, or failed)."""
+    self._dispatching = None
+
+  def reached(self) -> int:
+    """The steps this process has dispatched, and the one it is dispatching when every noted program has
+    finished (the dispatch itself waits, as the thread times it; while a noted program waits, the dispatch
+    waits for the in-flight bound: it is not counted)."""
+    dispatching, last = self._dispatching, self._last
+    if dispatching is None or (last is not None and last[2] is not None and not _is_ready(last[2])):
+      return self.steps
+    return dispatching[0]
 
   def compile_begin(self) -> None:
     """This process starts a phase of compiling a program (called by JAX's monitoring events)."""
@@ -216,7 +246,7 @@ class Watchdog:
     now = time.monotonic()
     client = self._client
     if client is not None:
-      steps = self.steps
+      steps = self.reached()
       if steps != self._published:
         client.key_value_set(f"{_STEPS_KEY}{self.process_index}", str(steps), allow_overwrite=True)
         self._published = steps
@@ -224,7 +254,7 @@ class Watchdog:
       if message is not None:
         doing = _describe(self._status(now), with_steps=False)
         self._end(f"{message}\ntpustrat: step watchdog: process {self.process_index} (last step reached: "
-                  f"{self.steps}{'; ' + doing if doing else ''}) stops too.")
+                  f"{self.reached()}{'; ' + doing if doing else ''}) stops too.")
         return
     since = self._compiling_since
     if since is not None and now - since > self.compile_timeout:
@@ -233,6 +263,8 @@ class Watchdog:
     self._update_finished()
     last = self._last
     if last is None or last[2] is None or _is_ready(last[2]):
+      last = self._dispatching  # every noted program has finished: a dispatch that has not returned waits
+    if last is None:
       self._program = None
       self._callbacks.clear()
       self._publish_busy(now, waited=None)
@@ -281,7 +313,7 @@ class Watchdog:
 
   def _status(self, now: float, waited: float | None = None) -> dict[str, Any]:
     """What this process is busy with, as published under ``busy/``."""
-    status: dict[str, Any] = {"steps": self.steps, "finished": self.finished}
+    status: dict[str, Any] = {"steps": self.reached(), "finished": self.finished}
     if waited is not None:
       status["waited"] = round(waited, 1)
     since = self._compiling_since
@@ -330,7 +362,7 @@ class Watchdog:
           found[int(key.rsplit("/", 1)[-1])] = int(value)
         except ValueError:
           continue
-    found[self.process_index] = self.steps
+    found[self.process_index] = self.reached()
     return found
 
   def report(self, steps: int, waited: float, busy: dict[int, dict[str, Any]] | None = None) -> str:
@@ -415,7 +447,25 @@ class Watchdog:
             f"{blames_line(self.process_index, [self.process_index])}\n"
             f"Every process of the job stops with status {names.EXIT_STEP_TIMEOUT}.")
 
+  def end_if_aborted(self, error: str) -> None:
+    """Ends this process as a watchdog that read the abort does (status 124, the firing watchdog's message)
+    when the job is being stopped by a step watchdog: this one is ending it, or another published the abort.
+    Else returns. Called for an uncaught exception (`error`: its type) by the hook `distributed` installs:
+    with one device per process a step runs in the main thread (`dispatch_begins`), and a peer whose
+    watchdog ended it fails the step's collective there (gloo: "Connection closed by peer"), before this
+    process's thread reads the abort at its next tick; as a crash, process 0 would end the coordination
+    service, and the job, at once."""
+    message = self._ending
+    if message is None and self._client is not None:
+      message = _try_get(self._client, _ABORT_KEY)
+    if message is None:
+      return
+    self._end(f"{message}\ntpustrat: step watchdog: process {self.process_index} (last step reached: "
+              f"{self.reached()}; its step failed with {error} as a peer stopped) stops too.")
+
   def _end(self, message: str, publish: bool = False) -> None:
+    if self._ending is None:
+      self._ending = message
     client = self._client
     if client is not None:
       if publish:
@@ -529,16 +579,39 @@ def note(token: Any, steps: int = 1) -> None:
     watchdog.note(token, steps)
 
 
-class Heartbeat(StepHook):
-  """The per-step hook of the step watchdog (`step_hooks`; registered by the engine,
-  `engine.in_flight.STEP_HOOKS`): every dispatched program is noted (`note`; one global read when off)."""
+class _UnderWay:
+  """The wait token of a dispatch that has not returned (`Watchdog.dispatch_begins`): never ready."""
 
   __slots__ = ()
 
+  def is_ready(self) -> bool:
+    return False
+
+
+_UNDER_WAY = _UnderWay()
+
+
+class Heartbeat(StepHook):
+  """The per-step hook of the step watchdog (`step_hooks`; registered by the engine,
+  `engine.in_flight.STEP_HOOKS`): every dispatch is marked while under way (`Watchdog.dispatch_begins`) and
+  every dispatched program noted (`note`); one global read per method when off."""
+
+  __slots__ = ()
+
+  def before(self, step: Step) -> Any:
+    watchdog = _ACTIVE
+    return watchdog if watchdog is not None and watchdog.dispatch_begins(step.steps) else None
+
   def after(self, step: Step, state: Any, token: Any, now: float | None) -> None:
+    if state is not None:
+      state.dispatch_ends()
     watchdog = _ACTIVE  # `note`, written out: one call less per dispatch
     if watchdog is not None and not isinstance(token, jax.core.Tracer):
       watchdog.note(token, step.steps)
+
+  def abort(self, step: Step, state: Any) -> None:
+    if state is not None:
+      state.dispatch_ends()
 
 
 def _compile_begin() -> None:
@@ -551,6 +624,14 @@ def _compile_end() -> None:
   watchdog = _ACTIVE
   if watchdog is not None:
     watchdog.compile_end()
+
+
+def end_if_aborted(error: str) -> None:
+  """`Watchdog.end_if_aborted` of the running watchdog, if any: ends the process when a step watchdog is
+  stopping the job (for the uncaught-exception hook); returns otherwise."""
+  watchdog = _ACTIVE
+  if watchdog is not None:
+    watchdog.end_if_aborted(error)
 
 
 def active() -> Watchdog | None:
