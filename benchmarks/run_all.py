@@ -82,6 +82,9 @@ BENCHES = [
     # 2 processes x 4 devices through the launcher; compiling seven variants in both dominates
     Bench("hybrid", ("--d-model", "64", "--trials", "3", "--steps", "2"), ("--d-model", "256", "--seq-len", "128"),
           ("--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch", "8", "--trials", "0"), timeout_s=900.0),
+    Bench("processes", ("--steps", "50", "--trials", "5", "--rate-seconds", "3"), ("--trials", "11"),
+          ("--processes", "1", "2", "--steps", "20", "--trials", "1", "--kv-seconds", "0.2", "--rate-seconds", "1.5"),
+          timeout_s=600.0),
     Bench("compile_cache", ("--pairs", "2"), ("--pairs", "3", "--layers", "6", "--d-model", "512"),
           ("--pairs", "1", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch", "16", "--max-files", "20")),
 ]
