@@ -32,7 +32,7 @@ demo: $(STAMP)
 # Two pytest-xdist workers (TEST_WORKERS=...; 0 runs in this process), modules kept whole (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

@@ -271,11 +271,12 @@ def main(args: argparse.Namespace) -> int:
   with tempfile.TemporaryDirectory() as tmp:
     report = pathlib.Path(tmp) / "report.json"
     passed = sys.argv[1:]  # the workers leave the CPU devices to the launcher (-d)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_") and k not in (
-        "XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    # The launcher sets each process's device count (in XLA_FLAGS, whose other flags it keeps).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_") and k != "JAX_NUM_CPU_DEVICES"}
     command = [sys.executable, "-m", "tpustrat.launch", "-n", str(args.processes), "-d", str(args.devices),
                "--timeout", "900", os.path.abspath(__file__), *passed, "--worker", str(report)]
-    proc = subprocess.run(command, env=env, cwd=pathlib.Path(__file__).resolve().parents[1])
+    # The processes' own output goes to stderr: stdout is the report (its first line the machine line).
+    proc = subprocess.run(command, env=env, cwd=pathlib.Path(__file__).resolve().parents[1], stdout=sys.stderr)
     if proc.returncode != 0:
       return proc.returncode
     out = json.loads(report.read_text())

@@ -54,22 +54,30 @@ NUM_DEVICES = 8
 
 
 # Modules whose tests each start processes of their own and share nothing compiled in this process: with
-# `make test`'s workers (pytest-xdist, ``--dist loadgroup``) their tests are spread over the workers one by
-# one. Every other module's tests run in one worker, in order, so that its module- and session-scoped
-# strategies and compiled programs are built once.
+# `make test`'s workers (pytest-xdist) their tests are spread over the workers one by one. Every other
+# module's tests run in one worker, in order, so that its module- and session-scoped strategies and compiled
+# programs are built once (`pytest_xdist_make_scheduler` below).
 SPREAD_MODULES = frozenset({
-    "test_benchmarks", "test_notebooks", "test_multiprocess",
+    "test_benchmarks", "test_notebooks", "test_multiprocess", "test_many_processes",
     "test_launch", "test_watchdog", "test_preemption", "test_loop_multiprocess", "test_input_multiprocess",
     "test_embedding_multiprocess", "test_compilation_cache", "test_distributed", "test_cluster_resolver",
     "test_cluster_resolvers_slurm_tfconfig", "test_docs", "test_packaging",
 })
 
+if importlib.util.find_spec("xdist") is not None:
+  from xdist.scheduler import LoadScopeScheduling  # noqa: E402
 
-def pytest_collection_modifyitems(config, items) -> None:
-  for item in items:
-    module = item.path.stem
-    if module not in SPREAD_MODULES:
-      item.add_marker(pytest.mark.xdist_group(module))
+  class _ModuleScheduling(LoadScopeScheduling):
+    """xdist's load-by-scope scheduling with a module as the scope, except `SPREAD_MODULES`, whose tests
+    are scopes of their own (xdist's ``--dist loadgroup`` would do this from markers, but in xdist 3.8 with
+    pytest 9 its workers leave the group out of the test ids, so the groups were ignored: measured)."""
+
+    def _split_scope(self, nodeid: str) -> str:
+      module = nodeid.split("::", 1)[0]
+      return nodeid if pathlib.Path(module).stem in SPREAD_MODULES else module
+
+  def pytest_xdist_make_scheduler(config, log):
+    return _ModuleScheduling(config, log)
 
 
 def pytest_unconfigure(config) -> None:

@@ -152,6 +152,22 @@ CASES = {
                (("data parallel, state donated", ""), ("FSDP, state donated", "data parallel, state donated"),
                 ("FSDP, per-layer gathering, donated", "data parallel, state donated"),
                 ("FSDP, state donated", "hand-written FSDP"), ("hand-written FSDP", ""))),)),
+    # `bench_hybrid.py` (its docstring's smoke command, on 2 processes x 2 devices): data parallel, full FSDP
+    # and hybrid through tpustrat and the hand-written expert and naive programs; bytes and state only.
+    "hybrid": Case(
+        "bench_hybrid.py", ("--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch", "8", "--trials", "0",
+                            "--devices", "2"),
+        ("# new parameters allclose (full FSDP, hybrid, expert and naive hand-written vs data parallel)",),
+        ("variant",),
+        tuple((v,) for v in ("data parallel", "full FSDP", "hybrid", "expert FSDP", "expert hybrid", "naive FSDP",
+                             "naive hybrid"))),
+    # `bench_processes.py` (the job's own per-step cost as processes grow), on 1 and 2 processes.
+    "processes": Case(
+        "bench_processes.py", ("--processes", "1", "2", "--steps", "20", "--trials", "1", "--kv-seconds", "0.2",
+                               "--rate-seconds", "1.5"),
+        ("# results allclose to numpy on every process of 1, 2 processes",),
+        ("processes x devices", "steps x trials"),
+        (("1 x 1", "20 x 1"), ("2 x 1", "20 x 1"))),
     # README: `bench_accumulation.py` (k = 1, 2, 4, 8 micro-batches in one program), on a tiny MLP: memory
     # table, then the step-time table.
     "accumulation": Case(
