@@ -169,6 +169,27 @@ def launched_results(stdout: str, processes: int = 2) -> dict:
   return results
 
 
+class KeyValueStore:
+  """The coordination service's key-value store (`jax.distributed`'s client), in memory: set, try_get and
+  dir_get with the service's errors."""
+
+  def __init__(self, values=None):
+    self.values = dict(values or {})
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    if key in self.values and not allow_overwrite:
+      raise RuntimeError("ALREADY_EXISTS")
+    self.values[key] = value
+
+  def key_value_try_get(self, key):
+    if key not in self.values:
+      raise RuntimeError("NOT_FOUND")
+    return self.values[key]
+
+  def key_value_dir_get(self, prefix):
+    return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+
 EMBEDDING_LAYOUTS = ("all_to_all", "all_gather_table", "all_gather_ids")
 
 

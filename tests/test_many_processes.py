@@ -31,6 +31,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import KeyValueStore
 
 from tpustrat._src import names
 
@@ -195,24 +196,6 @@ def test_the_watchdog_names_the_one_stuck_process_of_eight():
 # the calling thread, so the healthy processes' step 3 never returned from its dispatch and was never timed)
 
 
-class _Store:
-  """The coordination service's key-value store, in memory."""
-
-  def __init__(self, values=None):
-    self.values = dict(values or {})
-
-  def key_value_set(self, key, value, allow_overwrite=False):
-    if key in self.values and not allow_overwrite:
-      raise RuntimeError("ALREADY_EXISTS")
-    self.values[key] = value
-
-  def key_value_try_get(self, key):
-    if key not in self.values:
-      raise RuntimeError("NOT_FOUND")
-    return self.values[key]
-
-  def key_value_dir_get(self, prefix):
-    return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
 
   def key_value_delete(self, key):
     self.values.pop(key, None)
@@ -226,7 +209,7 @@ class _Ready:
 def test_a_dispatch_that_never_returns_is_timed_and_its_step_counts_as_reached():
   from tpustrat._src import step_hooks, watchdog  # pylint: disable=import-outside-toplevel
 
-  client = _Store({"tpustrat/watchdog/steps/1": "2"})
+  client = KeyValueStore({"tpustrat/watchdog/steps/1": "2"})
   messages = []
   dog = watchdog.Watchdog(1.0, process_index=0, process_count=2, client=client, exit_fn=messages.append)
   previous = watchdog.activate(dog)
@@ -259,8 +242,8 @@ def test_a_dispatch_that_never_returns_is_timed_and_its_step_counts_as_reached()
 # -- the preemption handler's requests to the coordination service (issue 34 item 6) -----------------------
 
 
-class _KV(_Store):
-  """`_Store` with the coordination client's blocking get, counting every request."""
+class _KV(KeyValueStore):
+  """`KeyValueStore` with the coordination client's blocking get, counting every request."""
 
   def __init__(self):
     super().__init__()

@@ -22,6 +22,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import KeyValueStore
 
 import tpustrat
 from tpustrat._src import names, preemption, termination_notice, watchdog
@@ -425,26 +426,6 @@ def test_grace_period_is_range_checked_like_every_timeout(value, error):
 # -- the step watchdog in this process ---------------------------------------------------------------
 
 
-class _FakeClient:
-  """The coordination service's key-value store, in memory."""
-
-  def __init__(self, values=None):
-    self.values = dict(values or {})
-
-  def key_value_set(self, key, value, allow_overwrite=False):
-    if key in self.values and not allow_overwrite:
-      raise RuntimeError("ALREADY_EXISTS")
-    self.values[key] = value
-
-  def key_value_try_get(self, key):
-    if key not in self.values:
-      raise RuntimeError("NOT_FOUND")
-    return self.values[key]
-
-  def key_value_dir_get(self, prefix):
-    return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
-
-
 class _Pending:
   def __init__(self):
     self.ready = False
@@ -454,7 +435,7 @@ class _Pending:
 
 
 def test_watchdog_fires_on_a_step_that_waits_too_long_and_names_who_is_behind():
-  client = _FakeClient({"tpustrat/watchdog/steps/1": "19", "tpustrat/watchdog/steps/2": "20"})
+  client = KeyValueStore({"tpustrat/watchdog/steps/1": "19", "tpustrat/watchdog/steps/2": "20"})
   messages = []
   dog = watchdog.Watchdog(0.3, process_index=0, process_count=4, client=client, exit_fn=messages.append)
   try:
@@ -477,7 +458,7 @@ def test_watchdog_fires_on_a_step_that_waits_too_long_and_names_who_is_behind():
 
 
 def test_watchdog_does_not_fire_on_finished_steps_and_stops_when_another_process_fired():
-  client = _FakeClient()
+  client = KeyValueStore()
   messages = []
   dog = watchdog.Watchdog(0.2, process_index=1, process_count=2, client=client, exit_fn=messages.append)
   try:
