@@ -1,5 +1,6 @@
 """The cluster resolver, `experimental_connect_to_cluster` and `initialize_tpu_system`: TF's semantics on 8 CPU
-devices (`tpustrat._src.cluster_resolver`)."""
+devices (`tpustrat._src.tpu_cluster_resolver`, `tpustrat._src.cluster_resolver`,
+`tpustrat._src.cluster_connection`, `tpustrat._src.connect_to_cluster`)."""
 
 
 import jax
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 
 import tpustrat
-from tpustrat._src import cluster_resolver as cluster_resolver_lib
-from tpustrat._src import names
+from tpustrat._src import cluster_connection, cluster_environment, names
+from tpustrat._src.cluster_resolver import runtime_options
 from tpustrat.cluster_resolver import TPUClusterResolver
 
 ENV = (names.ENV_COORDINATOR_ADDRESS, names.ENV_NUM_PROCESSES, names.ENV_PROCESS_ID,
@@ -21,7 +22,7 @@ ENV = (names.ENV_COORDINATOR_ADDRESS, names.ENV_NUM_PROCESSES, names.ENV_PROCESS
 def clean_env(monkeypatch):
   for name in ENV:
     monkeypatch.delenv(name, raising=False)
-  monkeypatch.setattr(cluster_resolver_lib, "_detect_cluster", lambda: None)  # no TPU slice detection here
+  monkeypatch.setattr(cluster_environment, "detect_cluster", lambda: None)  # no TPU slice detection here
 
 
 # -- resolver -----------------------------------------------------------------------------------------
@@ -55,7 +56,7 @@ def test_resolver_environment_variables(monkeypatch):
 
 
 def test_resolver_uses_cluster_detection_unless_local(monkeypatch):
-  monkeypatch.setattr(cluster_resolver_lib, "_detect_cluster", lambda: ("10.1.1.1:8476", 4, 3))
+  monkeypatch.setattr(cluster_environment, "detect_cluster", lambda: ("10.1.1.1:8476", 4, 3))
   r = TPUClusterResolver(tpu="")
   assert (r.coordinator_address, r.num_processes, r.process_id) == ("10.1.1.1:8476", 4, 3)
   assert TPUClusterResolver(tpu="local").num_processes == 1
@@ -86,17 +87,17 @@ def test_resolver_bad_environment(monkeypatch):
 
 def test_resolver_timeouts_and_bind_address(monkeypatch):
   resolver = TPUClusterResolver(coordinator_address="127.0.0.1:5000", num_processes=2, process_id=1)
-  options = resolver._runtime_options()
+  options = runtime_options(resolver)
   # JAX's defaults; a loopback coordinator listens on loopback only (JAX's default is every interface).
   assert options == dict(coordinator_bind_address="127.0.0.1:5000", initialization_timeout=300,
                          heartbeat_timeout=100, shutdown_timeout=300)
-  remote = TPUClusterResolver(coordinator_address="10.0.0.1:5000", num_processes=2, process_id=1,
-                              heartbeat_timeout=7)._runtime_options()
+  remote = runtime_options(TPUClusterResolver(coordinator_address="10.0.0.1:5000", num_processes=2, process_id=1,
+                                              heartbeat_timeout=7))
   assert remote["coordinator_bind_address"] is None and remote["heartbeat_timeout"] == 7  # JAX's default bind
   monkeypatch.setenv("TPUSTRAT_INITIALIZATION_TIMEOUT", "12")
   monkeypatch.setenv("TPUSTRAT_COORDINATOR_BIND_ADDRESS", "0.0.0.0:5000")
-  from_env = TPUClusterResolver(coordinator_address="127.0.0.1:5000", num_processes=2, process_id=0,
-                                shutdown_timeout=9)._runtime_options()
+  from_env = runtime_options(TPUClusterResolver(coordinator_address="127.0.0.1:5000", num_processes=2, process_id=0,
+                                                shutdown_timeout=9))
   assert from_env == dict(coordinator_bind_address="0.0.0.0:5000", initialization_timeout=12,
                           heartbeat_timeout=100, shutdown_timeout=9)
   with pytest.raises(ValueError, match="`heartbeat_timeout` must be an int >= 1, got 0"):
@@ -105,7 +106,7 @@ def test_resolver_timeouts_and_bind_address(monkeypatch):
     TPUClusterResolver(coordinator_bind_address="nowhere")
   monkeypatch.setenv("TPUSTRAT_HEARTBEAT_TIMEOUT", "soon")
   with pytest.raises(ValueError, match="TPUSTRAT_HEARTBEAT_TIMEOUT='soon' must be an int >= 1"):
-    TPUClusterResolver()._runtime_options()
+    runtime_options(TPUClusterResolver())
 
 
 # -- connect ------------------------------------------------------------------------------------------
@@ -124,10 +125,10 @@ def test_connect_is_a_noop_for_one_process(monkeypatch):
 def test_connect_starts_jax_distributed_once_for_several_processes(monkeypatch):
   """No real second process here (the multi-process launcher tests that): jax.distributed is stubbed."""
   calls = []
-  monkeypatch.setattr(cluster_resolver_lib.distributed_lib, "initialize", lambda *a, **kw: calls.append((a, kw)))
+  monkeypatch.setattr(cluster_connection.distributed_lib, "initialize", lambda *a, **kw: calls.append((a, kw)))
   monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
-  monkeypatch.setattr(cluster_resolver_lib, "_backends_initialized", lambda: False)
-  monkeypatch.setattr(cluster_resolver_lib, "_CONNECTED", [])
+  monkeypatch.setattr(cluster_connection, "_backends_initialized", lambda: False)
+  monkeypatch.setattr(cluster_connection, "_CONNECTED", [])
   resolver = TPUClusterResolver(coordinator_address="127.0.0.1:4321", num_processes=2, process_id=1)
   tpustrat.experimental_connect_to_cluster(resolver)
   tpustrat.experimental_connect_to_cluster(resolver)  # idempotent
@@ -142,7 +143,7 @@ def test_connect_starts_jax_distributed_once_for_several_processes(monkeypatch):
 
 
 def test_connect_after_backends_started_is_an_error(monkeypatch):
-  monkeypatch.setattr(cluster_resolver_lib, "_CONNECTED", [])
+  monkeypatch.setattr(cluster_connection, "_CONNECTED", [])
   resolver = TPUClusterResolver(coordinator_address="127.0.0.1:4321", num_processes=2, process_id=0)
   with pytest.raises(RuntimeError, match="already initialised"):  # this process's backends are up
     tpustrat.experimental_connect_to_cluster(resolver)

@@ -15,7 +15,7 @@ import pytest
 from conftest import launched_results
 
 import tpustrat
-from tpustrat._src import cluster_resolver as cluster_resolver_lib
+from tpustrat._src import cluster_connection
 from tpustrat._src import slurm_cluster_resolver as slurm_lib
 from tpustrat.cluster_resolver import (
   ClusterResolver,
@@ -192,10 +192,10 @@ def test_slurm_jobs_heterogeneous_nodes_and_arguments(monkeypatch):
 def test_slurm_connects_through_the_common_interface(monkeypatch):
   """experimental_connect_to_cluster hands the Slurm resolver's values to jax.distributed (stubbed here)."""
   calls = []
-  monkeypatch.setattr(cluster_resolver_lib.distributed_lib, "initialize", lambda *a, **kw: calls.append((a, kw)))
-  monkeypatch.setattr(cluster_resolver_lib.jax.distributed, "is_initialized", lambda: False)
-  monkeypatch.setattr(cluster_resolver_lib, "_backends_initialized", lambda: False)
-  monkeypatch.setattr(cluster_resolver_lib, "_CONNECTED", [])
+  monkeypatch.setattr(cluster_connection.distributed_lib, "initialize", lambda *a, **kw: calls.append((a, kw)))
+  monkeypatch.setattr(cluster_connection.jax.distributed, "is_initialized", lambda: False)
+  monkeypatch.setattr(cluster_connection, "_backends_initialized", lambda: False)
+  monkeypatch.setattr(cluster_connection, "_CONNECTED", [])
   monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
   slurm(monkeypatch, procid=5, localid=1, node="node002", SLURM_GPUS_ON_NODE=4)
   tpustrat.experimental_connect_to_cluster(SlurmClusterResolver(heartbeat_timeout=7))
@@ -206,14 +206,14 @@ def test_slurm_connects_through_the_common_interface(monkeypatch):
 def test_slurm_one_task_restricts_its_gpus_without_starting_jax_distributed(monkeypatch):
   """A one-task step with 2 of the node's 4 GPUs: no jax.distributed, but JAX's GPUs are restricted."""
   updates = []
-  monkeypatch.setattr(cluster_resolver_lib.jax.config, "update", lambda *a: updates.append(a))
-  monkeypatch.setattr(cluster_resolver_lib, "_CONNECTED_ONE", [])
+  monkeypatch.setattr(cluster_connection.jax.config, "update", lambda *a: updates.append(a))
+  monkeypatch.setattr(cluster_connection, "_CONNECTED_ONE", [])
   slurm(monkeypatch, procid=0, tasks="1", ntasks=1, nodelist="g1", localid=0, node="g1")
   resolver = SlurmClusterResolver(gpus_per_node=4, gpus_per_task=2)
-  monkeypatch.setattr(cluster_resolver_lib, "_backends_initialized", lambda: True)
+  monkeypatch.setattr(cluster_connection, "_backends_initialized", lambda: True)
   with pytest.raises(RuntimeError, match=r"devices \[0, 1\].*already initialised"):
     tpustrat.experimental_connect_to_cluster(resolver)
-  monkeypatch.setattr(cluster_resolver_lib, "_backends_initialized", lambda: False)
+  monkeypatch.setattr(cluster_connection, "_backends_initialized", lambda: False)
   tpustrat.experimental_connect_to_cluster(resolver)
   tpustrat.experimental_connect_to_cluster(resolver)  # once
   assert updates == [("jax_cuda_visible_devices", "0,1"), ("jax_rocm_visible_devices", "0,1")]
@@ -332,10 +332,10 @@ def test_tf_config_absent_or_single_task(monkeypatch):
 
 def test_tf_config_connects_through_the_common_interface(monkeypatch):
   calls = []
-  monkeypatch.setattr(cluster_resolver_lib.distributed_lib, "initialize", lambda *a, **kw: calls.append((a, kw)))
-  monkeypatch.setattr(cluster_resolver_lib.jax.distributed, "is_initialized", lambda: False)
-  monkeypatch.setattr(cluster_resolver_lib, "_backends_initialized", lambda: False)
-  monkeypatch.setattr(cluster_resolver_lib, "_CONNECTED", [])
+  monkeypatch.setattr(cluster_connection.distributed_lib, "initialize", lambda *a, **kw: calls.append((a, kw)))
+  monkeypatch.setattr(cluster_connection.jax.distributed, "is_initialized", lambda: False)
+  monkeypatch.setattr(cluster_connection, "_backends_initialized", lambda: False)
+  monkeypatch.setattr(cluster_connection, "_CONNECTED", [])
   tf_config(monkeypatch, {"cluster": {"chief": ["127.0.0.1:5000"], "worker": ["127.0.0.1:5001"]},
                           "task": {"type": "worker", "index": 0}})
   tpustrat.experimental_connect_to_cluster(TFConfigClusterResolver())

@@ -198,8 +198,8 @@ def test_multi_worker_mirrored_strategy_checks_its_arguments():
 
 
 def test_multi_worker_mirrored_strategy_reads_tf_config_as_tf_does(monkeypatch):
-  from tpustrat._src import cluster_resolver as cluster_resolver_lib
-  monkeypatch.setattr(cluster_resolver_lib, "_RESOLVER", [])  # keep the session's resolver as it was
+  from tpustrat._src import cluster_connection
+  monkeypatch.setattr(cluster_connection, "_RESOLVER", [])  # keep the session's resolver as it was
   monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:2222"]}, "task": {"type": "worker", "index": 0}}')
   s = tpustrat.MultiWorkerMirroredStrategy()
   r = s.cluster_resolver

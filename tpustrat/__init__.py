@@ -17,8 +17,10 @@ from tpustrat import ops as ops
 from tpustrat._src import compilation_cache as _compilation_cache
 from tpustrat._src.accumulation import accumulate_gradients as accumulate_gradients
 from tpustrat._src.batch_rows import BatchRowsWarning as BatchRowsWarning
-from tpustrat._src.cluster_resolver import experimental_connect_to_cluster as experimental_connect_to_cluster
-from tpustrat._src.cluster_resolver import initialize_tpu_system as initialize_tpu_system
+from tpustrat._src.connect_to_cluster import (
+    experimental_connect_to_cluster as experimental_connect_to_cluster,
+)
+from tpustrat._src.connect_to_cluster import initialize_tpu_system as initialize_tpu_system
 from tpustrat._src.context import ReplicaContext as ReplicaContext
 from tpustrat._src.context import ValueContext as ValueContext
 from tpustrat._src.context import get_replica_context as get_replica_context

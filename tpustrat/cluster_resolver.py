@@ -9,8 +9,9 @@
 Each is a `ClusterResolver`. Pass one to `tpustrat.experimental_connect_to_cluster`,
 `tpustrat.initialize_tpu_system` or `tpustrat.TPUStrategy`; the Slurm and ``TF_CONFIG`` ones are used
 only when constructed (as in TF). `ClusterSpec` is what their `cluster_spec()` returns. See
-`tpustrat._src.cluster_resolver`, `tpustrat._src.slurm_cluster_resolver` and
-`tpustrat._src.tfconfig_cluster_resolver`.
+`tpustrat._src.tpu_cluster_resolver`, `tpustrat._src.slurm_cluster_resolver`,
+`tpustrat._src.tfconfig_cluster_resolver`, `tpustrat._src.cluster_resolver` (the base) and
+`tpustrat._src.cluster_spec`.
 
 >>> resolver = tpustrat.cluster_resolver.TPUClusterResolver(tpu="local")
 >>> resolver.num_processes
@@ -18,9 +19,9 @@ only when constructed (as in TF). `ClusterSpec` is what their `cluster_spec()` r
 """
 
 from tpustrat._src.cluster_resolver import ClusterResolver as ClusterResolver
-from tpustrat._src.cluster_resolver import ClusterSpec as ClusterSpec
-from tpustrat._src.cluster_resolver import TPUClusterResolver as TPUClusterResolver
+from tpustrat._src.cluster_spec import ClusterSpec as ClusterSpec
 from tpustrat._src.slurm_cluster_resolver import SlurmClusterResolver as SlurmClusterResolver
 from tpustrat._src.tfconfig_cluster_resolver import TFConfigClusterResolver as TFConfigClusterResolver
+from tpustrat._src.tpu_cluster_resolver import TPUClusterResolver as TPUClusterResolver
 
 __all__ = ["ClusterResolver", "ClusterSpec", "SlurmClusterResolver", "TFConfigClusterResolver", "TPUClusterResolver"]

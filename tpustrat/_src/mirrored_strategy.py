@@ -30,9 +30,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from tpustrat._src import cluster_resolver as cluster_resolver_lib
 from tpustrat._src import names
-from tpustrat._src.cluster_resolver import ClusterResolver, experimental_connect_to_cluster
+from tpustrat._src.cluster_resolver import ClusterResolver
+from tpustrat._src.connect_to_cluster import connect_from_environment, experimental_connect_to_cluster
 from tpustrat._src.cross_device import (
     CommunicationOptions,
     CrossDeviceExtendedMixin,
@@ -222,7 +222,7 @@ def _connect_default() -> ClusterResolver | None:
             "tpustrat.cluster_resolver.TFConfigClusterResolver()) or (TPUClusterResolver()).")
       experimental_connect_to_cluster(resolver)
       return resolver
-  cluster_resolver_lib.connect_from_environment()
+  connect_from_environment()
   return None
 
 

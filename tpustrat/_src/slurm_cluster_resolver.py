@@ -38,7 +38,8 @@ import subprocess
 from typing import Any
 
 from tpustrat._src import validation
-from tpustrat._src.cluster_resolver import ClusterResolver, ClusterSpec
+from tpustrat._src.cluster_resolver import ClusterResolver
+from tpustrat._src.cluster_spec import ClusterSpec
 
 __all__ = ["SlurmClusterResolver", "expand_hostlist", "expand_tasks_per_node"]
 

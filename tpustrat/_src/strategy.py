@@ -19,7 +19,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpustrat._src import cluster_resolver as cluster_resolver_lib
 from tpustrat._src import context as context_lib
 from tpustrat._src import host_memory, multistep, profiler
 from tpustrat._src import input as input_lib
@@ -28,6 +27,7 @@ from tpustrat._src import reduce as reduce_lib
 from tpustrat._src import sharding as sharding_lib
 from tpustrat._src import step_stats as step_stats_lib
 from tpustrat._src.cluster_resolver import ClusterResolver
+from tpustrat._src.connect_to_cluster import current_resolver
 from tpustrat._src.engine import Engine, RunOptions, check_run_call
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.reduce_op import ReduceOp
@@ -91,7 +91,7 @@ class Strategy:
     ('worker', 0, {}, {'CPU': 8})
     """
     resolver = getattr(self, "_cluster_resolver", None)  # the default strategy sets none
-    return resolver if resolver is not None else cluster_resolver_lib.current_resolver()
+    return resolver if resolver is not None else current_resolver()
 
   # -- context --------------------------------------------------------------------------------------
 

@@ -22,7 +22,9 @@ import os
 from typing import Any
 
 from tpustrat._src import validation
-from tpustrat._src.cluster_resolver import ClusterResolver, ClusterSpec, is_address
+from tpustrat._src.cluster_environment import is_address
+from tpustrat._src.cluster_resolver import ClusterResolver
+from tpustrat._src.cluster_spec import ClusterSpec
 
 __all__ = ["TFConfigClusterResolver"]
 

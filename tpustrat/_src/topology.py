@@ -1,6 +1,6 @@
 """Topology and device assignment: TF's `Topology` and `DeviceAssignment` on JAX.
 
-`initialize_tpu_system` (`tpustrat._src.cluster_resolver`) returns a `Topology`: the physical mesh of
+`initialize_tpu_system` (`tpustrat._src.connect_to_cluster`) returns a `Topology`: the physical mesh of
 cores and where each TPU device sits in it. A `DeviceAssignment` places replicas on it (which physical
 core runs logical core ``l`` of replica ``r``). tpustrat keeps TF's names and meanings:
 

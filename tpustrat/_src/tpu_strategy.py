@@ -16,9 +16,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from tpustrat._src import cluster_resolver as cluster_resolver_lib
 from tpustrat._src import logical as logical_lib
-from tpustrat._src.cluster_resolver import ClusterResolver, experimental_connect_to_cluster
+from tpustrat._src.cluster_resolver import ClusterResolver
+from tpustrat._src.connect_to_cluster import connect_from_environment, experimental_connect_to_cluster
 from tpustrat._src.strategy import Strategy
 from tpustrat._src.topology import DeviceAssignment, device_grid
 
@@ -74,7 +74,7 @@ class TPUStrategy(Strategy):
             f"{tpu_cluster_resolver!r:.100}.")
       experimental_connect_to_cluster(tpu_cluster_resolver)
     else:
-      cluster_resolver_lib.connect_from_environment()  # the launcher's job
+      connect_from_environment()  # the launcher's job
     devices: Sequence[Any] | np.ndarray  # one device per replica, or the [replica, logical core] grid
     if device_assignment is None:
       devices = jax.devices()
