@@ -3,7 +3,8 @@
 Read from the program's HLO text (``jax.jit(...).lower(...).compile().as_text()``, or the program
 `strategy.run` compiles): each all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute,
 its result shape and its replica groups (explicit ``{{0,1},{2,3}}``, XLA's iota form ``[2,4]<=[8]`` /
-``[4,2]<=[2,4]T(1,0)``, or ``{}``: every device), and how many times it runs per run of the program (a
+``[4,2]<=[2,4]T(1,0)``, the mesh form jit's partitioner writes, ``mesh['axis_0'=4,'axis_1'=2],
+device_ids=([2,4]T(1,0)) {'axis_0'}``, or ``{}``: every device), and how many times it runs per run of the program (a
 collective in a loop's body, a `lax.scan` over layers, runs once per iteration: XLA's
 ``known_trip_count`` of the ``while``; a loop without one counts once). Device ids are positions in the
 program's device assignment: for `strategy.run`, replica ids.
@@ -62,7 +63,37 @@ def _array_bytes(text: str) -> list[int]:
   return out
 
 
+_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*"
+                   r"\{(?P<over>[^}]*)\}")
+
+
+def _iota(dims: list[int], transpose: str | None) -> np.ndarray:
+  """XLA's iota device list ``[dims]T(perm)``: ``arange`` reshaped to `dims`, transposed by `perm`."""
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  return ids.transpose([int(x) for x in transpose.split(",")]) if transpose else ids
+
+
+def _mesh_groups(m: re.Match) -> tuple[tuple[int, ...], ...]:
+  """XLA's mesh form, ``replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}``: the devices
+  (`device_ids`, an iota list; without it, in order) laid out on the mesh's axes, one group per position on
+  the other axes, its members along the named ones."""
+  axes = re.findall(r"'([^']+)'=([0-9]+)", m.group("axes"))
+  names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+  ids = np.arange(int(np.prod(sizes)))
+  if m.group("ids"):
+    iota = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", m.group("ids"))
+    assert iota is not None, m.group(0)
+    ids = _iota([int(x) for x in iota.group(1).split(",")], iota.group(2))
+  over = re.findall(r"'([^']+)'", m.group("over"))
+  assert over and all(a in names for a in over) and len(over) == len(m.group("over").split(",")), m.group(0)
+  rest = [names.index(a) for a in names if a not in over]
+  grid = ids.reshape(sizes).transpose(rest + [names.index(a) for a in over])
+  return tuple(tuple(int(x) for x in row) for row in grid.reshape(-1, int(np.prod([sizes[names.index(a)] for a in over]))))
+
+
 def _groups(line: str, field: str) -> tuple[tuple[int, ...], ...] | None:
+  if field == "replica_groups" and (mesh := _MESH.search(line)):
+    return _mesh_groups(mesh)
   m = re.search(field + r"=(\{\{[0-9,{} ]*\}\}|\{\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)", line)
   if m is None or m.group(1) == "{}":
     return None
@@ -72,10 +103,7 @@ def _groups(line: str, field: str) -> tuple[tuple[int, ...], ...] | None:
   iota = re.fullmatch(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
   assert iota is not None, text
   shape = [int(x) for x in iota.group(1).split(",")]
-  dims = [int(x) for x in iota.group(2).split(",")]
-  ids = np.arange(int(np.prod(dims))).reshape(dims)
-  if iota.group(3):
-    ids = ids.transpose([int(x) for x in iota.group(3).split(",")])
+  ids = _iota([int(x) for x in iota.group(2).split(",")], iota.group(3))
   return tuple(tuple(int(x) for x in row) for row in ids.reshape(shape[0], -1))
 
 

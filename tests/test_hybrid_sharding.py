@@ -305,6 +305,84 @@ def test_collectives_stay_within_groups_and_one_share_crosses(strategy):
   assert hybrid["total"] <= 0.3 * full["total"] and hybrid["total"] <= 0.3 * dp["total"]
 
 
+# A tree of sharded leaves: split along axis 0 and axis 1, padded, two dtypes; the per-replica factor of
+# the loss (replica r: r + 1) makes each replica's gradient differ.
+READ_AXES = {"a": 0, "b": 1, "c": 0, "h": 0}
+
+
+def read_params():
+  rng = np.random.default_rng(3)
+  return {"a": rng.normal(size=(13, 6)).astype(np.float32), "b": rng.normal(size=(3, 10)).astype(np.float32),
+          "c": rng.normal(size=(9,)).astype(np.float32), "h": rng.normal(size=(6, 4)).astype(jnp.bfloat16)}
+
+
+def read_loss(full, x):
+  return sum(jnp.sum(jnp.sin(v.astype(jnp.float32) * x)) for v in full.values())
+
+
+def read_together(p, x):
+  full = tpustrat.read_values(p)
+  return full, jax.grad(lambda q: read_loss(tpustrat.read_values(q), x))(p)
+
+
+def read_alone(p, x):
+  full = {k: v.read_value() for k, v in p.items()}
+  return full, jax.grad(lambda q: read_loss({k: v.read_value() for k, v in q.items()}, x))(p)
+
+
+@pytest.mark.parametrize("groups", [None, HALVES], ids=["full", "halves"])
+def test_read_values_gathers_a_trees_leaves_together(strategy, groups):
+  """`read_values` reads the sharded leaves of one dtype through one all-gather, so the gradient is one
+  reduce-scatter (and with groups one all-reduce across them), where reading each leaf alone costs one per
+  leaf; the values, the gradients and the bytes sent across the groups are the same."""
+  params = read_params()
+  sharded = strategy.experimental_shard(params, lambda path, shape, dtype: READ_AXES[path[0].key], groups=groups)
+  x = strategy.experimental_distribute_values_from_function(lambda c: np.float32(c.replica_id_in_sync_group + 1))
+  hlo, out = {}, {}
+  for fn in (read_together, read_alone):
+    out[fn] = strategy.run(fn, args=(sharded, x))
+    hlo[fn] = compiled_hlo(strategy, fn, (sharded, x))
+  factors = np.arange(1, N + 1, dtype=np.float32)
+  for name, value in params.items():
+    v32 = value.astype(np.float32)
+    want = sum(np.cos(v32 * f) * f for f in factors)  # d/dv of sum_r sin(v * x_r)
+    tol = 1e-5 if value.dtype == np.float32 else 2e-2
+    for fn in (read_together, read_alone):
+      full, grads = out[fn]
+      for r in range(N):
+        np.testing.assert_array_equal(np.asarray(full[name].values[r]), value, err_msg=f"{fn.__name__} {name} {r}")
+      assert_close(np.asarray(grads[name]).astype(np.float32), want, rtol=tol, scale=np.abs(want).max() + 1.0,
+                   err_msg=f"{fn.__name__} {name}")
+    np.testing.assert_array_equal(np.asarray(out[read_together][1][name]), np.asarray(out[read_alone][1][name]),
+                                  err_msg=name)
+  s = N if groups is None else len(groups[0])
+  # float32 block elements per leaf, by hand: ceil(rows / s) rows of the split axis times the other axes
+  f32_blocks = [-(-13 // s) * 6, 3 * -(-10 // s), -(-9 // s)]
+  together, alone = cb.collectives(hlo[read_together]), cb.collectives(hlo[read_alone])
+  sizes = lambda found, op: sorted(c.nbytes for c in found if c.op == op)  # noqa: E731
+  # alone: one all-gather and one reduce-scatter per leaf, the float32 ones of these sizes, and the bfloat16
+  # leaf's (whose bytes are XLA's: XLA:CPU gathers bfloat16 as float32)
+  gathers, scatters = sizes(alone, "all-gather"), sizes(alone, "reduce-scatter")
+  assert len(gathers) == len(scatters) == 4, alone
+  for b in f32_blocks:
+    gathers.remove(s * b * 4)
+    scatters.remove(b * 4)
+  (bf16_gather,), (bf16_scatter,) = gathers, scatters
+  # together: the float32 leaves in one all-gather and one reduce-scatter of their blocks end to end
+  assert sizes(together, "all-gather") == sorted([s * sum(f32_blocks) * 4, bf16_gather]), together
+  assert sizes(together, "reduce-scatter") == sorted([sum(f32_blocks) * 4, bf16_scatter]), together
+  if groups is None:
+    assert sizes(together, "all-reduce") == sizes(alone, "all-reduce") == []
+  else:
+    in_groups = tuple(tuple(g) for g in groups)
+    across = tuple(tuple(c) for c in zip(*in_groups))
+    for c in together:
+      assert c.groups == (across if c.op == "all-reduce" else in_groups), c
+    # the blocks cross the groups once, as when each leaf is read alone
+    assert sum(sizes(together, "all-reduce")) == sum(sizes(alone, "all-reduce")) == sum(f32_blocks) * 4 + bf16_scatter
+    assert cb.cross_domain_bytes(hlo[read_together], HALVES) == cb.cross_domain_bytes(hlo[read_alone], HALVES)
+
+
 def test_sharded_optimizer_collectives_stay_within_groups(strategy):
   zopt = tpustrat.sharded_optimizer(optax.adam(1e-2), split_all, groups=HALVES)
   params = strategy.experimental_mirror(init_params(scalar=False))
@@ -347,6 +425,35 @@ def test_collective_bytes_reads_iota_groups_and_async_starts():
   assert out["all-reduce"] == 8 * 2 * 1 * 8 // 2
   assert out["collective-permute"] == 12
   assert out["reduce-scatter"] == 8 * 4 * 8  # each device: the other half's 4 pieces of 8 bytes
+
+
+def test_collective_bytes_reads_mesh_groups():
+  """XLA's mesh form of replica groups (what jit's SPMD partitioner writes on a 2-D mesh): the devices laid
+  out on the mesh's axes (an iota list, transposed where `device_ids` says), grouped along the named axes.
+  Read as every device before, it counted a hybrid program's gathers as crossing the processes."""
+  hlo = """
+  %a = f32[128,4,32]{2,1,0} all-gather(f32[32,4,32]{2,1,0} %p), channel_id=1, replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=1,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}, use_global_device_ids=true
+  %b = (f32[4,32]{1,0}, f32[128]{0}) all-reduce(f32[4,32]{1,0} %q, f32[128]{0} %r), channel_id=2, replica_groups=mesh['axis_0'=1,'axis_1'=1,'axis_2'=4,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_3'}, use_global_device_ids=true, to_apply=%add
+  %c = f32[256,128]{1,0} all-reduce(f32[256,128]{1,0} %s), channel_id=3, replica_groups=mesh['axis_0'=8,'axis_1'=1,'axis_2'=1] {'axis_0'}, use_global_device_ids=true, to_apply=%add
+  """
+  found = cb.collectives(hlo)
+  # %a: ids 0..7 as [2,4], transposed to [4,2] = [[0,4],[1,5],[2,6],[3,7]] on axes (axis_0, axis_3): along axis_0
+  assert found[0].groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and found[0].nbytes == 128 * 4 * 32 * 4
+  # %b: the same layout on (axis_2, axis_3), along axis_3: one device of each half
+  assert found[1].groups == ((0, 4), (1, 5), (2, 6), (3, 7)) and found[1].nbytes == (4 * 32 + 128) * 4
+  assert found[2].groups == ((0, 1, 2, 3, 4, 5, 6, 7),)
+  out = cb.cross_domain_bytes(found[:2], HALVES)
+  assert out["all-gather"] == 0 and out["all-reduce"] == 8 * 2 * 1 * (4 * 32 + 128) * 4 // 2
+  # a compiled program on a (data, fsdp) mesh of 2 x 4: sums over 'fsdp' stay within the halves, over 'data'
+  # they pair the halves
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+  for axis, want in (("fsdp", tuple(tuple(g) for g in HALVES)), ("data", ((0, 4), (1, 5), (2, 6), (3, 7)))):
+    program = jax.jit(lambda x: jnp.sum(x, axis=0, keepdims=True), in_shardings=NamedSharding(mesh, P(axis)),
+                      out_shardings=NamedSharding(mesh, P()))
+    (c,) = [c for c in cb.collectives(program.lower(jnp.ones((8, 16))).compile().as_text()) if c.op == "all-reduce"]
+    assert c.groups == want, (axis, c)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------

@@ -282,6 +282,18 @@ class LocalShard:
           "over stacked layers), not the split axis itself.")
     return self.axis - lead, self.shape[lead:]
 
+  def _checked_block(self) -> tuple[int, tuple[int, ...], int]:
+    """(the split axis of `block`, the logical shape it is a block of, the number of blocks): `_slice_axis`,
+    with the block's shape checked against them (inside `strategy.run`)."""
+    axis, shape = self._slice_axis()
+    n = self.num_blocks(jax.lax.axis_size(REPLICA_AXIS))
+    want = list(shape)
+    want[axis] = block_size(shape[axis], n)
+    if list(jnp.shape(self.block)) != want:
+      raise ValueError(f"{self!r}: the block has shape {list(jnp.shape(self.block))}, but a value of shape {list(shape)} "
+                       f"split along axis {axis} over {n} replicas has blocks of shape {want}.")
+    return axis, shape, n
+
   def real_block(self) -> jax.Array:
     """The block with its padding (the rows past the logical size, zeros as placed, but whatever an
     elementwise update made of them since) set to zero: for statistics over the whole value
@@ -307,13 +319,7 @@ class LocalShard:
     value): the sum over every replica, as without groups.
     """
     block = self.block
-    axis, shape = self._slice_axis()
-    n = self.num_blocks(jax.lax.axis_size(REPLICA_AXIS))
-    want = list(shape)
-    want[axis] = block_size(shape[axis], n)
-    if list(jnp.shape(block)) != want:
-      raise ValueError(f"{self!r}: the block has shape {list(jnp.shape(block))}, but a value of shape {list(shape)} "
-                       f"split along axis {axis} over {n} replicas has blocks of shape {want}.")
+    axis, shape, _ = self._checked_block()
     if self.groups is None:
       full = jax.lax.all_gather(block, REPLICA_AXIS, axis=axis, tiled=True)
     else:
@@ -376,8 +382,54 @@ def read_values(tree: Any) -> Any:
   """`tree` with every sharded value (`LocalShard`, inside `strategy.run`) read whole (all-gathered); other
   leaves as they are. The gradient w.r.t. the blocks is the block of the gradient summed over replicas.
 
+  The sharded leaves are read together: those of one dtype and one split (the same `groups`) go through
+  one all-gather of their blocks, flattened and concatenated (PyTorch FSDP's flat parameter), so that the
+  gradient is one reduce-scatter of them too (with `groups`, and one all-reduce across the groups), not one
+  collective per leaf. The values are those of ``x.read_value()`` for each leaf.
+
   >>> read_values({"b": np.ones(2)})["b"]
   array([1., 1.])
   """
-  return jax.tree.map(lambda x: x.read_value() if isinstance(x, LocalShard) else x, tree,
-                      is_leaf=lambda x: isinstance(x, LocalShard))
+  is_shard = lambda x: isinstance(x, LocalShard)  # noqa: E731
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
+  together: dict[Any, list[int]] = {}  # (groups, dtype) -> positions of those leaves
+  for i, x in enumerate(leaves):
+    if is_shard(x):
+      together.setdefault((x.groups, jnp.result_type(x.block)), []).append(i)
+  for (groups, _), positions in together.items():
+    if len(positions) == 1:
+      leaves[positions[0]] = leaves[positions[0]].read_value()
+      continue
+    for i, full in zip(positions, _read_together([leaves[i] for i in positions], groups)):
+      leaves[i] = full
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def _read_together(shards: Sequence[LocalShard], groups: Groups | None) -> list[jax.Array]:
+  """The whole values of `shards` (one dtype, split the same way), as ``read_value`` reads each, from one
+  all-gather: every block with its split axis moved first, flattened, concatenated; gathered (``[n,
+  total]``, block order), each value cut back out of the ``n`` rows, its blocks' rows end to end along the
+  split axis, the padding sliced off. Its transpose is one reduce-scatter (with `groups`, within the group,
+  then one all-reduce of the blocks across the groups)."""
+  parts, layouts = [], []
+  n = 0
+  for x in shards:
+    axis, shape, n = x._checked_block()  # pylint: disable=protected-access
+    moved = jnp.moveaxis(x.block, axis, 0)  # [b, ...]: the rows of the block along the split axis first
+    parts.append(jnp.reshape(moved, (-1,)))
+    layouts.append((axis, shape, jnp.shape(moved)))
+  flat = jnp.concatenate(parts)
+  if groups is None:
+    gathered = jax.lax.all_gather(flat, REPLICA_AXIS, axis=0)
+  else:
+    gathered = jax.lax.all_gather(_summed_across_groups(flat, groups), REPLICA_AXIS, axis=0,
+                                  axis_index_groups=[list(g) for g in groups])
+  out, start = [], 0  # gathered: [n, total], row p block p of every value
+  for axis, shape, moved_shape in layouts:
+    size = int(np.prod(moved_shape, dtype=np.int64))
+    rows = jax.lax.slice_in_dim(gathered, start, start + size, axis=1)  # [n, size]
+    start += size
+    whole = jnp.reshape(rows, (n * moved_shape[0], *moved_shape[1:]))  # the n blocks end to end
+    whole = jax.lax.slice_in_dim(jnp.moveaxis(whole, 0, axis), 0, shape[axis], axis=axis)
+    out.append(checkpoint_name(whole, GATHERED))
+  return out
