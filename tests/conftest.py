@@ -6,7 +6,9 @@ processes the tests start through the environment:
 * XLA:CPU compiles without LLVM's expensive optimisation passes (``--xla_backend_optimization_level=0``,
   ``--xla_llvm_disable_expensive_passes=true``): the suite's time is mostly compile time of small programs;
   the HLO passes (fusion, layouts, SPMD partitioning, buffer assignment) are unchanged, so memory figures and
-  compiled collectives are the same. ``TPUSTRAT_TESTS_XLA_OPT=1`` compiles as users do.
+  compiled collectives are the same. Where XLA knows it (JAX 0.10), ``--xla_cpu_use_fusion_emitters=false``
+  too: fused computations through XLA's older emitters, 2.5x faster to compile. ``TPUSTRAT_TESTS_XLA_OPT=1``
+  compiles as users do.
 * One JAX persistent compilation cache for the whole run (``JAX_COMPILATION_CACHE_DIR``, every program
   written): a program compiled again by another test, another xdist worker or a test's subprocess (a
   restart, a resumed run) is read back instead. A temporary directory removed at the end of the run, or
@@ -24,10 +26,31 @@ os.environ.setdefault("KERAS_BACKEND", "jax")  # Keras 3 models in the tests run
 # The devices come from `jax_num_cpu_devices` below; a device count in the caller's XLA_FLAGS is dropped, so
 # that the flags left can go to every process a test starts (which sets its own device count).
 _FAST_XLA = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+# XLA:CPU's older emitters for fused computations compile 2.5x faster than its MLIR fusion emitters (the
+# default in JAX 0.10: tests/test_zero.py's compile time 63 s -> 23 s); the flag is gone from JAX 0.12's XLA,
+# whose only emitters those are. An XLA that does not know a flag aborts the process, so each of these is
+# tried once, in a process of its own, by the run's first process; its workers and the processes the tests
+# start inherit the result through XLA_FLAGS.
+_FAST_XLA_IF_KNOWN = ("--xla_cpu_use_fusion_emitters=false",)
+_CHECKED = "TPUSTRAT_TESTS_XLA_FLAGS_CHECKED"
+
+
+def _xla_knows(flag: str) -> bool:
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+  probe = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; jnp.zeros(1).block_until_ready()"],
+                         env=env, capture_output=True, timeout=300, check=False)
+  return probe.returncode == 0
+
+
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
           if not f.startswith("--xla_force_host_platform_device_count")]
 if os.environ.get("TPUSTRAT_TESTS_XLA_OPT") != "1":
   _flags += [f for f in _FAST_XLA if f not in _flags]
+  if os.environ.get(_CHECKED) != "1":
+    _flags += [f for f in _FAST_XLA_IF_KNOWN if f not in _flags and _xla_knows(f)]
+    os.environ[_CHECKED] = "1"
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ  # set by this run's controller for its workers
 if _OWN_CACHE:
@@ -84,6 +107,69 @@ def pytest_unconfigure(config) -> None:
   """The run's temporary compilation cache goes with the run (the controller's, once its workers ended)."""
   if _OWN_CACHE and not os.environ.get("TPUSTRAT_TESTS_JAX_CACHE") and not hasattr(config, "workerinput"):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+# --- The two tiers: in-process tests (`make test`) and tests that start processes (`make test-processes`) ---
+#
+# A test that starts an operating-system process (a launched multi-process job, an example or benchmark
+# script, a notebook's kernel, pip, python -c) carries the `processes` mark. `make test` runs every other
+# test; `make test-processes` runs these; CI runs both. The mark is checked, not trusted: Python's audit
+# events for starting a process (`sys.addaudithook`) fail a test that starts one without the mark, so no
+# test can slip out of the tier that runs it.
+_SPAWN_EVENTS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn",
+                           "os.system", "os.exec"})
+_RUNNING: list = [None]  # the test item being run (set and unset around each test's whole protocol)
+_UNMARKED = pytest.StashKey[list]()
+_STARTED = pytest.StashKey[int]()
+
+
+class UnmarkedProcessError(RuntimeError):
+  """A test without the `processes` mark started a process."""
+
+
+def _process_audit(event: str, args: tuple) -> None:
+  if event not in _SPAWN_EVENTS:
+    return
+  item = _RUNNING[0]
+  if item is None:
+    return
+  item.stash[_STARTED] = item.stash.get(_STARTED, 0) + 1
+  if item.get_closest_marker("processes") is not None:
+    return
+  what = args[1] if event == "subprocess.Popen" else args
+  message = (f"{item.nodeid} started a process ({event}: {what!r}) without the `processes` mark: mark the "
+             "test (or its module) `@pytest.mark.processes`, so that it runs in `make test-processes`")
+  item.stash.setdefault(_UNMARKED, []).append(message)
+  raise UnmarkedProcessError(message)
+
+
+sys.addaudithook(_process_audit)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  _RUNNING[0] = item
+  try:
+    return (yield)
+  finally:
+    _RUNNING[0] = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+  """A test that passed fails here if it started a process without the `processes` mark (even where the
+  audit hook's error was caught on the way: a launcher that reports a failed start instead of raising),
+  or if it has the mark and started none (then it belongs in `make test`)."""
+  report = yield
+  if call.when == "call" and report.passed:
+    unmarked = item.stash.get(_UNMARKED, [])
+    if unmarked:
+      report.outcome, report.longrepr = "failed", unmarked[0]
+    elif item.get_closest_marker("processes") is not None and not item.stash.get(_STARTED, 0):
+      report.outcome = "failed"
+      report.longrepr = (f"{item.nodeid} has the `processes` mark but started no process: remove the mark, "
+                         "so that it runs in `make test`")
+  return report
 
 
 @pytest.fixture(scope="session")

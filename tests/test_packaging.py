@@ -85,6 +85,7 @@ def test_the_version_is_written_in_one_place():
       assert f'"{tpustrat.__version__}"' not in path.read_text(), path
 
 
+@pytest.mark.processes
 def test_launch_version_names_tpustrat_jax_jaxlib_and_python(capsys):
   with pytest.raises(SystemExit) as exit_info:
     launch.main(["--version"])
@@ -147,6 +148,7 @@ def test_some_examples_need_the_extra():
 
 
 @pytest.mark.parametrize("path", NEEDING_EXTRA, ids=lambda p: p.name)
+@pytest.mark.processes
 def test_an_example_without_the_extra_says_which_extra_to_install(path):
   result = subprocess.run([sys.executable, "-c", _HIDDEN_RUN, str(path), *sorted(OPTIONAL)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)

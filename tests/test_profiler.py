@@ -107,6 +107,7 @@ def test_no_marks_without_a_profiler(strategy):
   assert profiler.steps_dispatched() == before + 1
 
 
+@pytest.mark.processes
 def test_launcher_sets_the_profile_environment(tmp_path):
   env = launch.process_env({}, process_id=1, num_processes=2, devices_per_process=4, address="127.0.0.1:1",
                            heartbeat_timeout=10, initialization_timeout=60, shutdown_timeout=30,
@@ -135,6 +136,7 @@ def _launch(*args: str) -> list[dict]:
   return results
 
 
+@pytest.mark.processes
 def test_two_by_four_job_writes_one_trace_per_process(tmp_path):
   # TPUStrategy over the job's 8 devices, each process profiling itself with the context manager.
   results = _launch(str(SCRIPT), "tpu", str(tmp_path / "ctx"))
