@@ -121,6 +121,8 @@ _SPAWN_EVENTS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posi
 _RUNNING: list = [None]  # the test item being run (set and unset around each test's whole protocol)
 _UNMARKED = pytest.StashKey[list]()
 _STARTED = pytest.StashKey[int]()
+_SETTING_UP: list = []  # the fixtures being set up, innermost last
+_STARTING_FIXTURES: set = set()  # the names of the fixtures whose set-up started a process
 
 
 class UnmarkedProcessError(RuntimeError):
@@ -134,6 +136,7 @@ def _process_audit(event: str, args: tuple) -> None:
   if item is None:
     return
   item.stash[_STARTED] = item.stash.get(_STARTED, 0) + 1
+  _STARTING_FIXTURES.update(fixturedef.argname for fixturedef in _SETTING_UP)
   if item.get_closest_marker("processes") is not None:
     return
   what = args[1] if event == "subprocess.Popen" else args
@@ -156,19 +159,30 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+  _SETTING_UP.append(fixturedef)
+  try:
+    return (yield)
+  finally:
+    _SETTING_UP.pop()
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
   """A test that passed fails here if it started a process without the `processes` mark (even where the
   audit hook's error was caught on the way: a launcher that reports a failed start instead of raising),
-  or if it has the mark and started none (then it belongs in `make test`)."""
+  or if it has the mark and neither it nor a fixture it uses started one (then it belongs in `make
+  test`)."""
   report = yield
   if call.when == "call" and report.passed:
     unmarked = item.stash.get(_UNMARKED, [])
     if unmarked:
       report.outcome, report.longrepr = "failed", unmarked[0]
-    elif item.get_closest_marker("processes") is not None and not item.stash.get(_STARTED, 0):
+    elif (item.get_closest_marker("processes") is not None and not item.stash.get(_STARTED, 0)
+          and _STARTING_FIXTURES.isdisjoint(item.fixturenames)):
       report.outcome = "failed"
-      report.longrepr = (f"{item.nodeid} has the `processes` mark but started no process: remove the mark, "
-                         "so that it runs in `make test`")
+      report.longrepr = (f"{item.nodeid} has the `processes` mark but neither it nor its fixtures started a "
+                         "process: remove the mark, so that it runs in `make test`")
   return report
 
 

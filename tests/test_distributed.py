@@ -55,7 +55,6 @@ def test_the_variable_decides_only_when_the_argument_does_not(monkeypatch):
     distributed._exit_on_uncaught_wanted(1)
 
 
-@pytest.mark.processes
 def test_the_launcher_turns_it_on_for_its_processes_unless_told_otherwise():
   kw = dict(process_id=0, num_processes=2, devices_per_process=1, address="127.0.0.1:1", heartbeat_timeout=1,
             initialization_timeout=1, shutdown_timeout=1)
@@ -173,7 +172,6 @@ def test_the_job_identity_is_the_variable_else_slurms_else_none(monkeypatch):
       distributed.job_identity()
 
 
-@pytest.mark.processes
 def test_the_job_check_lets_only_the_same_job_through(monkeypatch):
   port = launch._free_port()  # the coordinator's port; nothing listens there: only port + 1 is read
   address, check = f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"

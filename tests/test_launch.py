@@ -352,7 +352,6 @@ def test_bad_arguments_are_rejected(main, capsys, args, message):
   assert message in capsys.readouterr().err
 
 
-@pytest.mark.processes
 def test_launch_rejects_bad_values():
   for kwargs in (dict(max_restarts=-1), dict(max_restarts=1.5), dict(step_timeout=0), dict(step_timeout=-1.0)):
     with pytest.raises(ValueError, match="max_restarts|step_timeout"):
@@ -389,7 +388,6 @@ def test_the_range_bounds_themselves_are_accepted(main, monkeypatch):
   assert calls[0]["termination_grace_period"] == 0.0
 
 
-@pytest.mark.processes
 def test_a_step_timeout_in_the_launchers_environment_is_checked_too(main, monkeypatch, capsys):
   # Without --step-timeout the variable is passed on to every process as it is: checked first, too.
   monkeypatch.setenv(names.ENV_STEP_TIMEOUT, "1e-300")
@@ -545,7 +543,6 @@ def test_each_start_has_its_own_job_identity(run, monkeypatch):
   assert names.ENV_JOB_ID not in launch.process_env({}, **common)
 
 
-@pytest.mark.processes
 def test_the_launcher_chooses_a_port_whose_next_port_is_free_too():
   import socket  # pylint: disable=import-outside-toplevel
 

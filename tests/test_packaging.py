@@ -85,7 +85,6 @@ def test_the_version_is_written_in_one_place():
       assert f'"{tpustrat.__version__}"' not in path.read_text(), path
 
 
-@pytest.mark.processes
 def test_launch_version_names_tpustrat_jax_jaxlib_and_python(capsys):
   with pytest.raises(SystemExit) as exit_info:
     launch.main(["--version"])

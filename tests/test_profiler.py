@@ -107,7 +107,6 @@ def test_no_marks_without_a_profiler(strategy):
   assert profiler.steps_dispatched() == before + 1
 
 
-@pytest.mark.processes
 def test_launcher_sets_the_profile_environment(tmp_path):
   env = launch.process_env({}, process_id=1, num_processes=2, devices_per_process=4, address="127.0.0.1:1",
                            heartbeat_timeout=10, initialization_timeout=60, shutdown_timeout=30,

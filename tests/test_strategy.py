@@ -131,7 +131,6 @@ def test_per_replica_components_of_different_dtypes_raise(strategy):
 # -- MultiWorkerMirroredStrategy, MirroredStrategy in a multi-process job, cluster_resolver (issue 32) -----
 
 
-@pytest.mark.processes
 def test_mirrored_strategy_in_a_launched_job_raises_naming_the_multi_process_strategies(monkeypatch):
   # Under `python -m tpustrat.launch -n 2` it made one independent 4-replica job per process, silently.
   monkeypatch.setenv("TPUSTRAT_NUM_PROCESSES", "2")
