@@ -1,7 +1,10 @@
 # Each command sets itself up on a fresh machine with only Python 3.11+:
 #   make demo   - the flagship example on 8 emulated CPU devices (or the accelerators present)
-#   make test   - the whole test suite, doctests included
-#   make check  - what .ci/run runs: lint, types, wheel, docs, test, every one even after a failure, timed
+#   make test   - the tests that run in one process, doctests included (the README's test command)
+#   make test-processes - the tests that start processes (multi-process jobs, scripts, notebooks)
+#   make test-all - both in one run
+#   make check  - what .ci/run runs: lint, types, wheel, docs, test, test-processes, every one even after a
+#                 failure, timed
 #                 (each is a target of its own: make lint, make types, make wheel, make docs)
 #   make bench  - every benchmark (about 8 min on 2 cores), one table of every figure in benchmarks/RESULTS.md
 # Another interpreter gets a virtual environment of its own, named after its version, so the default
@@ -18,7 +21,7 @@ endif
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint types wheel docs check clean
+.PHONY: demo test test-processes test-all bench lint types wheel docs check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,8 +33,17 @@ demo: $(STAMP)
 	$(PY) examples/classifier.py
 
 # Two pytest-xdist workers (TEST_WORKERS=...; 0 runs in this process), modules kept whole (tests/conftest.py).
+# `make test`: every test that runs in this process; `make test-processes`: the tests that start processes
+# (launched multi-process jobs, example and benchmark scripts, notebooks); `make test-all`: both in one run.
+# CI runs test, then test-processes.
 TEST_WORKERS ?= 2
 test: $(STAMP)
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) -m "not processes"
+
+test-processes: $(STAMP)
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) -m processes
+
+test-all: $(STAMP)
 	$(PY) -m pytest tests -q -n $(TEST_WORKERS)
 
 bench: $(STAMP)
@@ -60,7 +72,7 @@ docs: $(DOCS_STAMP)
 	$(PY) -m sphinx -E -W --keep-going -q -b html docs docs/_build/html
 
 # Cheapest first, so the quick failures show within minutes; every step runs even after one fails.
-CHECK_STEPS ?= lint types wheel docs test
+CHECK_STEPS ?= lint types wheel docs test test-processes
 check: $(STAMP)
 	@MAKE='$(MAKE)' bash .ci/steps $(CHECK_STEPS)
 

@@ -6,7 +6,9 @@ processes the tests start through the environment:
 * XLA:CPU compiles without LLVM's expensive optimisation passes (``--xla_backend_optimization_level=0``,
   ``--xla_llvm_disable_expensive_passes=true``): the suite's time is mostly compile time of small programs;
   the HLO passes (fusion, layouts, SPMD partitioning, buffer assignment) are unchanged, so memory figures and
-  compiled collectives are the same. ``TPUSTRAT_TESTS_XLA_OPT=1`` compiles as users do.
+  compiled collectives are the same. Where XLA knows it (JAX 0.10), ``--xla_cpu_use_fusion_emitters=false``
+  too: fused computations through XLA's older emitters, 2.5x faster to compile. ``TPUSTRAT_TESTS_XLA_OPT=1``
+  compiles as users do.
 * One JAX persistent compilation cache for the whole run (``JAX_COMPILATION_CACHE_DIR``, every program
   written): a program compiled again by another test, another xdist worker or a test's subprocess (a
   restart, a resumed run) is read back instead. A temporary directory removed at the end of the run, or
@@ -24,10 +26,31 @@ os.environ.setdefault("KERAS_BACKEND", "jax")  # Keras 3 models in the tests run
 # The devices come from `jax_num_cpu_devices` below; a device count in the caller's XLA_FLAGS is dropped, so
 # that the flags left can go to every process a test starts (which sets its own device count).
 _FAST_XLA = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+# XLA:CPU's older emitters for fused computations compile 2.5x faster than its MLIR fusion emitters (the
+# default in JAX 0.10: tests/test_zero.py's compile time 63 s -> 23 s); the flag is gone from JAX 0.12's XLA,
+# whose only emitters those are. An XLA that does not know a flag aborts the process, so each of these is
+# tried once, in a process of its own, by the run's first process; its workers and the processes the tests
+# start inherit the result through XLA_FLAGS.
+_FAST_XLA_IF_KNOWN = ("--xla_cpu_use_fusion_emitters=false",)
+_CHECKED = "TPUSTRAT_TESTS_XLA_FLAGS_CHECKED"
+
+
+def _xla_knows(flag: str) -> bool:
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+  probe = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; jnp.zeros(1).block_until_ready()"],
+                         env=env, capture_output=True, timeout=300, check=False)
+  return probe.returncode == 0
+
+
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
           if not f.startswith("--xla_force_host_platform_device_count")]
 if os.environ.get("TPUSTRAT_TESTS_XLA_OPT") != "1":
   _flags += [f for f in _FAST_XLA if f not in _flags]
+  if os.environ.get(_CHECKED) != "1":
+    _flags += [f for f in _FAST_XLA_IF_KNOWN if f not in _flags and _xla_knows(f)]
+    os.environ[_CHECKED] = "1"
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ  # set by this run's controller for its workers
 if _OWN_CACHE:
@@ -42,6 +65,7 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
 import importlib.util  # noqa: E402
+import multiprocessing.util  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 
@@ -64,6 +88,35 @@ SPREAD_MODULES = frozenset({
     "test_cluster_resolvers_slurm_tfconfig", "test_docs", "test_packaging",
 })
 
+# The modules that take longest, slowest first (measured: `make test` with JAX 0.10.2 on 2 cores, seconds of
+# their tests under load; `make test-processes`'s in the same way), run before the others so that neither
+# worker is left with a long module at the end (alphabetical order: 740 s for the longer worker where
+# 709 s is half the work; slowest first: 709 s). A module not named here keeps its place after them.
+SLOWEST_FIRST = (
+    "test_char_transformer",  # 183 s
+    "test_embedding",  # 165 s
+    "test_benchmarks",  # processes: ~560 s, spread
+    "test_embedding_exchange",  # 120 s
+    "test_hybrid_sharding",  # 111 s
+    "test_cross_device_ops",  # 106 s
+    "test_many_processes",  # processes: ~140 s, spread
+    "test_preemption",  # processes: ~160 s, spread
+    "test_multiprocess",  # processes: ~210 s, spread
+    "test_single_device_equivalence",  # 72 s
+    "test_examples",  # 68 s
+    "test_zero",  # 67 s
+    "test_embedding_optimizers",  # 57 s
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+  """Orders the modules `SLOWEST_FIRST`, the tests of a module in their own order (every worker collects
+  the same order; xdist hands the modules out in it)."""
+  rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+  position = {id(item): i for i, item in enumerate(items)}
+  items.sort(key=lambda item: (rank.get(item.path.stem, len(rank)), position[id(item)]))
+
+
 if importlib.util.find_spec("xdist") is not None:
   from xdist.scheduler import LoadScopeScheduling  # noqa: E402
 
@@ -84,6 +137,96 @@ def pytest_unconfigure(config) -> None:
   """The run's temporary compilation cache goes with the run (the controller's, once its workers ended)."""
   if _OWN_CACHE and not os.environ.get("TPUSTRAT_TESTS_JAX_CACHE") and not hasattr(config, "workerinput"):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+# --- The two tiers: in-process tests (`make test`) and tests that start processes (`make test-processes`) ---
+#
+# A test that starts an operating-system process (a launched multi-process job, an example or benchmark
+# script, a notebook's kernel, pip, python -c) carries the `processes` mark. `make test` runs every other
+# test; `make test-processes` runs these; CI runs both. The mark is checked, not trusted: Python's audit
+# events for starting a process (`sys.addaudithook`) fail a test that starts one without the mark, so no
+# test can slip out of the tier that runs it.
+_SPAWN_EVENTS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn",
+                           "os.system", "os.exec", "multiprocessing.spawnv_passfds"})
+_RUNNING: list = [None]  # the test item being run (set and unset around each test's whole protocol)
+_UNMARKED = pytest.StashKey[list]()
+_STARTED = pytest.StashKey[int]()
+_SETTING_UP: list = []  # the fixtures being set up, innermost last
+_STARTING_FIXTURES: set = set()  # the names of the fixtures whose set-up started a process
+
+
+class UnmarkedProcessError(RuntimeError):
+  """A test without the `processes` mark started a process."""
+
+
+def _process_audit(event: str, args: tuple) -> None:
+  if event not in _SPAWN_EVENTS:
+    return
+  item = _RUNNING[0]
+  if item is None:
+    return
+  item.stash[_STARTED] = item.stash.get(_STARTED, 0) + 1
+  _STARTING_FIXTURES.update(fixturedef.argname for fixturedef in _SETTING_UP)
+  if item.get_closest_marker("processes") is not None:
+    return
+  what = args[1] if event in ("subprocess.Popen", "multiprocessing.spawnv_passfds") else args
+  message = (f"{item.nodeid} started a process ({event}: {what!r}) without the `processes` mark: mark the "
+             "test (or its module) `@pytest.mark.processes`, so that it runs in `make test-processes`")
+  item.stash.setdefault(_UNMARKED, []).append(message)
+  raise UnmarkedProcessError(message)
+
+
+sys.addaudithook(_process_audit)
+
+# multiprocessing's "spawn" and "forkserver" start methods (the default from Python 3.14) start their
+# processes through `multiprocessing.util.spawnv_passfds`, which raises no audit event (measured on 3.11 and
+# 3.12): it raises one here.
+_spawnv_passfds = multiprocessing.util.spawnv_passfds
+
+
+def _audited_spawnv_passfds(path, args, passfds):
+  sys.audit("multiprocessing.spawnv_passfds", path, args)
+  return _spawnv_passfds(path, args, passfds)
+
+
+multiprocessing.util.spawnv_passfds = _audited_spawnv_passfds
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  _RUNNING[0] = item
+  try:
+    return (yield)
+  finally:
+    _RUNNING[0] = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+  _SETTING_UP.append(fixturedef)
+  try:
+    return (yield)
+  finally:
+    _SETTING_UP.pop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+  """A test that passed fails here if it started a process without the `processes` mark (even where the
+  audit hook's error was caught on the way: a launcher that reports a failed start instead of raising),
+  or if it has the mark and neither it nor a fixture it uses started one (then it belongs in `make
+  test`)."""
+  report = yield
+  if call.when == "call" and report.passed:
+    unmarked = item.stash.get(_UNMARKED, [])
+    if unmarked:
+      report.outcome, report.longrepr = "failed", unmarked[0]
+    elif (item.get_closest_marker("processes") is not None and not item.stash.get(_STARTED, 0)
+          and _STARTING_FIXTURES.isdisjoint(item.fixturenames)):
+      report.outcome = "failed"
+      report.longrepr = (f"{item.nodeid} has the `processes` mark but neither it nor its fixtures started a "
+                         "process: remove the mark, so that it runs in `make test`")
+  return report
 
 
 @pytest.fixture(scope="session")

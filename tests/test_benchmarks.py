@@ -244,6 +244,7 @@ def test_markdown_table_parser():
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.processes
 def test_benchmark_runs_and_its_variants_agree(name):
   case = CASES[name]
   out = run_script(case.script, *case.flags)
@@ -258,6 +259,7 @@ def test_benchmark_runs_and_its_variants_agree(name):
   assert figures and all(len(f) == 4 and f[3] in ("met", "MISSED", "-") for f in figures), out[-3000:]
 
 
+@pytest.mark.processes
 def test_run_all_writes_one_table_of_every_figure(tmp_path):
   """`make bench` (`benchmarks/run_all.py`), here `--quick` on one script: the table of figures, with the
   platform and JAX version of each, to stdout and to the output file."""

@@ -314,6 +314,7 @@ def test_restore_with_plain_target_and_without_target(logical_strategy, referenc
                                 np.asarray(state["params"]["head"]["kernel"][...]))
 
 
+@pytest.mark.processes
 def test_restore_onto_two_processes(strategy, reference, saved, tmp_path):
   """8 devices in 1 process saved; 2 processes x 4 devices restore, train a step and save; 1 restores."""
   try:
@@ -496,6 +497,7 @@ def _tmpfs(directory: pathlib.Path, size: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["inject", "full", "readonly"])
+@pytest.mark.processes
 def test_a_save_the_storage_refuses_stops_the_job_at_once_as_a_failed_save(strategy, tmp_path, mode):
   """Process 1's write fails (an injected OSError), or the disk is full, or read-only: every process stops
   with status 74 within seconds (not the timeout), naming the step, path and OS error; steps 1 and 2 stay
@@ -543,6 +545,7 @@ def test_a_save_the_storage_refuses_stops_the_job_at_once_as_a_failed_save(strat
       subprocess.run(["umount", "-l", str(mount)], capture_output=True, check=False)
 
 
+@pytest.mark.processes
 def test_killed_save_keeps_the_last_good_checkpoint(strategy, reference, tmp_path):
   """SIGKILL after every file of step 2 is written, before orbax commits it: step 1 is the latest."""
   directory = tmp_path / "run"
@@ -792,6 +795,7 @@ def test_a_json_file_that_does_not_decode_is_named_with_its_path(strategy, tmp_p
       manager.restore(2, target={"w": tpustrat.Mirrored(jnp.zeros(4, jnp.float32))}, iterator=iter(dist))
 
 
+@pytest.mark.processes
 def test_a_truncated_data_file_falls_back_without_event_loop_tracebacks(strategy, tmp_path):
   """Issue 31: step 2's data files are truncated. Reading one of its 16 arrays fails while orbax's reads of
   the others may still be running in tensorstore; orbax closed its event loop under them, and each one that
@@ -876,6 +880,7 @@ def test_the_preemption_handler_resumes_from_the_newest_intact_step(strategy, tm
     assert_bitwise([strategy.experimental_local_results(state["w"])[0]], [values[1]])
 
 
+@pytest.mark.processes
 def test_damage_seen_by_one_process_moves_every_process_to_the_previous_step(tmp_path):
   """Process 1's iterator file of step 2 is lost: process 0 could read step 2, process 1 could not; both
   restore step 1."""
@@ -912,6 +917,7 @@ def test_damage_seen_by_one_process_moves_every_process_to_the_previous_step(tmp
     # running its save_fn).
     ("save_fn", ("6",), "running save_fn for step 2 after a termination notice (for "),
 ])
+@pytest.mark.processes
 def test_a_checkpoint_operation_stuck_on_one_process_stops_the_job_naming_it(tmp_path, mode, args, stuck):
   launcher_args, timeout = (args, ()) if args[0].startswith("--") else ((), args)
   command = [sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "2", *launcher_args,

@@ -322,6 +322,7 @@ def test_preemption_handler_run_with_a_donating_step_saves_the_new_state(strateg
   assert_equal_values(common.to_numpy(restored), at_two)
 
 
+@pytest.mark.processes
 def test_sharded_state_between_one_process_and_two(strategy, tmp_path):
   """Saved by 1 process x 8 devices after 2 Adam steps; a 2 processes x 4 devices job restores it (onto the
   FSDP layout and onto data parallel), takes 2 donating steps on the sharded state and saves; this process

@@ -408,6 +408,7 @@ def test_cluster_spec():
 # -- a real job ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_two_processes_connect_through_a_slurm_environment():
   """2 processes x 4 CPU devices on loopback, each given only a Slurm step's variables (one node
   '127.0.0.1', two tasks): SlurmClusterResolver -> experimental_connect_to_cluster -> TPUStrategy, then an

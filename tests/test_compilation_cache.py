@@ -63,6 +63,7 @@ def _one_process(*args: str, env: dict[str, str] | None = None) -> dict:
   return _results(out.stdout)[0]
 
 
+@pytest.mark.processes
 def test_second_start_reads_every_program_from_the_cache(tmp_path):
   cache = tmp_path / "cache"
   first = _one_process(str(cache))
@@ -74,6 +75,7 @@ def test_second_start_reads_every_program_from_the_cache(tmp_path):
   assert sorted(os.listdir(cache)) == entries  # nothing new compiled, nothing new written
 
 
+@pytest.mark.processes
 def test_off_by_default_and_on_from_the_environment(tmp_path):
   assert _one_process()["dir"] is None  # no option, no variable: no cache
   env = _env() | {names.ENV_COMPILATION_CACHE_DIR: str(tmp_path / "env")}
@@ -96,6 +98,7 @@ def test_enable_compilation_cache_arguments(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["tpu", "mirrored"])
+@pytest.mark.processes
 def test_launcher_restart_reads_the_first_start_s_programs(tmp_path, kind):
   cache = tmp_path / "cache"
   out = subprocess.run([sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "4", "--compilation-cache",

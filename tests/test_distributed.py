@@ -82,6 +82,7 @@ def _one_process_job(call: str, **env: str) -> subprocess.CompletedProcess:
                         text=True, timeout=120)
 
 
+@pytest.mark.processes
 def test_initialize_leaves_sys_excepthook_alone_by_default():
   out = _one_process_job("")
   assert "hook replaced: False" in out.stdout, out.stderr[-3000:]
@@ -89,6 +90,7 @@ def test_initialize_leaves_sys_excepthook_alone_by_default():
   assert "exits at once" not in out.stderr
 
 
+@pytest.mark.processes
 def test_initialize_installs_the_hook_when_asked():
   out = _one_process_job(", exit_on_uncaught=True", **{ENV: "0"})  # the argument wins over the variable
   assert "hook replaced: True" in out.stdout, out.stderr[-3000:]
@@ -96,6 +98,7 @@ def test_initialize_installs_the_hook_when_asked():
   assert "process 0 of 1 exits at once after an uncaught ValueError" in out.stderr, out.stderr[-3000:]
 
 
+@pytest.mark.processes
 def test_under_the_launcher_an_uncaught_exception_still_ends_the_job_at_once():
   # The launcher's behaviour is unchanged: process 1 raises, exits at once, and process 0 (waiting for
   # it) is stopped by JAX's heartbeat check instead of waiting for the shutdown barrier.
@@ -122,6 +125,7 @@ def test_under_the_launcher_an_uncaught_exception_still_ends_the_job_at_once():
 _HOOK = ("from tpustrat._src import distributed; distributed._exit_on_uncaught_exception(0, 2, 10)")
 
 
+@pytest.mark.processes
 def test_uncaught_exception_hook_spares_an_interactive_session():
   # In the REPL (python -i, or plain `python` on a terminal) every mistyped line is an "uncaught"
   # exception: it must print the traceback and go on, not end the interpreter.
@@ -131,6 +135,7 @@ def test_uncaught_exception_hook_spares_an_interactive_session():
   assert "alive" in out.stdout and out.returncode == 0, (out.returncode, out.stdout, out.stderr)
 
 
+@pytest.mark.processes
 def test_uncaught_exception_hook_exits_at_once_and_chains_the_users_hook():
   script = textwrap.dedent(f"""
       import sys
@@ -261,6 +266,7 @@ def test_out_of_range_timeouts_fail_before_connecting(name, value, monkeypatch):
   assert time.monotonic() - start < 1
 
 
+@pytest.mark.processes
 def test_an_out_of_range_timeout_variable_fails_at_once_naming_it():
   # It used to pass, then fail 22-62 s later inside JAX with a pybind TypeError (here: after the 5 s of
   # waiting for a coordinator that does not exist).

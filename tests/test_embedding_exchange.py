@@ -623,6 +623,7 @@ except jax.errors.JaxRuntimeError as e:
 """
 
 
+@pytest.mark.processes
 def test_a_failed_bound_check_is_reported_once_not_again_at_exit(tmp_path):
   # The caller caught the error where tpustrat raised it: JAX must not print it again at exit ("Exception
   # ignored in atexit callback", twice, from its record of the failed program).

@@ -17,10 +17,13 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import tpustrat
 from tpustrat import embedding as E
 from tpustrat.checkpoint import CheckpointManager
+
+pytestmark = pytest.mark.processes  # every test here starts processes (tests/conftest.py)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 V = 37  # 10 rows per replica on 4, 5 on 8: the last blocks hold padding

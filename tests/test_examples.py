@@ -178,6 +178,7 @@ def test_evaluation_counts_every_example_exactly_once(classifier, strategy, glob
   assert result["accuracy"] == result["correct"] / 100
 
 
+@pytest.mark.processes
 def test_classifier_script_runs_on_eight_emulated_devices():
   # As `make demo` runs it: a fresh process, where the example's own XLA_FLAGS gives 8 CPU devices.
   env = dict(os.environ)
@@ -217,6 +218,7 @@ def test_images_are_split_as_tf_tiles_them(spatial):
       "logical device 0": ((0, 8), (0, 32)), "logical device 1": ((8, 16), (0, 32))}
 
 
+@pytest.mark.processes
 def test_spatial_partitioning_script_runs_on_eight_emulated_devices():
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
   env["JAX_PLATFORMS"] = "cpu"
@@ -242,6 +244,7 @@ for path, *argv in {runs!r}:
 """
 
 
+@pytest.mark.processes
 def test_scripts_run_on_eight_emulated_devices():
   runs = [(str(EXAMPLES / "moe.py"), "--num-experts", "4", "--steps", "2", "--steps-per-program", "2"),
           (str(EXAMPLES / "cross_replica_batchnorm.py"), "--epochs", "1", "--group-size", "2"),
@@ -442,6 +445,7 @@ def test_migration_trains(migration):
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_multihost_classifier_matches_one_process(load_example):
   """2 processes x 4 devices through `python -m tpustrat.launch`: the single-process run's numbers."""
   pytest.importorskip("tpustrat.launch")

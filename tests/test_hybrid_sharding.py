@@ -526,6 +526,7 @@ def test_a_hybrid_checkpoint_saves_one_groups_blocks(strategy, tmp_path):
 # -- two processes x four devices: one group per process ---------------------------------------------------
 
 
+@pytest.mark.processes
 def test_two_processes_one_group_each(tmp_path):
   """`tests/_mp_scripts/hybrid_mp.py` on 2 processes x 4 devices with groups='process': the groups are the
   processes, Adam equals one device (checked in the script against numpy), the compiled step's gathers and

@@ -20,6 +20,8 @@ import sys
 import pytest
 from conftest import launched_results
 
+pytestmark = pytest.mark.processes  # every test here starts processes (tests/conftest.py)
+
 SCRIPTS = pathlib.Path(__file__).resolve().parent / "_mp_scripts"
 ROOT = SCRIPTS.parents[1]
 LAUNCH = [sys.executable, "-m", "tpustrat.launch", "--num-processes", "2", "--devices-per-process", "4"]

@@ -74,6 +74,7 @@ def _restart_lines(err: str) -> list[str]:
 # -- restarts ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_a_restart_request_restarts_the_whole_job_on_a_fresh_port(run):
   # Process 1 asks to be restarted (as the preemption handler does) on the first start only.
   status, starts, err = run(f"""
@@ -97,6 +98,7 @@ def test_a_restart_request_restarts_the_whole_job_on_a_fresh_port(run):
   assert f"coordinator {second}" in err
 
 
+@pytest.mark.processes
 def test_a_port_given_is_kept_across_restarts(run):
   port = launch._free_port()
   status, starts, err = run("""
@@ -111,6 +113,7 @@ def test_a_port_given_is_kept_across_restarts(run):
 
 
 @pytest.mark.parametrize("max_restarts", [1, 2])
+@pytest.mark.processes
 def test_a_job_that_keeps_failing_is_started_max_restarts_plus_one_times(run, max_restarts):
   status, starts, err = run("sys.exit(3)\n", max_restarts=max_restarts)
   assert status == 3, err[-3000:]
@@ -124,6 +127,7 @@ def test_a_job_that_keeps_failing_is_started_max_restarts_plus_one_times(run, ma
           f"(--max-restarts {max_restarts}).") in err
 
 
+@pytest.mark.processes
 def test_without_max_restarts_a_failure_ends_the_job(run):
   status, starts, err = run(f"""
       if ID == 1:
@@ -140,6 +144,7 @@ def test_without_max_restarts_a_failure_ends_the_job(run):
   assert status == 0 and len(starts) == 2 and not _restart_lines(err), err[-3000:]
 
 
+@pytest.mark.processes
 def test_a_process_killed_by_a_signal_restarts_the_job(run):
   status, starts, err = run("""
       if ID == 1 and RESTART == 0:
@@ -151,6 +156,7 @@ def test_a_process_killed_by_a_signal_restarts_the_job(run):
       "tpustrat.launch: restarting the job (restart 1 of 2): process 1 was killed by SIGKILL"], err[-3000:]
 
 
+@pytest.mark.processes
 def test_taken_port_retries_are_not_restarts(run, monkeypatch):
   # On the first port the launcher chooses, process 0 finds the coordinator's port taken (status 75): the
   # launcher starts the job again on another port, which is no restart. That start fails: restarted once.
@@ -179,6 +185,7 @@ def test_taken_port_retries_are_not_restarts(run, monkeypatch):
   assert sorted(_by_start(starts)) == [0, 1] and len(_by_start(starts)[1]) == 2, starts
 
 
+@pytest.mark.processes
 def test_timeout_ends_the_job_without_restarting(run):
   # Every process hangs: --timeout kills them and the launcher exits with 124.
   begin = time.monotonic()
@@ -199,6 +206,7 @@ def test_timeout_ends_the_job_without_restarting(run):
   assert time.monotonic() - begin < 15
 
 
+@pytest.mark.processes
 def test_no_restart_is_made_past_the_deadline(run, monkeypatch):
   # The --timeout deadline runs out between a failure and the restart that would follow it: here, the
   # launcher's clock jumps two hours ahead once the first start has been reported.
@@ -215,6 +223,7 @@ def test_no_restart_is_made_past_the_deadline(run, monkeypatch):
   assert "tpustrat.launch: not restarting: the 3600 s of --timeout have run out." in err
 
 
+@pytest.mark.processes
 def test_a_stopped_launcher_does_not_restart(tmp_path):
   script = tmp_path / "job.py"
   script.write_text("import os, time\nprint('ready pid=%d' % os.getpid(), flush=True)\ntime.sleep(120)\n")
@@ -241,6 +250,7 @@ def test_a_stopped_launcher_does_not_restart(tmp_path):
 # -- the environment of each process -------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_step_timeout_is_set_in_every_process_only_when_given(run, monkeypatch):
   status, starts, err = run("", step_timeout=2.5)
   assert status == 0, err[-3000:]
@@ -266,6 +276,7 @@ def test_process_env_sets_the_restart_count_and_the_step_timeout():
   assert names.ENV_STEP_TIMEOUT not in launch.process_env({}, **common)
 
 
+@pytest.mark.processes
 def test_a_step_watchdog_exit_is_described(run):
   status, _, err = run(f"""
       if ID == 0:
@@ -392,6 +403,7 @@ def test_a_step_timeout_in_the_launchers_environment_is_checked_too(main, monkey
   assert main(["job.py"]) == 0
 
 
+@pytest.mark.processes
 def test_main_restarts_and_sets_the_step_timeout(main, monkeypatch, tmp_path):
   for name in list(os.environ):
     if name.startswith("TPUSTRAT_") or name in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
@@ -475,6 +487,7 @@ def _stop_and_reap(launcher: subprocess.Popen) -> None:
 # -- a second job on the same port (issue 21 item 7) -------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_a_second_job_on_the_same_port_fails_and_leaves_the_running_job_alone(tmp_path):
   # Job A (2 processes x 2 devices) connects on a port and waits; job B is started with the same --port.
   # B's process 1 used to pass the TCP check and register with A's coordinator, which then aborted A
@@ -510,6 +523,7 @@ def test_a_second_job_on_the_same_port_fails_and_leaves_the_running_job_alone(tm
   assert "RESULT" not in b.stdout
 
 
+@pytest.mark.processes
 def test_each_start_has_its_own_job_identity(run, monkeypatch):
   monkeypatch.setenv(names.ENV_JOB_ID, "from-the-launchers-environment")  # replaced: a start is a job
   status, starts, err = run("""
@@ -539,6 +553,7 @@ def test_the_launcher_chooses_a_port_whose_next_port_is_free_too():
         s.bind(("127.0.0.1", p))  # raises if taken
 
 
+@pytest.mark.processes
 def test_the_largest_timeouts_reach_jax():
   # 2**31 - 1 s is the most JAX takes (int32); the initialization timeout is given to JAX with a margin
   # of 15 s, which used to overflow: a TypeError inside jax.distributed.initialize.
@@ -603,6 +618,7 @@ def _sigterm(launcher: subprocess.Popen) -> tuple[str, float]:
     _stop_and_reap(launcher)
 
 
+@pytest.mark.processes
 def test_sigterm_is_forwarded_and_the_processes_save_and_their_status_is_the_launchers(tmp_path):
   launcher = _terminated_job(tmp_path, "save", "--termination-grace-period", "60")
   err, elapsed = _sigterm(launcher)
@@ -621,6 +637,7 @@ def test_sigterm_is_forwarded_and_the_processes_save_and_their_status_is_the_lau
   assert elapsed < 30, f"{elapsed:.1f} s"
 
 
+@pytest.mark.processes
 def test_after_the_termination_grace_period_the_rest_is_killed(tmp_path):
   # Process 1 ignores SIGTERM: it is killed once the grace period is over; process 0 saved and exited 42,
   # the first status of the job, which is the launcher's.
@@ -632,6 +649,7 @@ def test_after_the_termination_grace_period_the_rest_is_killed(tmp_path):
   assert 2 <= elapsed < 30, f"{elapsed:.1f} s"
 
 
+@pytest.mark.processes
 def test_a_second_sigterm_kills_at_once(tmp_path):
   launcher = _terminated_job(tmp_path, "ignore", "--termination-grace-period", "600")
   try:
@@ -649,6 +667,7 @@ def test_a_second_sigterm_kills_at_once(tmp_path):
   assert elapsed < 15, f"{elapsed:.1f} s"
 
 
+@pytest.mark.processes
 def test_ctrl_c_is_forwarded_as_sigterm_and_the_processes_save(tmp_path):
   # A terminal's Ctrl-C reaches the launcher only (each process runs in a session of its own). It used to
   # kill every process at once (130), losing the steps since the last save; now the first one is the
@@ -675,6 +694,7 @@ def test_ctrl_c_is_forwarded_as_sigterm_and_the_processes_save(tmp_path):
 
 @pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT), (signal.SIGINT, signal.SIGTERM),
                                            (signal.SIGTERM, signal.SIGINT)])
+@pytest.mark.processes
 def test_a_second_ctrl_c_kills_at_once(tmp_path, first, second):
   launcher = _terminated_job(tmp_path, "ignore", "--termination-grace-period", "600")
   try:
@@ -693,6 +713,7 @@ def test_a_second_ctrl_c_kills_at_once(tmp_path, first, second):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+@pytest.mark.processes
 def test_sigterm_or_ctrl_c_to_the_launcher_makes_the_preemption_handler_save_and_exit_42(tmp_path, strategy, signum):
   # The real handler, 2 processes x 2 devices: SIGTERM (or Ctrl-C, forwarded as SIGTERM: issue 31 item 7) to
   # the launcher reaches both processes, which agree on one call, save it, and exit with 42. The checkpoint
@@ -727,6 +748,7 @@ def test_sigterm_or_ctrl_c_to_the_launcher_makes_the_preemption_handler_save_and
   assert float(strategy.experimental_local_results(restored["count"])[0]) == float(step)
 
 
+@pytest.mark.processes
 def test_launch_forwards_sigterm_in_a_program_of_its_own_and_puts_the_handler_back(run, tmp_path):
   # `launch()` called by a program (here, this test's process): a SIGTERM to that program is forwarded
   # too, and the program's own SIGTERM handler is back once `launch()` returns.
@@ -791,6 +813,7 @@ os._exit(1)
     ("kill", 128 + signal.SIGKILL, "was killed by SIGKILL"),
     ("watchdog", names.EXIT_STEP_TIMEOUT, "exited with status 124 (its step watchdog or checkpoint deadline fired"),
 ])
+@pytest.mark.processes
 def test_the_first_process_to_end_is_blamed_even_when_both_end_between_two_looks(tmp_path, how, status, described):
   # Process 1 ends, then process 0 exits with 1 an instant later, while the launcher is stopped (SIGSTOP):
   # both have ended when it looks again, as when two processes end within one of its polls. The launcher
@@ -816,6 +839,7 @@ def test_the_first_process_to_end_is_blamed_even_when_both_end_between_two_looks
   assert "process 0 stopped on its own: it exited with status 1" in err, err[-3000:]
 
 
+@pytest.mark.processes
 def test_without_pidfds_the_ends_are_still_seen(run, monkeypatch):
   # Where pidfds are missing (not Linux, an old kernel), a thread per process waits for it.
   monkeypatch.delattr(launch.os, "pidfd_open", raising=False)

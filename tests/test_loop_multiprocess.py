@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 from conftest import assert_close, launched_results
 
+pytestmark = pytest.mark.processes  # every test here starts processes (tests/conftest.py)
+
 SCRIPT = pathlib.Path(__file__).resolve().parent / "_mp_scripts" / "loop_features.py"
 
 

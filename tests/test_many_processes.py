@@ -152,6 +152,7 @@ def four_by_two(tmp_path_factory, reference) -> tuple[pathlib.Path, int]:
   return ckpt, agreed
 
 
+@pytest.mark.processes
 def test_four_processes_save_one_step_on_sigterm_and_resume_exactly(four_by_two):
   """run (the all-reduced loss), reduce, gather (the ids) and the preemption agreement on 4 x 2: checked in
   `four_by_two` against numpy, step by step and for the final parameters."""
@@ -159,6 +160,7 @@ def test_four_processes_save_one_step_on_sigterm_and_resume_exactly(four_by_two)
   assert agreed in (6, 7)
 
 
+@pytest.mark.processes
 def test_eight_processes_resume_a_four_process_checkpoint_and_a_preemption_exactly(four_by_two, reference,
                                                                                    tmp_path):
   source, _ = four_by_two
@@ -173,6 +175,7 @@ def test_eight_processes_resume_a_four_process_checkpoint_and_a_preemption_exact
   assert _checkpoints(ckpt) == sorted({4, agreed, 8})
 
 
+@pytest.mark.processes
 def test_the_watchdog_names_the_one_stuck_process_of_eight():
   """Process 5 of 8 hangs (alive, in Python) before its step 3; the other 7 wait in step 3's all-reduce.
   A watchdog fires within the step timeout, names process 5 with the last step it reached, and the

@@ -87,6 +87,7 @@ def _assert_close(got, want, path="result"):
 # -- everything works across processes ------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_api_gives_the_one_process_answers_in_every_process(job, across, strategy):
   # run, reduce, gather, ReplicaContext collectives, reduce_to, tpustrat.ops with groups, distributed
   # datasets (padded partial batch), datasets_from_function (one shard per process), run_steps: every
@@ -96,6 +97,7 @@ def test_api_gives_the_one_process_answers_in_every_process(job, across, strateg
     _assert_close(job[p]["api"], want, f"process {p}")
 
 
+@pytest.mark.processes
 def test_each_process_holds_its_own_replicas_and_reads_its_own_shard(job):
   for p in (0, 1):
     local = job[p]["local"]
@@ -108,6 +110,7 @@ def test_each_process_holds_its_own_replicas_and_reads_its_own_shard(job):
   assert job[1]["local"]["local_batch_rows"] == [[8, 9], [10, 11], [], []]
 
 
+@pytest.mark.processes
 def test_classifier_on_two_processes_gives_the_losses_of_one_process(job, across):
   # examples/classifier.py, same arguments, 2 processes x 4 devices vs this process's 8 devices
   # (measured: bit-identical).
@@ -144,6 +147,7 @@ print("RESULT", json.dumps(dict(
 """
 
 
+@pytest.mark.processes
 def test_each_process_counts_its_steps_and_warns_of_slow_input_and_retracing(job):
   """tests/_mp_scripts/across_processes.py `step_stats`: 40 steps over a source that sleeps per element,
   windows of 20 steps, then one function compiled for 6 shapes; every process counts its own."""
@@ -158,6 +162,7 @@ def test_each_process_counts_its_steps_and_warns_of_slow_input_and_retracing(job
     assert "the argument at args[0] changed from float32[5] to float32[6]" in got["warnings"][1][1]
 
 
+@pytest.mark.processes
 def test_a_process_that_holds_no_replica_builds_values_from_function_too():
   # A strategy on process 0's 4 devices only: process 1 holds none of its replicas. It contributes no
   # data, but gets the same global value (no shards of its own) and follows run / reduce like process 0;
@@ -226,6 +231,7 @@ def _finish(launcher, pids, timeout):
   return elapsed, "".join(launcher.errors)
 
 
+@pytest.mark.processes
 def test_a_killed_process_stops_the_others_and_is_reported():
   launcher, pids = _start_training("--heartbeat-timeout", "5", "--grace-period", "20")
   os.kill(pids[1], signal.SIGKILL)
@@ -238,6 +244,7 @@ def test_a_killed_process_stops_the_others_and_is_reported():
   assert elapsed < 20, f"{elapsed:.1f} s"
 
 
+@pytest.mark.processes
 def test_a_hung_process_is_declared_dead_and_killed():
   launcher, pids = _start_training("--heartbeat-timeout", "5", "--grace-period", "2")
   os.kill(pids[1], signal.SIGSTOP)  # hangs: no progress, no heartbeats, no exit
@@ -269,6 +276,7 @@ def test_a_hung_process_is_declared_dead_and_killed():
     # jax.devices() before TPUStrategy() joins the job
     ("late", r"must start before JAX initialises its backends, but they are already initialised"),
 ])
+@pytest.mark.processes
 def test_a_badly_started_job_fails_with_a_clear_error(mode, message):
   out = _launch("--initialization-timeout", "8" if mode == "id" else "60", "--heartbeat-timeout", "5",
                 "--timeout", "90", str(SCRIPTS / "bad_cluster.py"), mode, timeout=120)
@@ -280,6 +288,7 @@ def test_a_badly_started_job_fails_with_a_clear_error(mode, message):
       out.stderr[-3000:]
 
 
+@pytest.mark.processes
 def test_an_unreachable_coordinator_is_named_within_the_timeout():
   with socket.socket() as s:  # a port nobody listens on
     s.bind(("127.0.0.1", 0))
@@ -336,6 +345,7 @@ def test_launcher_names_the_process_that_hangs_not_the_first_to_exit():
   assert launch._exit_status(-9) == 137 and launch._exit_status(75) == 75
 
 
+@pytest.mark.processes
 def test_launcher_arguments():
   bad = subprocess.run(LAUNCH[:3] + ["--num-processes", "0", "x.py"], env=_env(), capture_output=True, text=True,
                        timeout=30)
@@ -392,6 +402,7 @@ _CONNECT = ("import os, tpustrat; s = tpustrat.TPUStrategy(); "
             "print('connected', os.environ['TPUSTRAT_COORDINATOR_ADDRESS'], s.num_replicas_in_sync, flush=True)")
 
 
+@pytest.mark.processes
 def test_launcher_retries_on_a_fresh_port_when_the_coordinator_port_is_taken(in_process_launch, monkeypatch):
   # Another program takes the free port the launcher chose before process 0 binds it (here: before the
   # launcher even starts). The job used to fail; the launcher now starts it again on a fresh port.
@@ -422,6 +433,7 @@ def _fake_taken(who: int) -> str:
           "time.sleep(30)\n")
 
 
+@pytest.mark.processes
 def test_launcher_retries_a_taken_port_a_bounded_number_of_times_and_nothing_else(in_process_launch, monkeypatch):
   from tpustrat import launch
 
@@ -444,6 +456,7 @@ def test_launcher_retries_a_taken_port_a_bounded_number_of_times_and_nothing_els
     assert len(given) == (0 if "port" in kwargs else 1)
 
 
+@pytest.mark.processes
 def test_a_taken_coordinator_port_ends_the_process_with_the_start_failed_status():
   # The launcher learns of it from the exit status alone (names.EXIT_START_FAILED), not from the message.
   with socket.socket() as s:
@@ -461,6 +474,7 @@ def test_a_taken_coordinator_port_ends_the_process_with_the_start_failed_status(
   assert f"process 0 of 2 could not start the job's coordinator; it exits at once with status {names.EXIT_START_FAILED}" in out.stderr
 
 
+@pytest.mark.processes
 def test_launcher_starts_processes_without_preexec_fn(in_process_launch, monkeypatch):
   # `preexec_fn` runs Python code between fork and exec, which can deadlock when the program calling
   # launch() has threads (Python's subprocess docs); setting the parent-death signal moved into the child.
@@ -486,6 +500,7 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+@pytest.mark.processes
 def test_processes_die_with_a_launcher_killed_by_sigkill():
   # Nothing of the launcher runs then: each process asked Linux for SIGKILL when the launcher dies.
   # (SIGTERM and the processes' leftover children: the tests above.)
@@ -548,6 +563,7 @@ def _wait_gone(pid: int, seconds: float = 10.0) -> bool:
   return True
 
 
+@pytest.mark.processes
 def test_launcher_stopped_by_sigterm_kills_the_job_and_reports_sigterm(tmp_path):
   launcher = _start(tmp_path, """
       import os, time
@@ -564,6 +580,7 @@ def test_launcher_stopped_by_sigterm_kills_the_job_and_reports_sigterm(tmp_path)
   assert all(_wait_gone(pid) for pid in pids)
 
 
+@pytest.mark.processes
 def test_launcher_leaves_no_orphaned_children_behind(tmp_path):
   # A process that starts a helper and ends without stopping it: the helper must not outlive the job
   # (it would hold the output pipes open and the launcher would wait for them).
@@ -590,6 +607,7 @@ def test_launch_reports_a_signal_exit_status():
 # -- MultiWorkerMirroredStrategy; MirroredStrategy refused in a multi-process job (issue 32) --------------
 
 
+@pytest.mark.processes
 def test_multi_worker_mirrored_strategy_spans_the_job_and_mirrored_strategy_is_refused():
   out = _launch("--timeout", "120", str(SCRIPTS / "multi_worker_mirrored.py"), timeout=180)
   assert out.returncode == 0, out.stderr[-4000:]

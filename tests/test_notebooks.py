@@ -61,6 +61,7 @@ def kernel_name(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.processes
 def test_notebook_runs_top_to_bottom(path, tmp_path, kernel_name):
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")

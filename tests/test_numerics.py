@@ -392,6 +392,7 @@ def _env() -> dict[str, str]:
           if not k.startswith("TPUSTRAT_") and k != "JAX_NUM_CPU_DEVICES"}
 
 
+@pytest.mark.processes
 def test_two_processes_both_raise_the_same_error_at_the_same_call():
   """The NaN is made on replica 6 (process 1's devices) at step 3 of 8; with 2 steps in flight, both
   processes raise at call 5, name step 3, replica 6 and process 1, and exit with status 3: no hang."""
@@ -411,6 +412,7 @@ def test_two_processes_both_raise_the_same_error_at_the_same_call():
   assert elapsed < 90, f"{elapsed:.1f} s"
 
 
+@pytest.mark.processes
 def test_two_processes_raise_the_same_error_of_a_run_inside_a_users_jit_and_scan():
   """A jitted scan of 5 steps with the NaN on replica 6 (process 1) at iteration 3: the scan's result
   comes back, both processes raise the same error in experimental_run_wait (the callback runs on one device

@@ -147,6 +147,7 @@ def test_some_examples_need_the_extra():
 
 
 @pytest.mark.parametrize("path", NEEDING_EXTRA, ids=lambda p: p.name)
+@pytest.mark.processes
 def test_an_example_without_the_extra_says_which_extra_to_install(path):
   result = subprocess.run([sys.executable, "-c", _HIDDEN_RUN, str(path), *sorted(OPTIONAL)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)

@@ -171,6 +171,7 @@ def test_mirrored_with_different_components_is_an_error():
   np.testing.assert_array_equal(m.values[0], a)
 
 
+@pytest.mark.processes
 def test_public_submodules_need_no_import():
   import os
   import subprocess

@@ -114,6 +114,7 @@ def uninterrupted(tmp_path_factory):
   return runs
 
 
+@pytest.mark.processes
 def test_sigterm_on_one_of_two_processes_saves_at_one_step_and_the_restarted_job_resumes(uninterrupted, tmp_path):
   ckpt, out = tmp_path / "ckpt", tmp_path / "out"
   out.mkdir()
@@ -132,6 +133,7 @@ def test_sigterm_on_one_of_two_processes_saves_at_one_step_and_the_restarted_job
   _assert_same_training(uninterrupted["launched"], out, done.stdout, processes=2)
 
 
+@pytest.mark.processes
 def test_sigterm_before_the_handler_exists_saves_at_the_first_agreed_step(uninterrupted, tmp_path):
   """Process 1 gets SIGTERM after connecting (JAX's own notifier installed) and before it creates its
   handler: the handler takes the notice when created, and both processes save at the first call they agree
@@ -157,6 +159,7 @@ def test_sigterm_before_the_handler_exists_saves_at_the_first_agreed_step(uninte
   _assert_same_training(uninterrupted["launched"], out, done.stdout, processes=2)
 
 
+@pytest.mark.processes
 def test_sigkill_resumes_from_the_last_periodic_checkpoint(uninterrupted, tmp_path):
   ckpt, out = tmp_path / "ckpt", tmp_path / "out"
   out.mkdir()
@@ -168,6 +171,7 @@ def test_sigkill_resumes_from_the_last_periodic_checkpoint(uninterrupted, tmp_pa
   _assert_same_training(uninterrupted["launched"], out, done.stdout, processes=2)
 
 
+@pytest.mark.processes
 def test_sigterm_on_one_process_then_run_again_by_hand(uninterrupted, tmp_path):
   ckpt, out = tmp_path / "ckpt", tmp_path / "out"
   out.mkdir()
@@ -181,6 +185,7 @@ def test_sigterm_on_one_process_then_run_again_by_hand(uninterrupted, tmp_path):
   _assert_same_training(uninterrupted["single"], out, output, processes=1)
 
 
+@pytest.mark.processes
 def test_a_stuck_process_stops_the_job_within_the_step_timeout(tmp_path):
   ckpt, out = tmp_path / "ckpt", tmp_path / "out"
   out.mkdir()

@@ -135,6 +135,7 @@ def _launch(*args: str) -> list[dict]:
   return results
 
 
+@pytest.mark.processes
 def test_two_by_four_job_writes_one_trace_per_process(tmp_path):
   # TPUStrategy over the job's 8 devices, each process profiling itself with the context manager.
   results = _launch(str(SCRIPT), "tpu", str(tmp_path / "ctx"))

@@ -119,6 +119,7 @@ def _assert_nested_close(got, want, where):
 
 
 @needs_tf
+@pytest.mark.processes
 def test_same_scenarios_as_tensorflow(tf_results, ours):
   assert sorted(ours) == sorted(tf_results)
   for key in sorted(tf_results):
@@ -152,6 +153,7 @@ def _da_cases():
 
 
 @needs_tf
+@pytest.mark.processes
 def test_device_assignment_build_matches_tensorflow():
   cases = _da_cases()
   proc = subprocess.run([sys.executable, str(DA_SCRIPT)], input=json.dumps(cases), capture_output=True,

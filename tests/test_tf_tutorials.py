@@ -104,6 +104,7 @@ def _check_worker(got: dict, want: list[float], process: int, resolver: str, spe
   assert got["cluster_spec"] == spec
 
 
+@pytest.mark.processes
 def test_multi_worker_ctl_on_two_processes_through_the_launcher(mw_reference, tmp_path):
   # `MultiWorkerMirroredStrategy()` joins the launcher's job: 8 replicas over 2 processes, one input
   # pipeline per process; every process holds the job's losses, equal to one device's; both write their
@@ -126,6 +127,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.processes
 def test_multi_worker_ctl_on_two_processes_through_tf_config(mw_reference):
   # The tutorial's own set-up: each worker started by hand with its TF_CONFIG; `MultiWorkerMirroredStrategy()`
   # reads it (TF's default resolver) and connects the two into one job.

@@ -55,6 +55,7 @@ def _line_of(text: str) -> int:
 # -- real processes through the launcher -------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_a_peer_compiling_longer_than_the_step_timeout_is_not_a_hang():
   """Process 1 traces its step for 10 s (a cold compile beside a warm one) while process 0, done compiling,
   waits in the step's all-reduce; with a step timeout of 4 s the job finishes with the right sum."""
@@ -70,6 +71,7 @@ def test_a_peer_compiling_longer_than_the_step_timeout_is_not_a_hang():
   assert result["state"] == steps * sum(r + 1 for r in range(REPLICAS))
 
 
+@pytest.mark.processes
 def test_a_hanging_process_is_still_caught_and_named():
   start = time.monotonic()
   done = _launched("hang", 0, 6, step_timeout=3)
@@ -91,6 +93,7 @@ def test_a_hanging_process_is_still_caught_and_named():
       done.stderr[-4000:])
 
 
+@pytest.mark.processes
 def test_a_host_callback_that_never_returns_names_its_process_and_the_callback():
   """At step 3 the step program's host callback blocks forever on process 1, before the all-reduce: every
   process dispatched step 3 (step 4 too, unless its dispatch was still under way: two steps may be in
