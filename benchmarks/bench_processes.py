@@ -155,7 +155,8 @@ def worker(args: argparse.Namespace) -> None:
   counts: dict[str, list[int]] = {}
   guarded_seconds = [0.0]
   last: dict[str, Any] = {}  # each variant's final w and the steps that made it
-  tmp = tempfile.mkdtemp(prefix="bench_processes_")
+  tmp_dir = tempfile.TemporaryDirectory(prefix="bench_processes_")  # removed when the worker ends
+  tmp = tmp_dir.name
   manager = tpustrat.checkpoint.CheckpointManager(os.path.join(tmp, "ckpt"), strategy)
 
   def hand_written(steps: int) -> float:
