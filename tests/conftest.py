@@ -229,6 +229,17 @@ def pytest_runtest_makereport(item, call):
   return report
 
 
+@pytest.fixture(autouse=True)
+def _restore_connected_resolver():
+  """Each test starts with the process's connection as the session left it: a one-process strategy given a
+  resolver (`TPUStrategy(resolver)`) becomes the resolver `Strategy.cluster_resolver` reports afterwards, and
+  without this the next test on the same worker (a doctest, say) would read whichever test ran before it."""
+  from tpustrat._src import cluster_connection  # pylint: disable=import-outside-toplevel
+  saved = list(cluster_connection._RESOLVER), list(cluster_connection._CONNECTED_ONE)  # pylint: disable=protected-access
+  yield
+  cluster_connection._RESOLVER[:], cluster_connection._CONNECTED_ONE[:] = saved  # pylint: disable=protected-access
+
+
 @pytest.fixture(scope="session")
 def strategy() -> tpustrat.TPUStrategy:
   """One 8-replica strategy shared by the tests (compilation caches live on it)."""
