@@ -159,10 +159,12 @@ class UnmarkedProcessError(RuntimeError):
   """A test without the `processes` mark started a process."""
 
 
-def _process_audit(event: str, args: tuple) -> None:
-  if event not in _SPAWN_EVENTS:
+def _process_audit(event: str, args: tuple, _events=_SPAWN_EVENTS, _running=_RUNNING) -> None:
+  # The hook outlives this module's globals at interpreter exit (it cannot be removed): what it reads
+  # first is bound here.
+  if event not in _events:
     return
-  item = _RUNNING[0]
+  item = _running[0]
   if item is None:
     return
   item.stash[_STARTED] = item.stash.get(_STARTED, 0) + 1
