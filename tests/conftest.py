@@ -67,6 +67,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import importlib.util  # noqa: E402
 import multiprocessing.util  # noqa: E402
 import pathlib  # noqa: E402
+import platform  # noqa: E402
 import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -178,6 +179,10 @@ def _process_audit(event: str, args: tuple, _events=_SPAWN_EVENTS, _running=_RUN
   raise UnmarkedProcessError(message)
 
 
+# Python's `platform.processor()` runs `uname -p` once per process and keeps the answer; libraries call it on
+# import (Keras through h5py). Asked here, before any test, so that whichever test first imports such a
+# library does not count as starting a process (it did, for a test run alone: the check depended on order).
+platform.processor()
 sys.addaudithook(_process_audit)
 
 # multiprocessing's "spawn" and "forkserver" start methods (the default from Python 3.14) start their
