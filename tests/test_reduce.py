@@ -248,3 +248,61 @@ def test_integer_mean_over_many_elements_is_exact_to_float32(strategy):
   host = np.stack([(np.arange(n, dtype=np.int64) * 7919 % 2**31) - r for r in range(8)]).astype(np.float64)
   np.testing.assert_allclose(np.asarray(strategy.reduce("MEAN", v, axis=0), np.float64), host.mean(),
                              rtol=4 * np.finfo(np.float32).eps)
+
+
+def _compiles(fn):
+  """(fn(), the names of the programs JAX compiled while it ran)."""
+  import logging  # pylint: disable=import-outside-toplevel
+  names = []
+
+  class Record(logging.Handler):
+    def emit(self, record):
+      message = record.getMessage()
+      if message.startswith("Compiling "):
+        names.append(message.split()[1])
+
+  handler, logger = Record(), logging.getLogger("jax")
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles(True):
+      out = fn()
+  finally:
+    logger.removeHandler(handler)
+  return out, names
+
+
+def test_reduce_and_gather_of_a_tree_are_one_program_each(strategy, rng):
+  # 7 leaves of 7 shapes and 3 kinds (PerReplica, Mirrored, a plain array): one compiled program per call,
+  # not one per leaf, and each result as numpy computes it.
+  shapes = [(N, 3), (N, 5, 2), (N, 7), (N, 1, 4), (N, 6)]
+  xs = [rng.normal(size=s).astype(np.float32) for s in shapes]
+  per_replica = [distribute(strategy, x) for x in xs]
+  ctx = tpustrat.get_replica_context
+  mirrored = strategy.run(lambda: ctx().all_reduce("sum", jnp.arange(9.0) + ctx().replica_id_in_sync_group))
+  tree = {"p": per_replica, "m": mirrored, "plain": np.arange(4, dtype=np.float32) + 0.5}
+  got, names = _compiles(lambda: strategy.reduce("mean", tree, axis=None))
+  assert names == ["jit(_leaves_program)"], names
+  for g, x in zip(got["p"], xs):
+    assert_close(g, x.astype(np.float64).mean(0), scale=np.abs(x).max())
+  # A Mirrored counts once per replica: MEAN is its value, the sum over replicas of arange(9) + r.
+  np.testing.assert_allclose(np.asarray(got["m"]), N * np.arange(9.0) + N * (N - 1) / 2, rtol=1e-6)
+  np.testing.assert_array_equal(got["plain"], np.arange(4) + 0.5)
+  # Every result lies on every device of the strategy, as before.
+  assert all(g.sharding.device_set == set(strategy.extended.worker_devices) for g in jax.tree.leaves(got))
+
+  gathered, names = _compiles(lambda: strategy.gather(per_replica, axis=0))
+  assert names == ["jit(_leaves_program)"], names
+  for g, x in zip(gathered, xs):
+    np.testing.assert_array_equal(g, x.reshape((-1,) + x.shape[2:]))
+  _, names = _compiles(lambda: strategy.reduce("mean", tree, axis=None))
+  assert names == []  # the same structure and shapes again: nothing compiled
+
+
+def test_reduce_of_leaves_committed_to_other_devices(strategy, rng):
+  # A plain array the user placed on one device beside the strategy's values: both reduce, each where it
+  # lies (one program for the strategy's devices, one for the other device).
+  x = rng.normal(size=(N, 3)).astype(np.float32)
+  lone = jax.device_put(np.float32(2.5), jax.devices()[3])
+  got = strategy.reduce("mean", {"x": distribute(strategy, x), "lone": lone}, axis=None)
+  assert_close(got["x"], x.astype(np.float64).mean(0), scale=np.abs(x).max())
+  assert float(got["lone"]) == 2.5

@@ -1,8 +1,9 @@
 """Cross-replica `reduce`, `gather` and `experimental_local_results` (cross-replica context).
 
 A `PerReplica` leaf is a global array with a leading replica axis, so reducing across replicas is a
-reduction over axis 0 of that array, compiled once per shape and executed on the devices; only the
-result leaves them. With `axis` set, the reduction also runs over that axis of each component, and
+reduction over axis 0 of that array, executed on the devices; only the result leaves them. Every leaf of
+one call goes into one compiled program (one per set of devices the leaves lie on), compiled once per
+structure and shapes: a tree of many leaves is one compilation and one dispatch, not one per leaf. With `axis` set, the reduction also runs over that axis of each component, and
 `MEAN` divides by the true number of elements (replicas x the size of that axis), as TF documents.
 
 Padding rows of a padded batch are skipped only where the caller has said which axis is the batch (see
@@ -20,6 +21,7 @@ TF's rules for values that are not `PerReplica` are kept: a `Mirrored` value cou
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -69,7 +71,6 @@ def _narrow_int(x: jax.Array) -> bool:
   return jnp.issubdtype(x.dtype, jnp.integer) and jnp.dtype(x.dtype).itemsize <= 4
 
 
-@functools.partial(jax.jit, static_argnames=("op", "axis", "stacked", "copies"))
 def _reduce_leaf(x: jax.Array, *, op: ReduceOp, axis: int | None, stacked: bool, copies: int) -> jax.Array:
   """Reduces one leaf. `stacked`: x has a leading replica axis; else x is one value held `copies` times."""
   wide = op is ReduceOp.MEAN and _narrow_int(x)  # a MEAN of ints: summed without wrapping around
@@ -89,7 +90,6 @@ def _reduce_leaf(x: jax.Array, *, op: ReduceOp, axis: int | None, stacked: bool,
   return total / count if jnp.issubdtype(total.dtype, jnp.inexact) else total / jnp.float32(count)
 
 
-@functools.partial(jax.jit, static_argnames=("op", "axis"))
 def _reduce_padded_leaf(x: jax.Array, valid: jax.Array, *, op: ReduceOp, axis: int | None) -> jax.Array:
   """Reduces a stacked leaf ``[n, k, ...]`` whose component ``r`` has ``valid[r]`` real rows of ``k``.
 
@@ -110,13 +110,11 @@ def _reduce_padded_leaf(x: jax.Array, valid: jax.Array, *, op: ReduceOp, axis: i
   return total / count.astype(total.dtype)
 
 
-@jax.jit
 def _take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
   """Rows `rows` of the stacked leaf ``[n, k, ...]`` seen as one ``[n * k, ...]`` batch."""
   return jnp.take(x.reshape((-1,) + x.shape[2:]), rows, axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "copies"))
 def _gather_leaf(x: jax.Array, *, axis: int, copies: int) -> jax.Array:
   if copies:  # one value held by every replica: concatenate `copies` of it
     return jnp.concatenate([x] * copies, axis=axis)
@@ -125,13 +123,63 @@ def _gather_leaf(x: jax.Array, *, axis: int, copies: int) -> jax.Array:
   return moved.reshape(shape)
 
 
-def _place(result: jax.Array, mesh: jax.sharding.Mesh | None) -> jax.Array:
-  if isinstance(result, jax.core.Tracer):
-    return result
-  watchdog.note(result, steps=0)  # a cross-replica reduction waits for every replica, like a step
-  if mesh is None:
-    return result
-  return jax.device_put(result, NamedSharding(mesh, P()))
+# One leaf's work in the program `_leaves_program` compiles: (kind, static arguments). Every leaf of one
+# `reduce` or `gather` call goes into one program, so a call compiles once per structure and shapes, not
+# once per leaf (a tree of many leaves was as many compilations and dispatches).
+_KINDS: dict[str, Callable[..., jax.Array]] = {
+    "reduce": _reduce_leaf, "reduce_padded": _reduce_padded_leaf, "take_rows": _take_rows, "gather": _gather_leaf}
+
+
+@functools.partial(jax.jit, static_argnames=("specs",))
+def _leaves_program(leaves: tuple[jax.Array, ...], extras: tuple[Any, ...], *,
+                    specs: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]) -> tuple[jax.Array, ...]:
+  """Every leaf's reduction or gather (`specs[i]` for ``leaves[i]``, with ``extras[i]``: the real-row
+  counts or the rows to take, or None) in one compiled program."""
+  return tuple(_KINDS[kind](x, **dict(kwargs)) if extra is None else _KINDS[kind](x, extra, **dict(kwargs))
+               for x, extra, (kind, kwargs) in zip(leaves, extras, specs))
+
+
+class _Leaves:
+  """The leaves of one `reduce` or `gather` call, checked and collected before anything is compiled."""
+
+  def __init__(self) -> None:
+    self.leaves: list[jax.Array] = []
+    self.extras: list[Any] = []
+    self.specs: list[tuple[str, tuple[tuple[str, Any], ...]]] = []
+
+  def add(self, x: jax.Array, kind: str, extra: Any = None, **kwargs: Any) -> int:
+    self.leaves.append(x)
+    self.extras.append(extra)
+    self.specs.append((kind, tuple(sorted(kwargs.items()))))
+    return len(self.leaves) - 1
+
+  def run(self, mesh: jax.sharding.Mesh | None) -> list[jax.Array]:
+    """The results, in the order added: one program per set of devices the leaves are committed to (one
+    for the values of one strategy; leaves not committed anywhere join the first), placed on every device
+    of `mesh`."""
+    groups: dict[Any, list[int]] = {}
+    loose = []
+    for i, x in enumerate(self.leaves):
+      if isinstance(x, jax.core.Tracer) or not x.committed:
+        loose.append(i)
+      else:
+        groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+    if not groups:
+      groups[None] = []
+    groups[next(iter(groups))] += loose
+    results: list[Any] = [None] * len(self.leaves)
+    for indices in groups.values():
+      indices.sort()
+      outs = _leaves_program(tuple(self.leaves[i] for i in indices), tuple(self.extras[i] for i in indices),
+                             specs=tuple(self.specs[i] for i in indices))
+      for i, out in zip(indices, outs):
+        results[i] = out
+    if not results or isinstance(results[0], jax.core.Tracer):  # inside the user's own jit: nothing to place
+      return results
+    watchdog.note(results[-1], steps=0)  # a cross-replica reduction waits for every replica, like a step
+    if mesh is None:
+      return results
+    return jax.device_put(results, NamedSharding(mesh, P()))
 
 
 def _refuse_sharded(node: Any, what: str) -> None:
@@ -142,20 +190,34 @@ def _refuse_sharded(node: Any, what: str) -> None:
         "strategy.experimental_local_results(v) its blocks.")
 
 
+def _map_leaves(value: Any, one: Callable[[Any, Any, PerReplica | None, bool], int], leaves: _Leaves,
+                mesh: jax.sharding.Mesh | None) -> Any:
+  """`value` with each leaf replaced by its result: `one(leaf, stacked, per_replica, plain)` adds it to
+  `leaves` (checking it first); then one program computes them all."""
+  slots = []
+
+  def node_slots(node: Any) -> Any:
+    if isinstance(node, PerReplica):
+      return jax.tree.map(lambda x: one(x, True, node, False), node.tree)
+    if isinstance(node, Mirrored):
+      return jax.tree.map(lambda x: one(x, False, None, False), node.tree)
+    return one(node, False, None, True)
+
+  structure = jax.tree.map(node_slots, value, is_leaf=is_distributed)
+  slots = jax.tree.leaves(structure)
+  results = leaves.run(mesh)
+  return jax.tree.unflatten(jax.tree.structure(structure), [results[i] for i in slots])
+
+
 def reduce(reduce_op: ReduceOp | str, value: Any, axis: int | None, *, num_replicas: int,
            mesh: jax.sharding.Mesh | None) -> Any:
-  """Host-side `Strategy.reduce` over every distributed (or plain) leaf of `value`."""
+  """Host-side `Strategy.reduce` over every distributed (or plain) leaf of `value`, in one program."""
   op = ReduceOp.from_value(reduce_op)
+  leaves = _Leaves()
 
-  def one(node: Any) -> Any:
-    _refuse_sharded(node, "reduce")
-    if isinstance(node, PerReplica):
-      return jax.tree.map(lambda x: _one_leaf(x, stacked=True, per_replica=node), node.tree)
-    if isinstance(node, Mirrored):
-      return jax.tree.map(lambda x: _one_leaf(x, stacked=False), node.tree)
-    return _one_leaf(node, stacked=False, plain=True)
-
-  def _one_leaf(x: Any, *, stacked: bool, plain: bool = False, per_replica: PerReplica | None = None) -> Any:
+  def one(x: Any, stacked: bool, per_replica: PerReplica | None, plain: bool) -> int:
+    if plain:
+      _refuse_sharded(x, "reduce")
     x = jnp.asarray(x)
     if stacked:
       check_components(x, num_replicas, "strategy.reduce: a PerReplica value")
@@ -163,29 +225,24 @@ def reduce(reduce_op: ReduceOp | str, value: Any, axis: int | None, *, num_repli
     ax = None if axis is None else normalize_axis(axis, rank, "strategy.reduce")
     valid = None if per_replica is None else per_replica.real_rows(ax)
     if valid is not None:
-      return _place(_reduce_padded_leaf(x, valid, op=op, axis=ax), mesh)
+      return leaves.add(x, "reduce_padded", valid, op=op, axis=ax)
     if plain and op is ReduceOp.SUM and ax is None and num_replicas > 1:
       raise ValueError(
           f"A non-distributed value (shape {x.shape}) cannot be reduced with reduce op SUM across "
           f"{num_replicas} replicas: it is not known how many replicas hold it. Pass a PerReplica or "
           "Mirrored value (as returned by strategy.run), or use MEAN.")
-    return _place(_reduce_leaf(x, op=op, axis=ax, stacked=stacked, copies=num_replicas), mesh)
+    return leaves.add(x, "reduce", op=op, axis=ax, stacked=stacked, copies=num_replicas)
 
-  return jax.tree.map(one, value, is_leaf=is_distributed)
+  return _map_leaves(value, one, leaves, mesh)
 
 
 def gather(value: Any, axis: int, *, num_replicas: int, mesh: jax.sharding.Mesh | None) -> Any:
-  """Host-side `Strategy.gather`: concatenates every replica's component along `axis`."""
+  """Host-side `Strategy.gather`: concatenates every replica's component along `axis`, in one program."""
+  leaves = _Leaves()
 
-  def one(node: Any) -> Any:
-    _refuse_sharded(node, "gather")
-    if isinstance(node, PerReplica):
-      return jax.tree.map(lambda x: _one_leaf(x, stacked=True, padded=node), node.tree)
-    if isinstance(node, Mirrored):
-      return jax.tree.map(lambda x: _one_leaf(x, stacked=False), node.tree)
-    return _one_leaf(node, stacked=False)
-
-  def _one_leaf(x: Any, *, stacked: bool, padded: PerReplica | None = None) -> Any:
+  def one(x: Any, stacked: bool, padded: PerReplica | None, plain: bool) -> int:
+    if plain:
+      _refuse_sharded(x, "gather")
     x = jnp.asarray(x)
     if stacked:
       check_components(x, num_replicas, "strategy.gather: a PerReplica value")
@@ -205,10 +262,10 @@ def gather(value: Any, axis: int, *, num_replicas: int, mesh: jax.sharding.Mesh 
               f"rows ({counts.tolist()} of {k}): the components cannot be concatenated along a non-batch "
               "axis. Gather along axis 0, or drop the partial batch (InputOptions(drop_remainder=True)).")
         rows = np.concatenate([r * k + np.arange(c) for r, c in enumerate(counts)]).astype(np.int32)
-        return _place(_take_rows(x, rows), mesh)
-    return _place(_gather_leaf(x, axis=ax, copies=0 if stacked else num_replicas), mesh)
+        return leaves.add(x, "take_rows", rows)
+    return leaves.add(x, "gather", axis=ax, copies=0 if stacked else num_replicas)
 
-  return jax.tree.map(one, value, is_leaf=is_distributed)
+  return _map_leaves(value, one, leaves, mesh)
 
 
 def local_results(value: Any) -> tuple[Any, ...]:
