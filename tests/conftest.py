@@ -65,6 +65,7 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
 import importlib.util  # noqa: E402
+import logging  # noqa: E402
 import multiprocessing.util  # noqa: E402
 import pathlib  # noqa: E402
 import platform  # noqa: E402
@@ -361,3 +362,23 @@ def embedding_layout(emb, layout: str):
   reduce-scattered). Set before the first step traces."""
   emb._forced_layout = layout
   return emb
+
+
+def compiled_programs(fn):
+  """(fn(), the names of the programs JAX compiled while it ran)."""
+  names = []
+
+  class Record(logging.Handler):
+    def emit(self, record):
+      message = record.getMessage()
+      if message.startswith("Compiling "):
+        names.append(message.split()[1])
+
+  handler, logger = Record(), logging.getLogger("jax")
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles(True):
+      out = fn()
+  finally:
+    logger.removeHandler(handler)
+  return out, names

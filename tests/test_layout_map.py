@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_close
+from conftest import assert_close, compiled_programs
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -294,3 +294,21 @@ def test_layout_map_is_an_ordered_mapping_with_keras_lookup():
     LayoutMap({"w": [1, 0]})
   with pytest.raises(TypeError, match="a key must be a regular expression"):
     LayoutMap({1: [1]})
+
+
+def test_reading_a_split_value_twice_compiles_once(s42, rng):
+  # A Mirrored split over a replica's logical cores gives each replica the whole value: its parts are
+  # copied together by one program, compiled the first time only (it was traced, lowered and looked up
+  # again at every read).
+  params = mlp_params(rng)
+  layout_map = mlp_layout(2)
+  state = s42.experimental_shard(params, layout_map=layout_map)
+  kernel = state["dense1"]["kernel"]
+  assert leaf(kernel).addressable_shards[0].data.shape == (16, 32)  # split over the 2 cores
+  first, _ = compiled_programs(lambda: kernel.values)
+  again, names = compiled_programs(lambda: kernel.values)
+  assert names == [], names
+  assert len(again) == s42.num_replicas_in_sync
+  for a, b in zip(first, again):
+    np.testing.assert_array_equal(a, params["dense1"]["kernel"])
+    np.testing.assert_array_equal(b, params["dense1"]["kernel"])

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, compiled_programs
 
 import tpustrat
 
@@ -250,27 +250,6 @@ def test_integer_mean_over_many_elements_is_exact_to_float32(strategy):
                              rtol=4 * np.finfo(np.float32).eps)
 
 
-def _compiles(fn):
-  """(fn(), the names of the programs JAX compiled while it ran)."""
-  import logging  # pylint: disable=import-outside-toplevel
-  names = []
-
-  class Record(logging.Handler):
-    def emit(self, record):
-      message = record.getMessage()
-      if message.startswith("Compiling "):
-        names.append(message.split()[1])
-
-  handler, logger = Record(), logging.getLogger("jax")
-  logger.addHandler(handler)
-  try:
-    with jax.log_compiles(True):
-      out = fn()
-  finally:
-    logger.removeHandler(handler)
-  return out, names
-
-
 def test_reduce_and_gather_of_a_tree_are_one_program_each(strategy, rng):
   # 7 leaves of 7 shapes and 3 kinds (PerReplica, Mirrored, a plain array): one compiled program per call,
   # not one per leaf, and each result as numpy computes it.
@@ -280,7 +259,7 @@ def test_reduce_and_gather_of_a_tree_are_one_program_each(strategy, rng):
   ctx = tpustrat.get_replica_context
   mirrored = strategy.run(lambda: ctx().all_reduce("sum", jnp.arange(9.0) + ctx().replica_id_in_sync_group))
   tree = {"p": per_replica, "m": mirrored, "plain": np.arange(4, dtype=np.float32) + 0.5}
-  got, names = _compiles(lambda: strategy.reduce("mean", tree, axis=None))
+  got, names = compiled_programs(lambda: strategy.reduce("mean", tree, axis=None))
   assert names == ["jit(_leaves_program)"], names
   for g, x in zip(got["p"], xs):
     assert_close(g, x.astype(np.float64).mean(0), scale=np.abs(x).max())
@@ -290,11 +269,11 @@ def test_reduce_and_gather_of_a_tree_are_one_program_each(strategy, rng):
   # Every result lies on every device of the strategy, as before.
   assert all(g.sharding.device_set == set(strategy.extended.worker_devices) for g in jax.tree.leaves(got))
 
-  gathered, names = _compiles(lambda: strategy.gather(per_replica, axis=0))
+  gathered, names = compiled_programs(lambda: strategy.gather(per_replica, axis=0))
   assert names == ["jit(_leaves_program)"], names
   for g, x in zip(gathered, xs):
     np.testing.assert_array_equal(g, x.reshape((-1,) + x.shape[2:]))
-  _, names = _compiles(lambda: strategy.reduce("mean", tree, axis=None))
+  _, names = compiled_programs(lambda: strategy.reduce("mean", tree, axis=None))
   assert names == []  # the same structure and shapes again: nothing compiled
 
 

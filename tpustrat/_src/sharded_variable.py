@@ -22,7 +22,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from tpustrat._src.names import REPLICA_AXIS
-from tpustrat._src.values import DistributedValues, mesh_of, unstack_replicas
+from tpustrat._src.values import DistributedValues, replicated, unstack_replicas
 
 __all__ = ["GATHERED", "Groups", "LocalShard", "ShardedVariable", "block_size", "gather_again_policy",
            "gather_within_groups", "group_position", "read_values", "scatter_sum"]
@@ -222,8 +222,7 @@ def _replica_count(x: Any) -> int:
 
 def _fully_replicated(x: Any) -> Any:
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    mesh = mesh_of(x)
-    return jax.jit(lambda v: v, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(x)
+    return replicated(x)
   return x
 
 

@@ -29,6 +29,7 @@ mean one of two things, and nothing else decides which:
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeGuard
@@ -295,11 +296,21 @@ def mesh_of(x: jax.Array) -> jax.sharding.Mesh | jax.sharding.AbstractMesh:
   return sharding.mesh
 
 
+@functools.cache
+def _replicator(mesh: jax.sharding.Mesh) -> Any:
+  """One jitted copy for each mesh (a new ``jax.jit`` per call would trace and lower on every call)."""
+  return jax.jit(lambda v: v, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def replicated(x: jax.Array) -> jax.Array:
+  """`x`, an array laid out over a strategy's mesh, copied whole onto every device of that mesh."""
+  return _replicator(mesh_of(x))(x)
+
+
 def host_counts(valid: Any) -> np.ndarray:
   """The per-replica real-row counts of a padded `PerReplica` as a host numpy int array."""
   if isinstance(valid, jax.Array) and not valid.is_fully_addressable:
-    valid = jax.jit(lambda v: v, out_shardings=jax.sharding.NamedSharding(
-        mesh_of(valid), jax.sharding.PartitionSpec()))(valid)
+    valid = replicated(valid)
   return np.asarray(valid).astype(np.int64).reshape(-1)
 
 
@@ -389,8 +400,7 @@ class Mirrored(DistributedValues):
       if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
         if not x.sharding.is_fully_replicated and isinstance(x.sharding, jax.sharding.NamedSharding):
           # split across a replica's logical cores (as `run` may return it): whole copies first
-          x = jax.jit(lambda v: v, out_shardings=jax.sharding.NamedSharding(
-              x.sharding.mesh, jax.sharding.PartitionSpec()))(x)
+          x = replicated(x)
         leaders = _replica_leaders(x.sharding)
         per_leaf.append([s.data for s in _device_order(x) if leaders is None or s.device in leaders])
       else:
