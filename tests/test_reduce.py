@@ -285,3 +285,37 @@ def test_reduce_of_leaves_committed_to_other_devices(strategy, rng):
   got = strategy.reduce("mean", {"x": distribute(strategy, x), "lone": lone}, axis=None)
   assert_close(got["x"], x.astype(np.float64).mean(0), scale=np.abs(x).max())
   assert float(got["lone"]) == 2.5
+
+
+def test_values_from_function_of_numpy_compiles_nothing_and_keeps_jax_types(strategy):
+  # numpy components go to their devices without a compiled program (jnp.asarray compiles one per new
+  # shape); each component is value_fn's value as jnp.asarray gives it: float64 as float32, int64 as int32
+  # (within int32's range); later changes to value_fn's arrays do not show.
+  host = np.arange(8 * 13 * 3, dtype=np.float64).reshape(8, 13, 3) / 7
+  ints = np.arange(8 * 11, dtype=np.int64).reshape(8, 11) - 40
+  flags = np.arange(8 * 5).reshape(8, 5) % 3 == 0
+
+  def value_fn(ctx):
+    r = ctx.replica_id_in_sync_group
+    return {"f": host[r], "i": ints[r], "b": flags[r], "np_scalar": np.float64(r) / 3}
+
+  value, names = compiled_programs(lambda: strategy.experimental_distribute_values_from_function(value_fn))
+  assert names == [], names
+  host[:] = -1  # after the call: TF has already captured the values
+  for r, component in enumerate(strategy.experimental_local_results(value)):
+    want = {"f": (np.arange(13 * 3).reshape(13, 3) + r * 39) / 7, "i": np.arange(11) - 40 + 11 * r,
+            "b": (np.arange(5) + 5 * r) % 3 == 0, "np_scalar": r / 3}
+    for key, want_value in want.items():
+      like = jnp.asarray(np.asarray(want_value, {"f": np.float64, "i": np.int64, "b": bool,
+                                                 "np_scalar": np.float64}[key]))
+      assert component[key].dtype == like.dtype and not component[key].weak_type, key
+      np.testing.assert_allclose(np.asarray(component[key]), want_value, rtol=1e-6, err_msg=key)
+
+  # Python numbers too, as float32 / int32 / bool arrays (TF's tensors of them), not weakly typed.
+  scalars, names = compiled_programs(lambda: strategy.experimental_distribute_values_from_function(
+      lambda ctx: (0.5 * ctx.replica_id_in_sync_group, ctx.replica_id_in_sync_group - 3, True)))
+  assert names == [], names
+  for r, (f, i, b) in enumerate(strategy.experimental_local_results(scalars)):
+    assert (f.dtype, f.weak_type, float(f)) == (jnp.float32, False, 0.5 * r)
+    assert (i.dtype, i.weak_type, int(i)) == (jnp.int32, False, r - 3)
+    assert (b.dtype, b.weak_type, bool(b)) == (jnp.bool_, False, True)

@@ -34,7 +34,7 @@ from tpustrat._src import watchdog
 from tpustrat._src.reduce_op import ReduceOp
 from tpustrat._src.sharded_variable import ShardedVariable
 from tpustrat._src.validation import normalize_axis
-from tpustrat._src.values import Mirrored, PerReplica, check_components, is_distributed
+from tpustrat._src.values import Mirrored, PerReplica, as_array, check_components, is_distributed
 
 __all__ = ["reduce", "gather", "local_results"]
 
@@ -160,7 +160,7 @@ class _Leaves:
     groups: dict[Any, list[int]] = {}
     loose = []
     for i, x in enumerate(self.leaves):
-      if isinstance(x, jax.core.Tracer) or not x.committed:
+      if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or not x.committed:
         loose.append(i)
       else:
         groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
@@ -218,7 +218,7 @@ def reduce(reduce_op: ReduceOp | str, value: Any, axis: int | None, *, num_repli
   def one(x: Any, stacked: bool, per_replica: PerReplica | None, plain: bool) -> int:
     if plain:
       _refuse_sharded(x, "reduce")
-    x = jnp.asarray(x)
+    x = as_array(x)
     if stacked:
       check_components(x, num_replicas, "strategy.reduce: a PerReplica value")
     rank = x.ndim - 1 if stacked else x.ndim
@@ -243,7 +243,7 @@ def gather(value: Any, axis: int, *, num_replicas: int, mesh: jax.sharding.Mesh 
   def one(x: Any, stacked: bool, padded: PerReplica | None, plain: bool) -> int:
     if plain:
       _refuse_sharded(x, "gather")
-    x = jnp.asarray(x)
+    x = as_array(x)
     if stacked:
       check_components(x, num_replicas, "strategy.gather: a PerReplica value")
     rank = x.ndim - 1 if stacked else x.ndim

@@ -33,7 +33,7 @@ from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.reduce_op import ReduceOp
 from tpustrat._src.strategy_extended import StrategyExtended
 from tpustrat._src.validation import check_tree_fits_32_bits
-from tpustrat._src.values import PerReplica
+from tpustrat._src.values import PerReplica, as_array
 
 __all__ = ["Strategy"]
 
@@ -378,7 +378,7 @@ class Strategy:
 
       check_tree_fits_32_bits(components[r], describe)
     treedef = jax.tree.structure(components[mine[0]])
-    leaves0 = [jax.numpy.asarray(x) for x in jax.tree.leaves(components[mine[0]])]
+    leaves0 = [as_array(x) for x in jax.tree.leaves(components[mine[0]])]
     per_leaf: list[list[Any]] = [[] for _ in leaves0]
     for r in mine:
       if jax.tree.structure(components[r]) != treedef:
@@ -386,7 +386,7 @@ class Strategy:
             f"value_fn returned {jax.tree.structure(components[r])} for replica {r} but {treedef} for "
             f"replica {mine[0]}; every replica's value must have the same structure.")
       for i, x in enumerate(jax.tree.leaves(components[r])):
-        x = jax.numpy.asarray(x)
+        x = as_array(x)
         if x.shape != leaves0[i].shape:
           raise ValueError(
               f"value_fn returned shape {x.shape} for replica {r} but {leaves0[i].shape} for replica "
