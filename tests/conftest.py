@@ -365,7 +365,9 @@ def embedding_layout(emb, layout: str):
 
 
 def compiled_programs(fn):
-  """(fn(), the names of the programs JAX compiled while it ran)."""
+  """(fn(), the names of the programs JAX lowered for compilation while it ran), from JAX's own log of
+  compilations (`jax.log_compiles`); a program found in JAX's in-memory caches is not lowered or listed.
+  The log's level is set here, so that no logging configuration elsewhere can silence it."""
   names = []
 
   class Record(logging.Handler):
@@ -374,11 +376,14 @@ def compiled_programs(fn):
       if message.startswith("Compiling "):
         names.append(message.split()[1])
 
-  handler, logger = Record(), logging.getLogger("jax")
+  handler, logger = Record(level=logging.DEBUG), logging.getLogger("jax")
+  level = logger.level
   logger.addHandler(handler)
+  logger.setLevel(logging.DEBUG)
   try:
     with jax.log_compiles(True):
       out = fn()
   finally:
     logger.removeHandler(handler)
+    logger.setLevel(level)
   return out, names

@@ -314,14 +314,16 @@ class Strategy:
       axis: the dimension of each component to reduce as well, or None.
 
     Returns:
-      A `jax.Array` (or pytree of them) replicated on the strategy's devices.
+      A `jax.Array` (or pytree of them) replicated on the strategy's devices. Every leaf of `value` is
+      reduced by one compiled program, compiled the first time a structure and its shapes are seen.
     """
     multistep.check_not_stacked(value, "strategy.reduce")
     return reduce_lib.reduce(reduce_op, value, axis, num_replicas=self.num_replicas_in_sync,
                              mesh=self._mesh)
 
   def gather(self, value: Any, axis: int) -> Any:
-    """Concatenates every replica's component of `value` along `axis` (TF's `Strategy.gather`).
+    """Concatenates every replica's component of `value` along `axis` (TF's `Strategy.gather`): every
+    leaf of `value` in one compiled program, as `reduce`.
 
     >>> strategy = tpustrat.TPUStrategy()
     >>> value = strategy.experimental_distribute_values_from_function(lambda ctx: np.array([[1], [2]]))
