@@ -311,11 +311,13 @@ def test_values_from_function_of_numpy_compiles_nothing_and_keeps_jax_types(stra
       assert component[key].dtype == like.dtype and not component[key].weak_type, key
       np.testing.assert_allclose(np.asarray(component[key]), want_value, rtol=1e-6, err_msg=key)
 
-  # Python numbers too, as float32 / int32 / bool arrays (TF's tensors of them), not weakly typed.
-  scalars, names = compiled_programs(lambda: strategy.experimental_distribute_values_from_function(
-      lambda ctx: (0.5 * ctx.replica_id_in_sync_group, ctx.replica_id_in_sync_group - 3, True)))
-  assert names == [], names
+  # Python numbers: float32 / int32 / bool components, as TF's tensors of them; an int beyond int32 is
+  # refused (jnp.asarray's OverflowError), never wrapped.
+  scalars = strategy.experimental_distribute_values_from_function(
+      lambda ctx: (0.5 * ctx.replica_id_in_sync_group, ctx.replica_id_in_sync_group - 3, True))
   for r, (f, i, b) in enumerate(strategy.experimental_local_results(scalars)):
-    assert (f.dtype, f.weak_type, float(f)) == (jnp.float32, False, 0.5 * r)
-    assert (i.dtype, i.weak_type, int(i)) == (jnp.int32, False, r - 3)
-    assert (b.dtype, b.weak_type, bool(b)) == (jnp.bool_, False, True)
+    assert (f.dtype, float(f)) == (jnp.float32, 0.5 * r)
+    assert (i.dtype, int(i)) == (jnp.int32, r - 3)
+    assert (b.dtype, bool(b)) == (jnp.bool_, True)
+  with pytest.raises(OverflowError, match="1099511627776"):
+    strategy.experimental_distribute_values_from_function(lambda ctx: 2 ** 40)

@@ -297,12 +297,10 @@ def mesh_of(x: jax.Array) -> jax.sharding.Mesh | jax.sharding.AbstractMesh:
 
 
 def as_array(x: Any) -> Any:
-  """`x` as an array with the dtype `jnp.asarray` would give it. A numpy value or a Python number stays on
-  the host (a copy: the caller's array may change later) until JAX places it, so no program is compiled
-  for it (`jnp.asarray` of a numpy array compiles one per new shape); device arrays and anything else go
-  through `jnp.asarray`. Not weakly typed either way (as TF converts a Python float to a float32 tensor)."""
-  if isinstance(x, (bool, int, float, complex)):
-    x = np.asarray(x)
+  """`x` as `jnp.asarray` gives it, except that a numpy value stays on the host (a copy, in the dtype
+  `jnp.asarray` gives it: the caller's array may change later) until JAX places it, so no program is
+  compiled for it (`jnp.asarray` of a numpy array compiles one per new shape). Python numbers go through
+  `jnp.asarray` (which refuses an int that does not fit), as do device arrays and anything else."""
   if (isinstance(x, (np.ndarray, np.generic)) and not isinstance(x, np.ma.MaskedArray)
       and (x.dtype.kind in "biufc" or x.dtype == jnp.bfloat16)):
     return np.array(x, dtype=jax.dtypes.canonicalize_dtype(x.dtype))
