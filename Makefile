@@ -32,22 +32,20 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/classifier.py
 
-# pytest-xdist workers, modules kept whole (tests/conftest.py); 0 runs in this process. `make test`: every
-# test that runs in this process, with 3 workers on 2 cores (measured: 440 s against 466 s with 2; the
-# workers wait on collectives and I/O part of the time); `make test-processes`: the tests that start
-# processes (launched multi-process jobs, example and benchmark scripts, notebooks), with 2 workers, as
-# their jobs bring processes of their own; `make test-all`: both in one run. CI runs test, then
-# test-processes. docs/development.md has the figures.
-TEST_WORKERS ?= 3
-PROCESS_TEST_WORKERS ?= 2
+# Two pytest-xdist workers (TEST_WORKERS=...; 0 runs in this process), modules kept whole (tests/conftest.py).
+# `make test`: every test that runs in this process; `make test-processes`: the tests that start processes
+# (launched multi-process jobs, example and benchmark scripts, notebooks); `make test-all`: both in one run.
+# CI runs test, then test-processes. Three workers on the 2 cores were measured and not kept
+# (docs/development.md).
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest tests -q -n $(TEST_WORKERS) -m "not processes"
 
 test-processes: $(STAMP)
-	$(PY) -m pytest tests -q -n $(PROCESS_TEST_WORKERS) -m processes
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) -m processes
 
 test-all: $(STAMP)
-	$(PY) -m pytest tests -q -n $(PROCESS_TEST_WORKERS)
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
