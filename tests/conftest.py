@@ -90,24 +90,28 @@ SPREAD_MODULES = frozenset({
     "test_cluster_resolvers_slurm_tfconfig", "test_docs", "test_packaging",
 })
 
-# The modules that take longest, slowest first (measured: `make test` with JAX 0.10.2 on 2 cores, seconds of
-# their tests under load; `make test-processes`'s in the same way), run before the others so that neither
-# worker is left with a long module at the end (alphabetical order: 740 s for the longer worker where
-# 709 s is half the work; slowest first: 709 s). A module not named here keeps its place after them.
+# The modules that take longest, slowest first (measured: the sum of their tests' times in `make test`
+# with JAX 0.10.2 on 2 cores, two workers; `make test-processes`'s in the same way), run before the others
+# so that no worker is left with a long module at the end (alphabetical order: 740 s for the longer worker
+# where 709 s is half the work; slowest first: 709 s). A module not named here keeps its place after them.
 SLOWEST_FIRST = (
-    "test_char_transformer",  # 183 s
-    "test_embedding",  # 165 s
+    "test_char_transformer",  # 192 s
     "test_benchmarks",  # processes: ~560 s, spread
-    "test_embedding_exchange",  # 120 s
-    "test_hybrid_sharding",  # 111 s
-    "test_cross_device_ops",  # 106 s
-    "test_many_processes",  # processes: ~140 s, spread
-    "test_preemption",  # processes: ~160 s, spread
     "test_multiprocess",  # processes: ~210 s, spread
-    "test_single_device_equivalence",  # 72 s
-    "test_examples",  # 68 s
-    "test_zero",  # 67 s
-    "test_embedding_optimizers",  # 57 s
+    "test_preemption",  # processes: ~160 s, spread
+    "test_many_processes",  # processes: ~140 s, spread
+    "test_examples",  # 70 s
+    "test_single_device_equivalence",  # 58 s
+    "test_embedding_exchange",  # 56 s
+    "test_embedding",  # 53 s
+    "test_hybrid_sharding",  # 45 s
+    "test_cross_device_ops",  # 41 s
+    "test_tf_tutorials",  # 37 s
+    "test_zero",  # 36 s
+    "test_accumulation",  # 20 s
+    "test_collectives",  # 18 s
+    "test_docs",  # 17 s
+    "test_embedding_optimizers",  # 17 s
 )
 
 
@@ -241,11 +245,15 @@ def pytest_runtest_makereport(item, call):
 def _restore_connected_resolver():
   """Each test starts with the process's connection as the session left it: a one-process strategy given a
   resolver (`TPUStrategy(resolver)`) becomes the resolver `Strategy.cluster_resolver` reports afterwards, and
-  without this the next test on the same worker (a doctest, say) would read whichever test ran before it."""
-  from tpustrat._src import cluster_connection  # pylint: disable=import-outside-toplevel
+  without this the next test on the same worker (a doctest, say) would read whichever test ran before it.
+  Likewise a step watchdog that a test started (a resolver with a ``step_timeout``) is stopped after it."""
+  from tpustrat._src import cluster_connection, watchdog  # pylint: disable=import-outside-toplevel
   saved = list(cluster_connection._RESOLVER), list(cluster_connection._CONNECTED_ONE)  # pylint: disable=protected-access
+  running = watchdog._ACTIVE  # pylint: disable=protected-access
   yield
   cluster_connection._RESOLVER[:], cluster_connection._CONNECTED_ONE[:] = saved  # pylint: disable=protected-access
+  if running is None and watchdog._ACTIVE is not None:  # pylint: disable=protected-access
+    watchdog.stop()
 
 
 @pytest.fixture(scope="session")
