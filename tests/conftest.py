@@ -242,7 +242,7 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(autouse=True)
-def _restore_connected_resolver():
+def _restore_process_state():
   """Each test starts with the process's connection as the session left it: a one-process strategy given a
   resolver (`TPUStrategy(resolver)`) becomes the resolver `Strategy.cluster_resolver` reports afterwards, and
   without this the next test on the same worker (a doctest, say) would read whichever test ran before it.

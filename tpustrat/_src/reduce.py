@@ -3,7 +3,8 @@
 A `PerReplica` leaf is a global array with a leading replica axis, so reducing across replicas is a
 reduction over axis 0 of that array, executed on the devices; only the result leaves them. Every leaf of
 one call goes into one compiled program (one per set of devices the leaves lie on), compiled once per
-structure and shapes: a tree of many leaves is one compilation and one dispatch, not one per leaf. With `axis` set, the reduction also runs over that axis of each component, and
+structure and shapes: a tree of many leaves is one compilation and one dispatch, not one per leaf. With
+`axis` set, the reduction also runs over that axis of each component, and
 `MEAN` divides by the true number of elements (replicas x the size of that axis), as TF documents.
 
 Padding rows of a padded batch are skipped only where the caller has said which axis is the batch (see
@@ -194,7 +195,6 @@ def _map_leaves(value: Any, one: Callable[[Any, Any, PerReplica | None, bool], i
                 mesh: jax.sharding.Mesh | None) -> Any:
   """`value` with each leaf replaced by its result: `one(leaf, stacked, per_replica, plain)` adds it to
   `leaves` (checking it first); then one program computes them all."""
-  slots = []
 
   def node_slots(node: Any) -> Any:
     if isinstance(node, PerReplica):
