@@ -40,6 +40,7 @@ if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 
 import argparse  # noqa: E402
+import math  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
@@ -181,9 +182,16 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--learning-rate", type=float, default=0.5)
   args = parser.parse_args(argv)
+  layouts = list(LAYOUTS) if args.layout == "both" else [args.layout]
   print(f"{len(jax.devices())} {jax.devices()[0].platform.upper()} devices")
+  for layout in layouts:
+    shape, replicas, _ = LAYOUTS[layout]
+    if (needed := math.prod(shape) * replicas) > len(jax.devices()):
+      parser.exit(2, f"layout {layout} needs {needed} devices ({replicas} replica(s) x {math.prod(shape)} "
+                     f"logical devices), and JAX sees {len(jax.devices())}: run it on 8 TPU cores or GPUs, "
+                     f"or on this machine's CPU with JAX_PLATFORMS=cpu (the example emulates 8 CPU devices).\n")
   results = {}
-  for layout in LAYOUTS if args.layout == "both" else [args.layout]:
+  for layout in layouts:
     strategy, partition = make_strategy(layout)
     print(f"{layout}: {strategy.num_replicas_in_sync} replica(s) x {strategy.extended.num_logical_cores_per_replica} "
           f"logical devices, mesh {dict(strategy.mesh.shape)}, images split {partition}")

@@ -218,6 +218,19 @@ def test_images_are_split_as_tf_tiles_them(spatial):
       "logical device 0": ((0, 8), (0, 32)), "logical device 1": ((8, 16), (0, 32))}
 
 
+@pytest.mark.parametrize("visible, layout, needed", [(1, "both", 8), (4, "4x2", 8), (7, "1x8", 8)])
+def test_too_few_devices_are_named_before_any_work(spatial, monkeypatch, capsys, visible, layout, needed):
+  # One GPU (seen on an H200): the example says what it needs and how to run it, instead of failing inside
+  # DeviceAssignment.build with a TPU topology's shape.
+  devices = jax.devices()[:visible]
+  monkeypatch.setattr(spatial.jax, "devices", lambda *a: devices)
+  with pytest.raises(SystemExit) as exit_info:
+    spatial.main(["--layout", layout, "--steps", "1"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert f"needs {needed} devices" in err and f"JAX sees {visible}" in err and "JAX_PLATFORMS=cpu" in err
+
+
 @pytest.mark.processes
 def test_spatial_partitioning_script_runs_on_eight_emulated_devices():
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
