@@ -610,18 +610,27 @@ def _name_replica(x: Any, dim: int | None) -> Any:
   sharding = x.sharding
   if not _lone_replica(sharding) or (dim is not None and x.ndim <= dim):
     return x
-  spec = [_without_replica(e) for e in sharding.spec] + [None] * (x.ndim - len(sharding.spec))
+  target = _replica_named(sharding, x.ndim, dim)
+  if target is sharding:
+    return x
+  return jax.make_array_from_single_device_arrays(x.shape, target, [s.data for s in x.addressable_shards])
+
+
+@functools.lru_cache(maxsize=256)
+def _replica_named(sharding: jax.sharding.NamedSharding, ndim: int, dim: int | None) -> jax.sharding.NamedSharding:
+  """`sharding` of an array of rank `ndim` with ``'replica'`` named on axis `dim` alone (nowhere for
+  None); `sharding` itself where that changes nothing. Cached: `run_steps` renames its outputs on every
+  call on one replica, and building and comparing the shardings cost more than the renaming."""
+  spec = [_without_replica(e) for e in sharding.spec] + [None] * (ndim - len(sharding.spec))
   if dim is not None:
     if spec[dim] is not None:  # another axis there (a logical-core split): leave the name as it is
-      return x
+      return sharding
     spec[dim] = REPLICA_AXIS
   while spec and spec[-1] is None:
     spec.pop()
   target = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec),
                                       memory_kind=sharding.memory_kind)
-  if target == sharding:
-    return x
-  return jax.make_array_from_single_device_arrays(x.shape, target, [s.data for s in x.addressable_shards])
+  return sharding if target == sharding else target
 
 
 def name_replica_axis(tree: Any, steps: bool) -> Any:
