@@ -442,8 +442,16 @@ def _env() -> dict[str, str]:
           if not k.startswith(("TPUSTRAT_", "SLURM_")) and k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
 
 
+# `python -m tpustrat.launch` as a terminal starts it, with Ctrl-C (SIGINT) handled. A process started from a
+# background job of a non-interactive shell (`make test-processes &`, `(pytest ...) &` in a script) has SIGINT
+# ignored, its children inherit that, and the launcher rightly leaves an ignored SIGINT ignored: the Ctrl-C
+# tests below then failed for the way the suite was started (seen: every SIGINT-first test timed out).
+_LAUNCH_AS_FROM_A_TERMINAL = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                              "runpy.run_module('tpustrat.launch', run_name='__main__', alter_sys=True)")
+
+
 def _start_launcher(*args: str) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, "-m", "tpustrat.launch", *args], env=_env(), cwd=ROOT,
+  return subprocess.Popen([sys.executable, "-c", _LAUNCH_AS_FROM_A_TERMINAL, *args], env=_env(), cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
