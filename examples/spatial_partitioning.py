@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     shape, replicas, _ = LAYOUTS[layout]
     if (needed := math.prod(shape) * replicas) > len(jax.devices()):
       parser.exit(2, f"layout {layout} needs {needed} devices ({replicas} replica(s) x {math.prod(shape)} "
-                     f"logical devices), and JAX sees {len(jax.devices())}: run it on 8 TPU cores or GPUs, "
+                     f"logical devices), and JAX sees {len(jax.devices())}: run it on {needed} TPU cores or GPUs, "
                      f"or on this machine's CPU with JAX_PLATFORMS=cpu (the example emulates 8 CPU devices).\n")
   results = {}
   for layout in layouts:
