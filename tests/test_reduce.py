@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, compiled_programs
+from conftest import assert_close, backend_compiles, compiled_programs
 
 import tpustrat
 
@@ -125,6 +125,36 @@ def test_local_results(strategy, rng):
   pair = strategy.experimental_local_results({"a": value, "b": 1})
   assert len(pair) == N and pair[2]["b"] == 1
   np.testing.assert_array_equal(pair[2]["a"], x[2])
+
+
+@pytest.mark.parametrize("dtype, tail", [(np.float32, (13, 7, 3)), (np.int8, (11,)), (np.bool_, (2, 9)),
+                                         (jnp.bfloat16, (17,)), (np.float32, (0, 3))])
+def test_local_results_come_out_of_one_program_for_every_replica(strategy, rng, dtype, tail):
+  # Components of at least one axis: one program splits the value into them for all the replicas (it was one
+  # reshape compiled per device: N programs for every new shape), each on its replica's device, bit for bit.
+  x = (rng.normal(size=(N, *tail)) * 4).astype(dtype)
+  value = distribute(strategy, x)
+  results, compiles = backend_compiles(lambda: strategy.experimental_local_results(value))
+  assert compiles <= 1  # a shape no other test uses: one program, not one per device (N before)
+  assert len(results) == N
+  for r, component in enumerate(results):
+    assert component.shape == tail and component.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(component), x[r])
+    assert component.devices() == {strategy.extended.worker_devices[r]}
+  _, compiles = backend_compiles(lambda: strategy.experimental_local_results(distribute(strategy, x + x)))
+  assert compiles == 0  # the same shape again: nothing compiled
+
+
+def test_local_results_of_scalars_and_keys(strategy):
+  # A scalar component cannot be a block of a split axis: each device reshapes its own (cached per dtype).
+  # PRNG keys (an extended dtype) go the same way.
+  scalars = strategy.experimental_local_results(distribute(strategy, np.arange(N, dtype=np.int32) * 3))
+  assert [(s.shape, int(s)) for s in scalars] == [((), 3 * r) for r in range(N)]
+  assert [s.devices() for s in scalars] == [{d} for d in strategy.extended.worker_devices]
+  keys = strategy.experimental_distribute_values_from_function(lambda ctx: jax.random.key(ctx.replica_id_in_sync_group))
+  got = strategy.experimental_local_results(keys)
+  for r, key in enumerate(got):
+    np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(jax.random.key(r)))
 
 
 def test_values_from_function_tf_doc_examples(one, strategy):

@@ -360,12 +360,38 @@ def _replica_ids(x: Any) -> list[int]:
   return [r for r, _ in held] if held is not None else list(range(x.shape[0]))
 
 
+@functools.lru_cache(maxsize=64)
+def _merge_leading_axes(devices: tuple[Any, ...]) -> tuple[jax.sharding.NamedSharding, Any]:
+  """For the replicas on `devices` (one each, in replica order): their sharding over a mesh of just those
+  devices, and one program that merges a stacked leaf's two leading axes, ``[n, d0, ...] -> [n * d0, ...]``
+  with axis 0 split over the same devices. Each device's block of the result is its component, computed
+  where it lies (a bitcast: nothing moves between devices)."""
+  sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray(devices, dtype=object), ("components",)),
+                                        jax.sharding.PartitionSpec("components"))
+
+  def merge(x: jax.Array) -> jax.Array:
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+  return sharding, jax.jit(merge, out_shardings=sharding)
+
+
 def unstack_replicas(x: Any) -> list[Any]:
-  """The per-replica components of a stacked leaf held by this process, each on its own device."""
+  """The per-replica components of a stacked leaf held by this process, each on its own device.
+
+  A component of at least one axis comes out of one compiled program for all of this process's replicas
+  (compiled once per shape, dtype and set of devices): reshaping each device's ``[1, ...]`` block by itself
+  would compile one program per device. Scalars, whose blocks cannot be split that way, are reshaped on
+  each device (one program per device and dtype)."""
   held = _replica_shards(x)
-  if held is not None:
+  if held is None:
+    return [x[i] for i in range(x.shape[0])]
+  if len(x.shape) < 2 or not held or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
     return [s.data.reshape(s.data.shape[1:]) for _, s in held]
-  return [x[i] for i in range(x.shape[0])]
+  devices = tuple(s.device for _, s in held)
+  sharding, merge = _merge_leading_axes(devices)
+  local = jax.make_array_from_single_device_arrays((len(held),) + x.shape[1:], sharding, [s.data for _, s in held])
+  blocks = {s.device: s.data for s in merge(local).addressable_shards}
+  return [blocks[d] for d in devices]
 
 
 @jax.tree_util.register_pytree_node_class
