@@ -174,7 +174,7 @@ def test_device_waits_are_counted(fresh):
 
 
 class _Token:
-  """A program's wait token whose program ends when `end()` is called."""
+  """A program's wait token whose program has ended once `ready` is set."""
 
   def __init__(self, ready=False):
     self.ready = ready
@@ -186,9 +186,18 @@ class _Token:
     return False
 
 
-def test_a_transfer_that_waits_for_a_running_step_is_device_time():
-  """The rule, on fake programs: a transfer during which a step that was running ended waited for it (XLA:CPU
-  queues it behind the step): its time is device time; a transfer that no step's end interrupted is input."""
+class _Failed(_Token):
+  """The wait token of a program that failed: asking whether it is ready raises."""
+
+  def is_ready(self):
+    raise RuntimeError("the program failed")
+
+
+def test_a_transfer_made_while_a_step_runs_is_device_time():
+  """The rule, on fake programs: a transfer made while a step was running is device time, whether the step
+  ended during it (on XLA:CPU a large transfer is queued behind the step) or only after it (the devices
+  were busy all along; and the step's token can turn ready milliseconds after a queued transfer returned,
+  so its end is no witness); a transfer made while nothing ran is input."""
   counters = step_stats.StepCounters()
   running, done = _Token(), _Token(ready=True)
   counters.programs = [done, running]
@@ -204,12 +213,24 @@ def test_a_transfer_that_waits_for_a_running_step_is_device_time():
   counters.note_input(since, on_devices)
   assert counters.device_seconds == on_devices
   assert counters.input_seconds >= 0 and counters.input_seconds + counters.device_seconds <= time.perf_counter() - since
-  # Nothing running, or a step still running after the transfer: input.
+
+  # A step still running when the transfer returns (its token late, or the step longer): device time too.
+  late = _Token()
+  counters.programs = [late]
+  before = time.perf_counter()
+  result, on_devices = counters.time_transfer(lambda: time.sleep(0.01) or 2)
+  assert result == 2 and 0.01 <= on_devices <= time.perf_counter() - before
+  assert counters.running() == (late,)  # it was never ready
+  # Nothing running: input.
+  counters.programs = [done]
   assert counters.time_transfer(lambda: 1) == (1, 0.0)
-  counters.programs = [_Token()]
-  assert counters.time_transfer(lambda: 2) == (2, 0.0)
+  counters.programs = []
+  assert counters.time_transfer(lambda: 1) == (1, 0.0)
   counters.programs = None  # the default strategy: no engine
   assert counters.running() == () and counters.time_transfer(lambda: 3) == (3, 0.0)
+  # A deleted or failed token counts as ended: nothing running.
+  counters.programs = [_Failed()]
+  assert counters.running() == () and counters.time_transfer(lambda: 4) == (4, 0.0)
   # The device part of a wait is at most the wait.
   counters.reset()
   counters.note_input(time.perf_counter(), on_devices=1e6)

@@ -8,8 +8,8 @@ Every strategy keeps `StepCounters`, always on (their cost is measured in ``benc
   reading the source and putting the batch on the devices, with one, waiting for the thread;
 * *devices*: the time `run` / `experimental_run_steps` waited on the steps-in-flight bound (for an older
   step to finish on the devices; `engine.InFlight`), and `experimental_run_wait`; and, out of the
-  iterators' waits, the transfers of batches that waited for a running step (`time_transfer`: on XLA:CPU
-  a transfer made while a step runs can wait until that step ends, which was counted as input before);
+  iterators' waits, the transfers of batches made while a step was running (`time_transfer`: the devices
+  were busy; on XLA:CPU such a transfer can wait until that step ends, which was counted as input before);
 * *steps*: training steps dispatched (``k`` for an `experimental_run_steps` program of ``k`` steps);
 * the wall time since the first of these events (or since `reset`). What is left of it is the host's
   own work: the step's Python, dispatching, compiling, and waits outside tpustrat (reading a result).
@@ -91,9 +91,10 @@ class StepStats:
     steps: training steps dispatched (by `run` and `experimental_run_steps`) since the start.
     wall_seconds: wall time from the start (the first step or input wait, or the last reset) to the call.
     input_seconds: time the host waited for the next batch in distributed iterators (less the transfers
-      that waited for a running step, which are device time).
+      made while a step was running, which are device time).
     device_seconds: time the host waited on the devices: the steps-in-flight bound,
-      `experimental_run_wait`, and the iterators' transfers that waited for a running step to end.
+      `experimental_run_wait`, and the iterators' transfers made while a step was running (the devices
+      were busy, or the transfer waited for the step to end).
     history: the last dispatches, oldest first (at most `HISTORY`), one `StepRecord` each.
 
   The counters are this process's; every process of a job has its own.
@@ -189,7 +190,7 @@ class StepCounters:
 
   def note_input(self, since: float, on_devices: float = 0.0) -> None:
     """The host waited for a batch from `since` (a `time.perf_counter()` reading) until now; `on_devices`
-    seconds of it were transfers that waited for a running step (`time_transfer`): device time."""
+    seconds of it were transfers made while a step was running (`time_transfer`): device time."""
     now = time.perf_counter()
     if self.start is None:
       self.started(since)
@@ -207,21 +208,28 @@ class StepCounters:
 
   def time_transfer(self, transfer: Callable[[], Any]) -> tuple[Any, float]:
     """Calls `transfer()` (a batch's host-to-device transfer, or a wait for one) and returns its result and
-    the seconds of it that were a wait on the devices: all of them if a step that was running when it
-    started ended during it, else 0.
+    the seconds of it that count as device time: all of them if a step was running when it started, else
+    0.
 
-    On XLA:CPU the transfer of a large batch made while a step runs on the same cores can wait for it: the
-    call returned when the step ended (a convnet's 10 stacked batches of 512 images: 9.6 s of a 10 s
+    A step running at a transfer's start either ran through all of it (the devices were busy: the transfer
+    was hidden behind the step, not a time the devices waited for input), or ended during it. On XLA:CPU
+    the transfer of a large batch made while a step runs on the same cores waits for that step: the call
+    returned when the step ended (a convnet's 10 stacked batches of 512 images: 9.6 s of a 10 s
     `experimental_run_steps` program, while reading and transferring them alone took milliseconds).
-    Counted as input, that made a device-bound loop look input-bound (issue 32). A transfer that overlaps
-    a running step without waiting for its end stays input. On GPU and TPU a transfer is asynchronous and
-    short, and a step rarely ends during one."""
+    Counted as input, that made a device-bound loop look input-bound (issue 32). The step's wait token is
+    not a witness of that end: it can turn ready milliseconds after the transfer returned (1.6-17 ms
+    measured with the 2 cores busy with other work), so a rule that asked whether the step had ended by
+    the transfer's end counted some of those waits as input, and a device-bound loop was warned 50%
+    input-bound on a busy machine. Only the transfers made while no step ran, when the devices were idle,
+    are input. Not told apart: a step that ended early in a transfer that is itself slow (a batch far
+    larger than a step's work) -- the rest of that transfer is device time too. On GPU and TPU a transfer
+    is asynchronous and short."""
     running = self.running()
+    if not running:
+      return transfer(), 0.0
     start = time.perf_counter()
     result = transfer()
-    if running and any(_finished(t) for t in running):
-      return result, time.perf_counter() - start
-    return result, 0.0
+    return result, time.perf_counter() - start
 
   def note_steps(self, steps: int, now: float) -> None:
     """`steps` training steps are dispatched at `now` (after the in-flight wait)."""

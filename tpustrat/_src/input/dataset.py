@@ -603,9 +603,9 @@ class DistributedDataset:
                                         for x, tag in zip(arrays, element_tags(treedef))])
 
   def _transfer(self, state: ProduceState, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, a transfer to the devices (or a wait for one). On XLA:CPU a transfer made while a step
-    runs may wait until the step ends: that wait is added to `state.device_seconds`, which the iterator
-    counts as device time, not input (`StepCounters.time_transfer`)."""
+    """``fn(*args)``, a transfer to the devices (or a wait for one). A transfer made while a step runs (on
+    XLA:CPU it may wait until the step ends) is added to `state.device_seconds`, which the iterator counts
+    as device time, not input (`StepCounters.time_transfer`)."""
     stats = self._stats
     if stats is None:
       return fn(*args)

@@ -147,7 +147,7 @@ class DistributedIterator:
       with profiler.input_wait():  # the host's wait for input, marked in a profile (`profiler.py`)
         batch, n = self._next_chunk()
     finally:
-      if self._feed.stats is not None:  # transfers that waited for a running step are device time
+      if self._feed.stats is not None:  # transfers made while a step ran are device time
         self._feed.stats.note_input(start, state.device_seconds - on_devices)
     if n is not None:  # after take_steps: a group read ahead
       batch, *rest = steps_lib.unstack_steps(batch)
@@ -225,7 +225,7 @@ class DistributedIterator:
         self._error = e  # hand out the steps read so far; raise on the next call
         break
       finally:
-        if self._feed.stats is not None:  # transfers that waited for a running step are device time
+        if self._feed.stats is not None:  # transfers made while a step ran are device time
           self._feed.stats.note_input(start, state.device_seconds - on_devices)
       steps = 1 if chunk[1] is None else chunk[1]
       if parts and not _same_step(parts[0], chunk):
@@ -419,6 +419,6 @@ class ProduceState:
     self.largest = 0 if reference is None else reference[0]
     self.replica_largest: list[int] = [] if reference is None else list(reference[1])
     self.ended = False
-    # Seconds the producer's transfers waited for a running step (`StepCounters.time_transfer`): the
+    # Seconds of the producer's transfers made while a step ran (`StepCounters.time_transfer`): the
     # consumer counts them as device time, not input.
     self.device_seconds = 0.0
