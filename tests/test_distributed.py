@@ -232,6 +232,31 @@ def test_the_job_check_does_not_take_another_programs_answer_for_a_job():
       thread.join()
 
 
+def test_the_job_check_names_another_programs_answer_after_it_stops_answering():
+  # Another program answers once, then its port refuses: the error still names its answer, the likeliest
+  # cause, and then the error that came after it.
+  port = launch._free_port()
+  other = socket.socket()
+  other.bind(("127.0.0.1", port + 1))
+  other.listen()
+
+  def answer_once():
+    conn, _ = other.accept()
+    with conn:
+      conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+    other.close()  # nothing listens any more: the next attempts are refused
+
+  thread = threading.Thread(target=answer_once, daemon=True)
+  thread.start()
+  try:
+    with pytest.raises(RuntimeError) as raised:
+      distributed._check_job(f"127.0.0.1:{port}", "job-A", 1, 2, time.monotonic() + 1.0, 1.0)
+  finally:
+    thread.join(10)
+  assert "last error: the answer was not a job check's: b'HTTP/1.1 400 Bad Request" in str(raised.value)
+  assert "(then: " in str(raised.value) and "refused" in str(raised.value).lower()
+
+
 def test_the_last_port_leaves_no_room_for_the_job_check():
   assert distributed.job_check_address("10.0.0.1:8476") == ("10.0.0.1", 8477, "10.0.0.1:8477")
   assert distributed.job_check_address("[::1]:9000") == ("::1", 9001, "[::1]:9001")

@@ -334,7 +334,10 @@ def test_prefetch_buffer_is_bounded_and_thread_stops(strategy):
   options = tpustrat.InputOptions(experimental_per_replica_buffer_size=3)
   it = iter(strategy.experimental_distribute_dataset(source(), options=options))
   first = next(it)
-  time.sleep(0.5)
+  deadline = time.monotonic() + 30
+  while not it._prefetcher._queue.full():  # pylint: disable=protected-access  # 3 batches read ahead
+    assert time.monotonic() < deadline, "the prefetch thread did not fill its buffer"
+    time.sleep(0.01)
   # One batch handed out, 3 ready in the buffer, at most one more being prepared.
   assert 4 <= len(pulled) <= 5
   assert float(strategy.reduce("MEAN", first, axis=0)) == 0.0

@@ -26,6 +26,17 @@ def _ids(n):
     yield np.full((8,), i, np.float32)  # one row per replica
 
 
+def _filled(it):
+  """Waits (up to 30 s) until the iterator's prefetch thread has filled its buffer; the thread then waits
+  for a free place and reads nothing more (it takes a place before it reads). Returns the prefetcher."""
+  prefetcher = it._prefetcher  # pylint: disable=protected-access
+  deadline = time.monotonic() + 30
+  while not prefetcher._queue.full():  # pylint: disable=protected-access
+    assert time.monotonic() < deadline, "the prefetch thread did not fill its buffer"
+    time.sleep(0.01)
+  return prefetcher
+
+
 @pytest.mark.parametrize("size", [1, 2])
 def test_prefetch_keeps_exactly_buffer_size_batches_ahead(strategy, size):
   # Documented: at most `experimental_per_replica_buffer_size` batches ahead of the one in use.
@@ -33,9 +44,10 @@ def test_prefetch_keeps_exactly_buffer_size_batches_ahead(strategy, size):
   options = tpustrat.InputOptions(experimental_per_replica_buffer_size=size)
   it = iter(strategy.experimental_distribute_dataset(_counting_source(pulled), options=options))
   next(it)
-  time.sleep(0.5)
-  assert len(pulled) == 1 + size
+  prefetcher = _filled(it)
   it.close()
+  prefetcher.join(10)
+  assert not prefetcher.is_alive() and len(pulled) == 1 + size
 
 
 def test_prefetch_keeps_buffer_size_groups_ahead_with_take_steps(strategy):
@@ -43,9 +55,10 @@ def test_prefetch_keeps_buffer_size_groups_ahead_with_take_steps(strategy):
   options = tpustrat.InputOptions(experimental_per_replica_buffer_size=1)
   it = iter(strategy.experimental_distribute_dataset(_counting_source(pulled), options=options))
   it.take_steps(2)
-  time.sleep(0.5)
-  assert len(pulled) == 2 + 2  # the group in use and one group ready
+  prefetcher = _filled(it)
   it.close()
+  prefetcher.join(10)
+  assert not prefetcher.is_alive() and len(pulled) == 2 + 2  # the group in use and one group ready
 
 
 def test_default_on_xla_cpu_reads_and_places_each_batch_when_asked_for(strategy):

@@ -338,18 +338,32 @@ def test_grace_period_saves_at_once_then_again_before_it_ends(strategy, tmp_path
 
   config = tpustrat.TerminationConfig(termination_watcher_fn=notice, exit_fn=lambda: exits.append(time.monotonic()),
                                       grace_period=1.5, save_fn=save_fn)
+
+  def add_one(w):
+    return {"w": w["w"] + 1.0}
+
+  def step(s):
+    return (strategy.run(add_one, args=(s,)),)
+
   with tpustrat.PreemptionCheckpointHandler(None, tmp_path, termination_config=config) as handler:
     state = handler.restore({"w": tpustrat.Mirrored(jnp.float32(0))})
+    sent = time.monotonic()  # the notice is noticed after this
     notice.on = True
     _wait_for(lambda: handler._local_notice)  # pylint: disable=protected-access
-    noticed = time.monotonic()
-    step = lambda s: (strategy.run(lambda w: {"w": w["w"] + 1.0}, args=(s,)),)  # noqa: E731
+    noticed = time.monotonic()  # ... and before this
+    first_save_call = None  # the duration of the call that made the first save: at least that save's
     while not exits:
+      began = time.monotonic()
       (state,) = handler.run(step, state)
+      if first_save_call is None and saves:
+        first_save_call = time.monotonic() - began
       assert time.monotonic() - noticed < 10
   assert saves[0][:2] == (1, 1.0)  # the first call after the notice: at once, without exiting
   assert len(saves) == 2 and saves[1][0] > 1 and saves[1][1] == saves[1][0]  # the final save exits
-  assert 0.4 <= exits[0] - noticed <= 1.5 + 0.5  # near the end of the grace period (minus the margin)
+  # The final round starts at the notice + the grace period - (twice the first save + 1 s): not before
+  # (bounded with the first save's call, which contains the save), and well before the grace period ends.
+  assert exits[0] - sent >= 1.5 - (2 * first_save_call + 1.0)
+  assert exits[0] - noticed <= 1.5 + 0.5
 
 
 def test_save_checkpoint_if_preempted_counts_calls_like_run(strategy, tmp_path):

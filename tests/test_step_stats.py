@@ -18,8 +18,10 @@ import pytest
 import tpustrat
 from tpustrat._src import step_stats
 
-SLEEP = 0.01  # seconds per element of the slow source
-STEPS = 120  # > 2 windows of 50 steps, > 0.5 s each with SLEEP
+SLEEP = 0.025  # seconds per element of the slow source: input-bound while the host's own work per step
+# (dispatch) stays under SLEEP, 1.4 ms on a quiet machine and 4.7 ms with both cores busy with other work
+WINDOW = 25  # steps per window of the input-bound check in these tests: > 0.5 s each with SLEEP
+STEPS = 60  # > 2 windows
 
 
 class SlowSource:
@@ -45,6 +47,11 @@ def heavy_step(w, x):
   for _ in range(6):
     h = jnp.tanh(h @ w)
   return tpustrat.get_replica_context().all_reduce("sum", jnp.sum(h))
+
+
+def _windowed(strategy):
+  strategy.extended.experimental_input_bound_window = WINDOW
+  return strategy
 
 
 def _loop(strategy, source, fn=step, extra=()):
@@ -76,7 +83,7 @@ def _check_counts(stats, source, steps):
 def test_a_slow_source_warns_once_naming_the_share_and_the_remedies(fresh):
   source = SlowSource()
   with pytest.warns(tpustrat.InputBoundWarning) as record:
-    _loop(fresh, source)
+    _loop(_windowed(fresh), source)
   assert len(record) == 1  # once, although both windows are input-bound
   message = str(record[0].message)
   assert "waited for input" in message and "%" in message
@@ -91,7 +98,7 @@ def test_a_slow_source_warns_once_naming_the_share_and_the_remedies(fresh):
   assert str(stats).startswith(f"{STEPS} steps in ")
   with warnings.catch_warnings():  # given once per strategy: a second slow loop is quiet
     warnings.simplefilter("error", tpustrat.InputBoundWarning)
-    _loop(fresh, SlowSource(60))
+    _loop(fresh, SlowSource(WINDOW + 5))
 
 
 def test_a_fast_source_does_not_warn(fresh):
@@ -107,22 +114,22 @@ def test_a_fast_source_does_not_warn(fresh):
 
 
 def test_reset_and_the_warning_settings(fresh):
-  source = SlowSource(60)
+  source = SlowSource(30)
   fresh.extended.experimental_input_bound_threshold = None  # no warning
   assert fresh.extended.experimental_input_bound_threshold is None
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     _loop(fresh, source)
   stats = fresh.experimental_step_stats(reset=True)
-  _check_counts(stats, source, 60)
+  _check_counts(stats, source, 30)
   after = fresh.experimental_step_stats()
   assert after.steps == 0 and after.input_seconds == 0 and after.history == ()
   # A smaller window and threshold: the warning names the window's steps.
   fresh.extended.experimental_input_bound_threshold = 0.3
-  fresh.extended.experimental_input_bound_window = 55
-  assert fresh.extended.experimental_input_bound_window == 55
-  with pytest.warns(tpustrat.InputBoundWarning, match="over its last 55 steps"):
-    _loop(fresh, SlowSource(60))
+  fresh.extended.experimental_input_bound_window = 27
+  assert fresh.extended.experimental_input_bound_window == 27
+  with pytest.warns(tpustrat.InputBoundWarning, match="over its last 27 steps"):
+    _loop(fresh, SlowSource(30))
   with pytest.raises(ValueError, match="experimental_input_bound_threshold"):
     fresh.extended.experimental_input_bound_threshold = 1.5
   with pytest.raises(ValueError, match="experimental_input_bound_window"):
@@ -131,7 +138,7 @@ def test_reset_and_the_warning_settings(fresh):
 
 def test_run_steps_counts_k_steps_per_program_and_warns(fresh):
   source = SlowSource()
-  it = iter(fresh.experimental_distribute_dataset(source))
+  it = iter(_windowed(fresh).experimental_distribute_dataset(source))
 
   def scan_step(total, x):
     return total + step(x), step(x)
@@ -150,7 +157,7 @@ def test_run_steps_counts_k_steps_per_program_and_warns(fresh):
 
 
 def test_mirrored_strategy():
-  strategy = tpustrat.MirroredStrategy()
+  strategy = _windowed(tpustrat.MirroredStrategy())
   source = SlowSource()
   with pytest.warns(tpustrat.InputBoundWarning):
     _loop(strategy, source)

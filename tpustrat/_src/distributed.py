@@ -281,13 +281,15 @@ def _check_job(address: str, job_id: str, index: int, count: int, deadline: floa
   host, port, shown = job_check_address(address)
   host = host.strip("[]")
   last = "no answer yet"
+  answered = None  # another program's answer, once one came: the likeliest cause, kept over later errors
   while True:
     remaining = deadline - time.monotonic()
     try:
       with socket.create_connection((host, port), timeout=max(0.1, min(2.0, remaining))) as conn:
         data = _read_answer(conn)
     except OSError as e:
-      last = str(e) or type(e).__name__
+      error = str(e) or type(e).__name__
+      last = error if answered is None else f"{answered} (then: {error})"
     else:
       theirs = _job_of_answer(data)
       if theirs == job_id:
@@ -299,7 +301,7 @@ def _check_job(address: str, job_id: str, index: int, count: int, deadline: floa
             f"at {shown} with job {theirs!r}). This process did not register with it, so that job goes on "
             f"undisturbed. Give this job a free port (python -m tpustrat.launch --port, or the coordinator "
             f"address), or wait until the other job has ended.")
-      last = f"the answer was not a job check's: {data[:80]!r}"
+      last = answered = f"the answer was not a job check's: {data[:80]!r}"
     if time.monotonic() >= deadline:
       raise RuntimeError(
           f"experimental_connect_to_cluster: process {index} of {count} of job {job_id!r} could not check the "
