@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KERAS_BACKEND", "jax")  # Keras 3 models in the tests run on JAX (the `keras` extra)
@@ -467,3 +468,15 @@ def compiled_programs(fn):
     logger.removeHandler(handler)
     logger.setLevel(level)
   return out, names
+
+
+def wait_until_read_ahead(iterator, seconds: float = 30.0):
+  """Waits (up to `seconds`) until the distributed iterator's prefetch thread has filled its buffer; the
+  thread then waits for a free place and reads nothing more (it takes a place before it reads). Returns
+  the prefetcher (`join`, `is_alive`)."""
+  prefetcher = iterator._prefetcher  # pylint: disable=protected-access
+  deadline = time.monotonic() + seconds
+  while not prefetcher._queue.full():  # pylint: disable=protected-access
+    assert time.monotonic() < deadline, "the prefetch thread did not fill its buffer"
+    time.sleep(0.01)
+  return prefetcher

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import launched_results
+from conftest import launched_results, wait_until_read_ahead
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -161,10 +161,7 @@ def test_state_counts_batches_handed_out_not_prefetched(strategy):
   it = iter(strategy.experimental_distribute_dataset(
       common.dataset(), tpustrat.InputOptions(experimental_per_replica_buffer_size=4)))
   next(it), next(it)
-  deadline = time.monotonic() + 30
-  while not it._prefetcher._queue.full() and time.monotonic() < deadline:  # 4 more batches read ahead
-    time.sleep(0.01)
-  assert it._prefetcher._queue.full()
+  wait_until_read_ahead(it)  # 4 more batches read ahead
   state = it.get_state()
   assert (state["batches"], state["elements"], state["source"]) == (2, 2, {"next_index": 2})
 

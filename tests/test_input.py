@@ -4,14 +4,13 @@ Expected values come from numpy on the same data.
 """
 
 import threading
-import time
 
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, wait_until_read_ahead
 from jax.sharding import PartitionSpec as P
 
 import tpustrat
@@ -334,10 +333,7 @@ def test_prefetch_buffer_is_bounded_and_thread_stops(strategy):
   options = tpustrat.InputOptions(experimental_per_replica_buffer_size=3)
   it = iter(strategy.experimental_distribute_dataset(source(), options=options))
   first = next(it)
-  deadline = time.monotonic() + 30
-  while not it._prefetcher._queue.full():  # pylint: disable=protected-access  # 3 batches read ahead
-    assert time.monotonic() < deadline, "the prefetch thread did not fill its buffer"
-    time.sleep(0.01)
+  wait_until_read_ahead(it)  # 3 batches read ahead
   # One batch handed out, 3 ready in the buffer, at most one more being prepared.
   assert 4 <= len(pulled) <= 5
   assert float(strategy.reduce("MEAN", first, axis=0)) == 0.0

@@ -7,6 +7,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import wait_until_read_ahead
 
 import tpustrat
 
@@ -26,17 +27,6 @@ def _ids(n):
     yield np.full((8,), i, np.float32)  # one row per replica
 
 
-def _filled(it):
-  """Waits (up to 30 s) until the iterator's prefetch thread has filled its buffer; the thread then waits
-  for a free place and reads nothing more (it takes a place before it reads). Returns the prefetcher."""
-  prefetcher = it._prefetcher  # pylint: disable=protected-access
-  deadline = time.monotonic() + 30
-  while not prefetcher._queue.full():  # pylint: disable=protected-access
-    assert time.monotonic() < deadline, "the prefetch thread did not fill its buffer"
-    time.sleep(0.01)
-  return prefetcher
-
-
 @pytest.mark.parametrize("size", [1, 2])
 def test_prefetch_keeps_exactly_buffer_size_batches_ahead(strategy, size):
   # Documented: at most `experimental_per_replica_buffer_size` batches ahead of the one in use.
@@ -44,7 +34,7 @@ def test_prefetch_keeps_exactly_buffer_size_batches_ahead(strategy, size):
   options = tpustrat.InputOptions(experimental_per_replica_buffer_size=size)
   it = iter(strategy.experimental_distribute_dataset(_counting_source(pulled), options=options))
   next(it)
-  prefetcher = _filled(it)
+  prefetcher = wait_until_read_ahead(it)
   it.close()
   prefetcher.join(10)
   assert not prefetcher.is_alive() and len(pulled) == 1 + size
@@ -55,7 +45,7 @@ def test_prefetch_keeps_buffer_size_groups_ahead_with_take_steps(strategy):
   options = tpustrat.InputOptions(experimental_per_replica_buffer_size=1)
   it = iter(strategy.experimental_distribute_dataset(_counting_source(pulled), options=options))
   it.take_steps(2)
-  prefetcher = _filled(it)
+  prefetcher = wait_until_read_ahead(it)
   it.close()
   prefetcher.join(10)
   assert not prefetcher.is_alive() and len(pulled) == 2 + 2  # the group in use and one group ready
