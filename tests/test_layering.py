@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpustrat._src.steps", "tpustrat._src.input"),
     # Multistep; cross-device ops; the cluster and its topology.
     ("tpustrat._src.multistep", "tpustrat._src.sharding", "tpustrat._src.zero", "tpustrat._src.accumulation",
-     "tpustrat._src.mixed_precision", "tpustrat._src.keras_models", "tpustrat._src.cross_device",
+     "tpustrat._src.mixed_precision", "tpustrat._src.keras_models", "tpustrat._src.keras_fit",
+     "tpustrat._src.cross_device",
      "tpustrat._src.distributed", "tpustrat._src.cluster_environment", "tpustrat._src.cluster_spec",
      "tpustrat._src.cluster_resolver", "tpustrat._src.cluster_connection", "tpustrat._src.tpu_cluster_resolver",
      "tpustrat._src.slurm_cluster_resolver", "tpustrat._src.tfconfig_cluster_resolver",

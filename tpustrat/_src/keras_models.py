@@ -240,27 +240,44 @@ def stateless_call(model: Any, trainable_variables: Sequence[Any], non_trainable
     raise RuntimeError("tpustrat.keras.stateless_call was called in cross-replica context (inside "
                        "strategy.scope(), outside strategy.run). Call it inside the function given to "
                        "strategy.run.")
+  non_trainable, given, folded = fold_seeds(model, non_trainable)
+  outputs, new, losses = model.stateless_call(list(trainable_variables), non_trainable, *args,
+                                              return_losses=True, **kwargs)
+  new = settle_seeds(model, list(new), given, folded, aggregate=aggregation == "mean")
+  return outputs, new, list(losses)
+
+
+def fold_seeds(model: Any, non_trainable: list[Any]) -> tuple[list[Any], dict[int, Any], dict[int, Any]]:
+  """The non-trainable values with this replica's id folded into each `SeedGenerator` state, and the
+  given and folded states by position (for `settle_seeds`)."""
+  non_trainable = list(non_trainable)
   seeds = seed_positions(model)
-  ctx = context.active_replica_context()
   replica = context.get_replica_context().replica_id_in_sync_group  # type: ignore[union-attr]
   given = {i: jnp.asarray(non_trainable[i], jnp.uint32) for i in seeds}
   folded = {i: replica_random.fold_raw_seed(given[i], replica) for i in seeds}
   for i in seeds:
     non_trainable[i] = folded[i]
-  outputs, new, losses = model.stateless_call(list(trainable_variables), non_trainable, *args,
-                                              return_losses=True, **kwargs)
-  new = list(new)
+  return non_trainable, given, folded
+
+
+def settle_seeds(model: Any, new: list[Any], given: dict[int, Any], folded: dict[int, Any],
+                 aggregate: bool = True) -> list[Any]:
+  """After a call: each seed state is the given one advanced as Keras advanced this replica's (the same
+  on every replica), and, with `aggregate`, every other non-trainable value that differs between
+  replicas is combined by its variable's aggregation (see `stateless_call`)."""
+  ctx = context.active_replica_context()
   in_run = ctx is not None and context.replica_axis(ctx) is not None
-  for i in seeds:  # the shared state, advanced as Keras advanced this replica's
+  for i in given:  # the shared state, advanced as Keras advanced this replica's
     advanced = given[i] + (jnp.asarray(new[i], jnp.uint32) - folded[i])
     if in_run and REPLICA_AXIS in jax_compat.varying_axes(advanced):
       advanced = jax.lax.pmax(advanced, REPLICA_AXIS)  # the same number everywhere, typed so
     new[i] = advanced
-  if in_run and aggregation == "mean":
-    for i, variable in enumerate(variables):
+  if in_run and aggregate:
+    replica = context.get_replica_context().replica_id_in_sync_group  # type: ignore[union-attr]
+    for i, variable in enumerate(model.non_trainable_variables):
       if i not in given and REPLICA_AXIS in jax_compat.varying_axes(new[i]):
         new[i] = _aggregate(new[i], variable.aggregation, replica)
-  return outputs, new, list(losses)
+  return new
 
 
 # -- SyncBatchNormalization -------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ that hold distributed values (`tpustrat._src.reduce`). `strategy.extended` is a 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -20,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
-from tpustrat._src import host_memory, multistep, profiler
+from tpustrat._src import host_memory, keras_fit, multistep, profiler
 from tpustrat._src import input as input_lib
 from tpustrat._src import logical as logical_lib
 from tpustrat._src import reduce as reduce_lib
@@ -103,7 +104,13 @@ class Strategy:
     ...   print(tpustrat.get_strategy() is strategy, tpustrat.in_cross_replica_context())
     True True
     """
-    return context_lib.strategy_scope(self)
+    return self._scope()
+
+  @contextlib.contextmanager
+  def _scope(self) -> Iterator[Strategy]:
+    # Keras models built in the scope: their variables on this strategy's devices (`keras_fit`).
+    with context_lib.strategy_scope(self), keras_fit.scope_distribution(self):
+      yield self
 
   # -- running --------------------------------------------------------------------------------------
 

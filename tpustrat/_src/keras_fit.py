@@ -1,0 +1,566 @@
+"""Keras's ``compile`` / ``fit`` / ``evaluate`` / ``predict`` under ``strategy.scope()``, on every replica.
+
+TF's most common distributed path: build and compile a Keras model inside ``strategy.scope()``, then call
+``fit``. Here the same code trains on every replica of the strategy:
+
+* **Placement.** While a strategy's scope is open, Keras's own distribution API is set to a
+  `keras.distribution.DataParallel` over the strategy's devices, so every variable created in the scope
+  (the model's, the optimizer's when it is built there) is replicated on those devices, as TF's mirrored
+  variables are; which strategy created which variable is recorded (`_ScopeDistribution`).
+* **The model remembers its strategy.** ``model.compile`` (inside the scope, or outside it for a model
+  whose variables were created in it) attaches the strategy to the model. Its train, test and predict
+  functions (Keras's public override points ``make_train_function`` and its siblings) are then tpustrat
+  programs: the batches Keras's data adapters produce (global batches, as in TF) go through a tpustrat
+  distributed dataset (padded to a whole number of rows per replica, the padding rows marked), and
+  ``steps_per_execution`` batches run as one `experimental_run_steps` program (one `run` with 1).
+  Keras's own ``fit`` loop is kept: callbacks, validation, history, ``initial_epoch``, the progress bar.
+* **Exact on partial batches.** Each replica runs Keras's own ``compute_loss_and_updates`` on its rows
+  with the padding rows weighted 0 and the real rows' sample weights scaled by ``N * k / n`` (``N``
+  replicas of ``k`` rows, ``n`` real rows in the global batch), so the mean of the replicas' losses is
+  Keras's one-device loss on the ``n`` real rows (for Keras's default reduction, ``sum_over_batch_size``);
+  the loss differentiated is that mean (each replica's loss divided by ``N``, the gradients summed over
+  the replicas by the program), TF's ``compute_average_loss`` rule. Metrics see the padding rows with
+  weight 0; each metric variable is combined over the replicas by its Keras ``aggregation`` (``"sum"``:
+  the replicas' increments added, TF's ``SyncOnRead`` ``SUM``), so accuracy, ``Mean``, ``AUC``,
+  ``Precision`` / ``Recall`` and the loss trackers count every real example once. ``predict`` returns
+  exactly the real rows, in order.
+
+The private Keras names this relies on are checked once, with the Keras version, in `check_keras`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpustrat._src import context, jax_compat, keras_models
+from tpustrat._src import steps as steps_lib
+from tpustrat._src.input import padding
+from tpustrat._src.names import REPLICA_AXIS
+from tpustrat._src.padding_reads import PaddingReadWarning
+from tpustrat._src.values import DistributedValues
+
+__all__ = ["install", "scope_distribution", "strategy_of_model"]
+
+# Reductions for which each replica's loss with scaled weights averages to the one-device loss.
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+# Private members of Keras 3's JAX trainer this module uses (see `check_keras`).
+_PRIVATE = ("_get_jax_state", "jax_state_sync")
+
+_LOCK = threading.Lock()
+_INSTALLED: list[Any] = []
+# The attribute that records, on a Keras variable created inside a strategy's scope, that strategy.
+_CREATED_IN = "_tpustrat_created_in"
+
+
+def check_keras(keras: Any) -> None:
+  """Fails loudly on a Keras whose JAX trainer lacks what this module relies on (Keras 3.5 to 3.15)."""
+  trainer = keras.Model
+  missing = [name for name in _PRIVATE + ("compute_loss_and_updates", "make_train_function",
+                                          "make_test_function", "make_predict_function")
+             if not callable(getattr(trainer, name, None))]
+  if missing:
+    raise RuntimeError(
+        f"tpustrat: Keras {keras.__version__}'s JAX trainer has no {', '.join(missing)}; tpustrat's "
+        "compile/fit under a strategy was written for Keras 3.5 to 3.15. Use a Keras version tpustrat was "
+        "tested with, or train in strategy.run with tpustrat.keras.stateless_call.")
+
+
+def _keras() -> Any:
+  return sys.modules.get("keras")
+
+
+# -- placement: Keras's distribution while a strategy's scope is open ------------------------------------
+
+
+@functools.cache
+def _distribution_class() -> type:
+  keras = keras_models.import_keras()
+
+  class _ScopeDistribution(keras.distribution.DataParallel):  # type: ignore[misc, name-defined]
+    """Keras's data-parallel distribution over a strategy's devices: variables replicated on every
+    device; each variable created under it is recorded as the strategy's."""
+
+    def __init__(self, strategy: Any) -> None:
+      super().__init__(devices=list(strategy.mesh.devices.flat))
+      self.tpustrat_strategy = strategy
+
+    def get_variable_layout(self, variable: Any) -> Any:
+      setattr(variable, _CREATED_IN, self.tpustrat_strategy)
+      return super().get_variable_layout(variable)
+
+  return _ScopeDistribution
+
+
+@contextlib.contextmanager
+def scope_distribution(strategy: Any):
+  """Inside ``strategy.scope()``: Keras variables created here are replicated on the strategy's devices
+  (when Keras is imported and runs on JAX; otherwise nothing happens). Installs the compile hook."""
+  keras = _keras()
+  if keras is None or strategy.mesh is None or not _on_jax(keras):
+    yield
+    return
+  install()
+  dist = _distribution_class()(strategy)
+  with dist.scope():
+    yield
+
+
+def _on_jax(keras: Any) -> bool:
+  try:
+    return keras.backend.backend() == "jax"
+  except Exception:  # noqa: BLE001 - a half-imported Keras: leave it alone
+    return False
+
+
+def strategy_of_model(model: Any) -> Any:
+  """The strategy attached to a compiled model (None for a plain Keras model)."""
+  fit = getattr(model, "_tpustrat_fit", None)
+  return None if fit is None else fit.strategy
+
+
+def _created_in(model: Any) -> set[Any]:
+  """The strategies (None for outside any) in whose scope the model's variables were created."""
+  return {getattr(v, _CREATED_IN, None) for v in model.variables}
+
+
+# -- the hooks on keras.Model ----------------------------------------------------------------------------
+
+
+def install() -> None:
+  """Wraps ``keras.Model.compile`` (once per process): a model compiled under a strategy gets tpustrat's
+  train, test and predict functions; and ``fit`` / ``evaluate`` / ``predict`` inside a strategy's scope
+  refuse a model that does not belong to it."""
+  keras = keras_models.import_keras()
+  with _LOCK:
+    if _INSTALLED:
+      return
+    check_keras(keras)
+    model_class = keras.Model
+    original = {name: getattr(model_class, name) for name in ("compile", "fit", "evaluate", "predict")}
+
+    @functools.wraps(original["compile"])
+    def compile(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A001 - Keras's name
+      strategy = _strategy_for_compile(self)
+      result = original["compile"](self, *args, **kwargs)
+      if strategy is not None:
+        _Fit.attach(self, strategy)
+      elif getattr(self, "_tpustrat_fit", None) is not None:
+        self._tpustrat_fit.detach()
+      return result
+
+    def guarded(name: str) -> Any:
+      method = original[name]
+
+      @functools.wraps(method)
+      def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        fit = getattr(self, "_tpustrat_fit", None)
+        current = context.get_strategy() if context.has_strategy() else None
+        if fit is None:
+          if current is not None and current.mesh is not None and len(current.mesh.devices.flat) > 1:
+            raise ValueError(
+                f"model.{name}() was called inside the scope of {current!r}, but the model "
+                f"{self.name!r} was not compiled under it, so Keras would run it on its own. Build and "
+                "compile the model inside the scope:\n  with strategy.scope():\n    model = build_model()\n"
+                "    model.compile(...)\n  model.fit(...)")
+          return method(self, *args, **kwargs)
+        if current is not None and current is not fit.strategy:
+          raise ValueError(
+              f"model.{name}() was called inside the scope of {current!r}, but the model {self.name!r} "
+              f"was compiled under {fit.strategy!r}. Call it outside any scope or inside that strategy's "
+              "scope, or build and compile the model again under this one.")
+        with fit.keras_distribution_off():
+          return method(self, *args, **kwargs)
+
+      return call
+
+    model_class.compile = compile
+    for name in ("fit", "evaluate", "predict"):
+      setattr(model_class, name, guarded(name))
+    _INSTALLED.append(original)
+
+
+def _strategy_for_compile(model: Any) -> Any:
+  """The strategy a ``compile`` attaches, as TF decides it: the scope's when inside one (every variable
+  of the model must have been created in it), else the one the model's variables were created in."""
+  current = context.get_strategy() if context.has_strategy() else None
+  if current is not None and current.mesh is None:
+    current = None
+  created = _created_in(model) if model.built else set()
+  if current is not None:
+    strangers = created - {current}
+    if strangers:
+      where = ("outside any strategy's scope" if strangers == {None} else
+               f"in the scope of {next(s for s in strangers if s is not None)!r}")
+      raise ValueError(
+          f"model.compile() inside the scope of {current!r}: variables of the model {model.name!r} were "
+          f"created {where}. Create the model (and its optimizer) inside the scope you compile it in:\n"
+          "  with strategy.scope():\n    model = build_model()\n    model.compile(...)")
+    return current
+  owners = created - {None}
+  if len(owners) > 1:
+    raise ValueError(f"model.compile(): the variables of {model.name!r} were created in the scopes of "
+                     f"several strategies ({', '.join(map(repr, owners))}); create them in one.")
+  if owners and None in created:
+    raise ValueError(
+        f"model.compile(): some variables of {model.name!r} were created in the scope of {next(iter(owners))!r} "
+        "and some outside any scope; create the whole model inside the strategy's scope.")
+  return next(iter(owners)) if owners else None
+
+
+# -- the attached strategy: Keras's train / test / predict functions as tpustrat programs -------------------
+
+
+class _Fit:
+  """What a model compiled under a strategy holds (``model._tpustrat_fit``)."""
+
+  def __init__(self, model: Any, strategy: Any) -> None:
+    self.model_ref = weakref.ref(model)
+    self.strategy = strategy
+    self.replicas = strategy.num_replicas_in_sync
+    self.iterators: dict[str, tuple[Any, Any]] = {}  # "train"/"test"/"predict" -> (Keras iterator, ours)
+    self.warned: set[str] = set()
+    # The step functions, one object each, so that the strategy's program cache finds them again.
+    self.train_steps = _steps(functools.partial(_train_step, self))
+    self.test_steps = _steps(functools.partial(_test_step, self))
+    self.predict_steps = _steps(functools.partial(_predict_step, self))
+
+  @classmethod
+  def attach(cls, model: Any, strategy: Any) -> None:
+    fit = cls(model, strategy)
+    object.__setattr__(model, "_tpustrat_fit", fit)
+    # Keras's public override points, per instance: Keras's fit / evaluate / predict loops call them.
+    object.__setattr__(model, "make_train_function", fit.make_train_function)
+    object.__setattr__(model, "make_test_function", fit.make_test_function)
+    object.__setattr__(model, "make_predict_function", fit.make_predict_function)
+    model.train_function = model.test_function = model.predict_function = None
+    _place(model, strategy)
+
+  def detach(self) -> None:
+    model = self.model_ref()
+    if model is None:
+      return
+    for name in ("_tpustrat_fit", "make_train_function", "make_test_function", "make_predict_function"):
+      model.__dict__.pop(name, None)
+    model.train_function = model.test_function = model.predict_function = None
+
+  @contextlib.contextmanager
+  def keras_distribution_off(self):
+    """Keras's own distribution (set while the scope is open) is off during fit / evaluate / predict:
+    the data goes through tpustrat's pipeline, which pads partial batches instead of refusing them."""
+    keras = keras_models.import_keras()
+    current = keras.distribution.distribution()
+    if current is None:
+      yield
+      return
+    keras.distribution.set_distribution(None)
+    try:
+      yield
+    finally:
+      keras.distribution.set_distribution(current)
+
+  # Keras's override points --------------------------------------------------------------------------
+
+  def make_train_function(self, force: bool = False) -> Any:
+    model = self.model_ref()
+    if model.train_function is None or force:
+      model.train_function = functools.partial(self._call, "train", self.train_steps)
+    return model.train_function
+
+  def make_test_function(self, force: bool = False) -> Any:
+    model = self.model_ref()
+    if model.test_function is None or force:
+      model.test_function = functools.partial(self._call, "test", self.test_steps)
+    return model.test_function
+
+  def make_predict_function(self, force: bool = False) -> Any:
+    model = self.model_ref()
+    if model.predict_function is None or force:
+      model.predict_function = functools.partial(self._call, "predict", self.predict_steps)
+    return model.predict_function
+
+  # One call of a Keras function: up to steps_per_execution batches in one program ---------------------
+
+  def _distributed(self, kind: str, iterator: Any) -> Any:
+    """Our distributed iterator over Keras's iterator of global batches (one per Keras epoch iterator)."""
+    known = self.iterators.get(kind)
+    if known is not None and known[0] is iterator:
+      return known[1]
+    if known is not None:
+      known[1].close()
+    ours = iter(self.strategy.experimental_distribute_dataset(_GlobalBatches(iterator)))
+    self.iterators[kind] = (iterator, ours)
+    return ours
+
+  def _call(self, kind: str, steps_fn: Any, state: Any, iterator: Any) -> Any:
+    model = self.model_ref()
+    k = max(1, int(model.steps_per_execution))
+    ours = self._distributed(kind, iterator)
+    with warnings.catch_warnings():
+      # The steps weigh padding rows 0 in the loss and every metric (see the module docstring): the
+      # padding-read analysis, which cannot see through Keras's weighting, would be a false alarm.
+      warnings.simplefilter("ignore", PaddingReadWarning)
+      carry, outputs = self.strategy.experimental_run_steps(steps_fn, ours, k, init=tuple(state))
+    state = tuple(_arrays(carry))
+    if kind == "predict":
+      return _predictions(self.strategy, outputs), state
+    logs = jax.tree.map(lambda v: _array(v)[-1], outputs)
+    return logs, state
+
+
+class _GlobalBatches:
+  """Keras's iterator of global batches as a one-shot source: ``(x,)``, ``(x, y)`` or ``(x, y, w)``
+  with Nones dropped from the structure (kept as the positions that hold them)."""
+
+  def __init__(self, iterator: Any) -> None:
+    self.iterator = iterator
+
+  def __iter__(self) -> Any:
+    return self
+
+  def __next__(self) -> Any:
+    data = next(self.iterator)
+    if not isinstance(data, tuple):
+      data = (data,)
+    return tuple(_host(d) for d in data)
+
+
+def _host(x: Any) -> Any:
+  return jax.tree.map(lambda a: a if isinstance(a, np.ndarray) else np.asarray(a), x)
+
+
+def _steps(step: Any) -> Any:
+  @functools.wraps(step)
+  def body(carry: Any, batch: Any) -> Any:
+    return step(carry, batch)
+  return body
+
+
+def _array(v: Any) -> Any:
+  return v.tree if isinstance(v, DistributedValues) else v
+
+
+def _arrays(tree: Any) -> Any:
+  return jax.tree.map(_array, tree, is_leaf=lambda v: isinstance(v, DistributedValues))
+
+
+def _predictions(strategy: Any, outputs: Any) -> Any:
+  """The stacked steps' per-example outputs as one array per output: exactly the real rows, in order."""
+  steps = steps_lib.unstack_steps(outputs)
+  parts = [strategy.gather(step, axis=0) for step in steps]
+  return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
+
+
+def _place(model: Any, strategy: Any) -> None:
+  """Every variable of the model (and its optimizer, when built) replicated on the strategy's devices."""
+  sharding = jax.sharding.NamedSharding(strategy.mesh, jax.sharding.PartitionSpec())
+  variables = list(model.variables)
+  optimizer = getattr(model, "optimizer", None)
+  if optimizer is not None and getattr(optimizer, "built", False):
+    variables += list(optimizer.variables)
+  for v in variables:
+    value = v.value
+    if getattr(value, "sharding", None) != sharding:
+      v.assign(jax.device_put(value, sharding))
+
+
+# -- the per-replica steps (traced inside experimental_run_steps) -----------------------------------------
+
+
+def _unpack(batch: Any) -> tuple[Any, Any, Any]:
+  x = batch[0]
+  y = batch[1] if len(batch) > 1 else None
+  w = batch[2] if len(batch) > 2 else None
+  return x, y, w
+
+
+class _Rows:
+  """This replica's rows of the step's batch: the mask of its real rows, ``k`` and the global count ``n``."""
+
+  def __init__(self, x: Any, replicas: int) -> None:
+    leaf = next(leaf for leaf in jax.tree.leaves(x) if leaf is not None)
+    self.mask = padding.valid_mask(leaf).astype(jnp.float32)
+    self.k = self.mask.shape[0]
+    self.n = jax.lax.psum(jnp.sum(self.mask), REPLICA_AXIS)
+    self.replicas = replicas
+
+
+def _weights(rows: _Rows, w: Any, scale: bool) -> Any:
+  """The sample weights this replica gives Keras: its own (or 1), 0 on padding rows; for the loss, the
+  real rows' scaled by ``N * k / n`` (see the module docstring)."""
+  mask = rows.mask
+  if scale:
+    mask = mask * (rows.replicas * rows.k / jnp.maximum(rows.n, 1.0))
+  if w is None:
+    return mask
+
+  def weigh(a: Any) -> Any:
+    m = mask.reshape(mask.shape + (1,) * (jnp.ndim(a) - 1)).astype(jnp.result_type(a, jnp.float32))
+    return a * m
+
+  return jax.tree.map(weigh, w)
+
+
+def _check_reductions(fit: _Fit, model: Any) -> None:
+  compiled = getattr(model, "_compile_loss", None)
+  flat = getattr(compiled, "_flat_losses", None) or ()
+  for entry in flat:
+    loss = entry[1]
+    reduction = getattr(loss, "reduction", "sum_over_batch_size")
+    if reduction not in _MEAN_REDUCTIONS:
+      raise ValueError(
+          f"model.fit under {fit.strategy!r}: the loss {getattr(loss, 'name', loss)!r} reduces with "
+          f"reduction={reduction!r}; under a strategy, fit gives the one-device loss for Keras's default "
+          "reduction 'sum_over_batch_size' (and 'mean'). Use that reduction, or train in strategy.run with "
+          "tpustrat.compute_average_loss.")
+
+
+def _fold(model: Any, non_trainable: list[Any]) -> tuple[list[Any], dict[int, Any], dict[int, Any]]:
+  return keras_models.fold_seeds(model, non_trainable)
+
+
+def _metrics_start(model: Any, metrics: list[Any]) -> list[Any]:
+  """Each replica's metric variables before its update: 0 for those summed over the replicas (their
+  increments are added to the value before the step), the value itself for the others."""
+  return [jnp.zeros_like(v) if ref.aggregation == "sum" else v for ref, v in zip(model.metrics_variables, metrics)]
+
+
+def _loss_tracker_variables(model: Any) -> set[int]:
+  """The variables of the per-output loss trackers Keras's compiled loss keeps (multi-output models):
+  Keras weighs each update by the replica's padded row count ``k``."""
+  compiled = getattr(model, "_compile_loss", None)
+  return {id(v) for m in (getattr(compiled, "metrics", None) or ()) for v in m.variables}
+
+
+def _metrics_combine(model: Any, rows: _Rows, before: list[Any], after: list[Any]) -> list[Any]:
+  """The replicas' metric variables combined by each variable's Keras aggregation (TF's SyncOnRead); the
+  per-output loss trackers' increments reweighted from ``k`` rows to the replica's share ``n / N``."""
+  replica = jax.lax.axis_index(REPLICA_AXIS)
+  replicas = rows.replicas
+  trackers = _loss_tracker_variables(model)
+  reweigh = rows.n / (replicas * rows.k)
+  out = []
+  for ref, v0, v in zip(model.metrics_variables, before, after):
+    if id(ref) in trackers:
+      v = (v * reweigh).astype(v.dtype)
+    if REPLICA_AXIS not in jax_compat.varying_axes(v):  # the same increment on every replica
+      out.append(v0 + v * jnp.asarray(replicas, v.dtype) if ref.aggregation == "sum" else v)
+    elif ref.aggregation == "sum":
+      out.append(v0 + jax.lax.psum(v, REPLICA_AXIS))
+    elif ref.aggregation == "only_first_replica":
+      out.append(jax.lax.psum(jnp.where(replica == 0, v, jnp.zeros_like(v)), REPLICA_AXIS))
+    else:
+      out.append(jax.lax.pmean(v.astype(jnp.float32), REPLICA_AXIS).astype(v.dtype))
+  return out
+
+
+@contextlib.contextmanager
+def _weighted_metrics(model: Any, mask: Any):
+  """Keras updates the metrics of ``compile(metrics=...)`` without sample weights; here each is updated
+  with the real-row mask as its weight (1 on every real row: the same numbers), so padding rows count 0."""
+  compiled = getattr(model, "_compile_metrics", None)
+  lists = [m for m in (getattr(compiled, "_flat_metrics", None) or ()) if m]
+  for m in lists:
+    update = type(m).update_state
+
+    def masked(y_true: Any, y_pred: Any, sample_weight: Any = None, _m: Any = m, _update: Any = update) -> Any:
+      return _update(_m, y_true, y_pred, sample_weight=mask if sample_weight is None else sample_weight)
+
+    object.__setattr__(m, "update_state", masked)
+  try:
+    yield
+  finally:
+    for m in lists:
+      m.__dict__.pop("update_state", None)
+
+
+def _update_metrics(model: Any, rows: _Rows, metrics: list[Any], loss: Any, x: Any, y: Any, y_pred: Any,
+                    weights: Any) -> list[Any]:
+  """Keras's ``_update_metrics_variables`` for one replica: the loss tracker weighs this replica's loss by
+  its share of the global batch's real rows (``n / N``: summed, the tracker counts ``n`` rows, as Keras on
+  one device), and every compiled metric sees the padding rows with weight 0."""
+  keras = keras_models.import_keras()
+  with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metrics))) as scope:
+    model._loss_tracker.update_state(loss, sample_weight=rows.n / rows.replicas)  # noqa: SLF001
+    with _weighted_metrics(model, rows.mask):
+      model.compute_metrics(x, y, y_pred, weights)
+  out = []
+  for ref, value in zip(model.metrics_variables, metrics):
+    new = scope.get_current_value(ref)
+    out.append(value if new is None else new)
+  return out
+
+
+def _results(model: Any, metrics: list[Any]) -> Any:
+  keras = keras_models.import_keras()
+  with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metrics))):
+    return model.get_metrics_result()
+
+
+def _train_step(fit: _Fit, state: Any, batch: Any) -> Any:
+  model = fit.model_ref()
+  trainable, non_trainable, optimizer_vars, metrics = (list(s) for s in state)
+  x, y, w = _unpack(batch)
+  _check_reductions(fit, model)
+  rows = _Rows(x, fit.replicas)
+  loss_w = _weights(rows, w, scale=True)
+  metric_w = _weights(rows, w, scale=False)
+  non_trainable, given, folded = _fold(model, non_trainable)
+  start = _metrics_start(model, metrics)
+
+  def loss_fn(tv: Any) -> Any:
+    loss, aux = model.compute_loss_and_updates(tv, non_trainable, start, x, y, loss_w, training=True,
+                                               optimizer_variables=optimizer_vars)
+    return loss / fit.replicas, aux
+
+  (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+  unscaled, y_pred, new_non_trainable, new_metrics = aux
+  new_non_trainable = keras_models.settle_seeds(model, list(new_non_trainable), given, folded)
+  trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+  new_metrics = _update_metrics(model, rows, new_metrics, unscaled, x, y, y_pred, metric_w)
+  new_metrics = _metrics_combine(model, rows, metrics, new_metrics)
+  logs = _results(model, new_metrics)
+  return (trainable, new_non_trainable, optimizer_vars, new_metrics), logs
+
+
+def _test_step(fit: _Fit, state: Any, batch: Any) -> Any:
+  model = fit.model_ref()
+  trainable, non_trainable, metrics = (list(s) for s in state)
+  x, y, w = _unpack(batch)
+  _check_reductions(fit, model)
+  rows = _Rows(x, fit.replicas)
+  loss_w = _weights(rows, w, scale=True)
+  metric_w = _weights(rows, w, scale=False)
+  folded_nt, given, folded = _fold(model, non_trainable)
+  start = _metrics_start(model, metrics)
+  _, aux = model.compute_loss_and_updates(trainable, folded_nt, start, x, y, loss_w, training=False)
+  unscaled, y_pred, new_non_trainable, new_metrics = aux
+  new_non_trainable = keras_models.settle_seeds(model, list(new_non_trainable), given, folded)
+  new_metrics = _update_metrics(model, rows, new_metrics, unscaled, x, y, y_pred, metric_w)
+  new_metrics = _metrics_combine(model, rows, metrics, new_metrics)
+  return (trainable, new_non_trainable, new_metrics), _results(model, new_metrics)
+
+
+def _predict_step(fit: _Fit, state: Any, batch: Any) -> Any:
+  model = fit.model_ref()
+  trainable, non_trainable = (list(s) for s in state)
+  x, _, _ = _unpack(batch)
+  kwargs = {"training": False} if model._call_has_training_arg else {}  # noqa: SLF001
+  outputs, new_non_trainable, _ = keras_models.stateless_call(model, trainable, non_trainable, x, **kwargs)
+  return (trainable, new_non_trainable), padding.per_example(outputs)
+
+
+def _warn_once(fit: _Fit, key: str, message: str, category: type[Warning] = UserWarning) -> None:
+  if key not in fit.warned:
+    fit.warned.add(key)
+    warnings.warn(message, category, stacklevel=3)
+
