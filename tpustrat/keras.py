@@ -9,12 +9,13 @@ and `SyncBatchNormalization` is TF's synchronised batch norm. Keras is an option
 
 from typing import Any
 
+from tpustrat._src.keras_fit import strategy_of_model as strategy_of
 from tpustrat._src.keras_models import assign as assign
 from tpustrat._src.keras_models import state as state
 from tpustrat._src.keras_models import stateless_call as stateless_call
 from tpustrat._src.keras_models import sync_batch_normalization_class as _sync_batch_normalization_class
 
-__all__ = ["SyncBatchNormalization", "assign", "state", "stateless_call"]  # noqa: F822 (module __getattr__)
+__all__ = ["SyncBatchNormalization", "assign", "state", "stateless_call", "strategy_of"]  # noqa: F822 (module __getattr__)
 
 
 def __getattr__(name: str) -> Any:

@@ -123,7 +123,11 @@ def _on_jax(keras: Any) -> bool:
 
 
 def strategy_of_model(model: Any) -> Any:
-  """The strategy attached to a compiled model (None for a plain Keras model)."""
+  """The strategy whose replicas a Keras model's ``fit`` / ``evaluate`` / ``predict`` run on, or None.
+
+  A model compiled inside ``strategy.scope()`` (or compiled anywhere after it was built inside one) is
+  attached to that strategy, as TF's ``model.distribute_strategy``; a plain Keras model is not (None).
+  """
   fit = getattr(model, "_tpustrat_fit", None)
   return None if fit is None else fit.strategy
 
@@ -145,8 +149,11 @@ def install() -> None:
     if _INSTALLED:
       return
     check_keras(keras)
-    model_class = keras.Model
-    original = {name: getattr(model_class, name) for name in ("compile", "fit", "evaluate", "predict")}
+    # Each method is wrapped on the class that defines it (Keras's Trainer, its JAX trainer): Keras compares
+    # ``model.__class__.compile`` with ``Trainer.compile`` to tell a user's own compile (load_model).
+    owners = {name: next(c for c in keras.Model.__mro__ if name in vars(c))
+              for name in ("compile", "fit", "evaluate", "predict")}
+    original = {name: vars(owner)[name] for name, owner in owners.items()}
 
     @functools.wraps(original["compile"])
     def compile(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A001 - Keras's name
@@ -183,9 +190,9 @@ def install() -> None:
 
       return call
 
-    model_class.compile = compile
+    owners["compile"].compile = compile
     for name in ("fit", "evaluate", "predict"):
-      setattr(model_class, name, guarded(name))
+      setattr(owners[name], name, guarded(name))
     _INSTALLED.append(original)
 
 

@@ -1,0 +1,267 @@
+"""Keras's ``compile`` / ``fit`` / ``evaluate`` / ``predict`` under ``strategy.scope()`` (`keras_fit`).
+
+Every expected value comes from one-device Keras: the same model, built from the same seed outside any
+scope, trained by Keras's own ``fit`` on the same global batches (``shuffle=False``). The strategies run
+on 8 emulated CPU devices; the global batches are not multiples of 8 where a test says partial.
+"""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from conftest import assert_close
+
+import tpustrat
+
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "jax":
+  pytest.skip(f"Keras runs on {keras.backend.backend()}, not JAX (KERAS_BACKEND=jax)", allow_module_level=True)
+
+from tpustrat import keras as tk  # noqa: E402
+
+
+def weights(model):
+  return [np.asarray(v.value) for v in model.weights]
+
+
+def mlp(seed=1, classes=3, features=10):
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential([keras.Input((features,)), keras.layers.Dense(16, activation="relu"),
+                           keras.layers.Dense(classes)])
+
+
+def compile_args(**kwargs):
+  return dict(optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              metrics=["accuracy"], **kwargs)
+
+
+def classification(rows, rng, features=10, classes=3):
+  x = rng.normal(size=(rows, features)).astype(np.float32)
+  y = rng.integers(0, classes, size=(rows,)).astype(np.int32)
+  return x, y
+
+
+def assert_histories(actual, expected):
+  assert set(actual.history) == set(expected.history), (actual.history, expected.history)
+  for name, values in expected.history.items():
+    assert_close(actual.history[name], values, rtol=1e-5, err_msg=name)
+
+
+def assert_weights(actual, expected):
+  for a, b in zip(weights(actual), weights(expected)):
+    assert_close(a, b, rtol=1e-5, scale=np.abs(b).max() + 1.0)
+
+
+def on_every_device(model, strategy):
+  devices = set(strategy.mesh.devices.flat)
+  return all(v.value.sharding.device_set == devices for v in model.variables)
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_fit_evaluate_predict_equal_one_device_keras_with_a_partial_last_batch(strategy, rng, steps_per_execution):
+  x, y = classification(261, rng)  # batch 64: four full batches and one of 5 rows (8 replicas)
+  with strategy.scope():
+    model = mlp()
+    model.compile(**compile_args(steps_per_execution=steps_per_execution))
+  assert on_every_device(model, strategy)
+  history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+  assert on_every_device(model, strategy)
+
+  reference = mlp()
+  reference.compile(**compile_args())
+  expected = reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+  assert_histories(history, expected)
+  assert_weights(model, reference)
+  assert_close(model.evaluate(x, y, batch_size=64, verbose=0), reference.evaluate(x, y, batch_size=64, verbose=0))
+  for rows in (1, 7, 13, 261):
+    predicted = model.predict(x[:rows], batch_size=64, verbose=0)
+    assert predicted.shape == (rows, 3)
+    assert_close(predicted, reference.predict(x[:rows], batch_size=64, verbose=0), rtol=1e-5)
+
+
+def test_a_last_batch_of_one_row_on_eight_replicas(strategy, rng):
+  x, y = classification(65, rng)
+  with strategy.scope():
+    model = mlp(seed=3)
+    model.compile(**compile_args())
+  history = model.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)
+  reference = mlp(seed=3)
+  reference.compile(**compile_args())
+  assert_histories(history, reference.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0))
+  assert_weights(model, reference)
+  # evaluate counts every example once: the loss is the one-device mean over the 65 rows
+  assert_close(model.evaluate(x, y, batch_size=64, verbose=0), reference.evaluate(x, y, batch_size=64, verbose=0))
+
+
+def two_towers(seed=2):
+  keras.utils.set_random_seed(seed)
+  a = keras.Input((6,), name="a")
+  b = keras.Input((4,), name="b")
+  h = keras.layers.Concatenate()([keras.layers.Dense(8, activation="tanh")(a), keras.layers.Dense(8)(b)])
+  h = keras.layers.LayerNormalization()(h)
+  return keras.Model({"a": a, "b": b}, {"label": keras.layers.Dense(3, name="label")(h),
+                                         "score": keras.layers.Dense(1, name="score")(h)})
+
+
+def test_multi_input_multi_output_with_loss_weights_sample_weights_and_validation(strategy, rng):
+  rows = 150
+  x = {"a": rng.normal(size=(rows, 6)).astype(np.float32), "b": rng.normal(size=(rows, 4)).astype(np.float32)}
+  y = {"label": rng.integers(0, 3, size=rows).astype(np.int32), "score": rng.normal(size=(rows, 1)).astype(np.float32)}
+  w = rng.uniform(0.2, 2.0, size=rows).astype(np.float32)
+
+  def compiled(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=1.0),
+                  loss={"label": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "score": "mse"},
+                  loss_weights={"label": 1.0, "score": 0.5},
+                  metrics={"label": ["accuracy"], "score": [keras.metrics.MeanAbsoluteError()]},
+                  weighted_metrics={"score": [keras.metrics.MeanSquaredError(name="wmse")]})
+    return model
+
+  with strategy.scope():
+    model = compiled(two_towers())
+  history = model.fit(x, y, sample_weight=w, batch_size=40, epochs=2, shuffle=False, validation_split=0.2, verbose=0)
+  reference = compiled(two_towers())
+  expected = reference.fit(x, y, sample_weight=w, batch_size=40, epochs=2, shuffle=False, validation_split=0.2,
+                           verbose=0)
+  assert_histories(history, expected)
+  assert_weights(model, reference)
+  predicted = model.predict(x, batch_size=40, verbose=0)
+  for name, value in reference.predict(x, batch_size=40, verbose=0).items():
+    assert_close(predicted[name], value)
+
+
+def convnet(norm, seed=4):
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential([
+      keras.Input((6, 6, 1)),
+      keras.layers.Conv2D(4, 3, use_bias=False, kernel_regularizer=keras.regularizers.L2(1e-3)),
+      norm(momentum=0.8), keras.layers.ReLU(), keras.layers.Flatten(),
+      keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L1(1e-3)),
+  ])
+
+
+def test_sync_batch_normalization_equals_one_device_batch_normalization_on_partial_batches(strategy, rng):
+  x = rng.normal(size=(75, 6, 6, 1)).astype(np.float32)  # batch 32: a last batch of 11 rows
+  y = rng.integers(0, 3, size=75).astype(np.int32)
+  with strategy.scope():
+    model = convnet(tk.SyncBatchNormalization)
+    model.compile(**compile_args(steps_per_execution=2))
+  history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, validation_data=(x[:21], y[:21]), verbose=0)
+  reference = convnet(keras.layers.BatchNormalization)
+  reference.compile(**compile_args())
+  expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, validation_data=(x[:21], y[:21]),
+                           verbose=0)
+  assert_histories(history, expected)
+  assert_weights(model, reference)  # the moving statistics too
+
+
+def test_generator_and_pydataset_inputs(strategy, rng):
+  x, y = classification(100, rng)
+  batches = [(x[i:i + 24], y[i:i + 24]) for i in range(0, 100, 24)]  # the last of 4 rows
+
+  class Batches(keras.utils.PyDataset):
+    def __len__(self):
+      return len(batches)
+
+    def __getitem__(self, i):
+      return batches[i]
+
+  with strategy.scope():
+    model = mlp(seed=5)
+    model.compile(**compile_args())
+  history = model.fit(Batches(), epochs=2, verbose=0)
+  with pytest.warns(UserWarning, match="ran out of data"):  # Keras's own word: a generator's length is unknown
+    history2 = model.fit((b for b in batches), epochs=1, shuffle=False, verbose=0)
+  reference = mlp(seed=5)
+  reference.compile(**compile_args())
+  assert_histories(history, reference.fit(Batches(), epochs=2, verbose=0))
+  with pytest.warns(UserWarning, match="ran out of data"):
+    assert_histories(history2, reference.fit((b for b in batches), epochs=1, shuffle=False, verbose=0))
+  assert_weights(model, reference)
+
+
+def test_compiled_metrics_count_padding_rows_zero(strategy, rng):
+  x = rng.normal(size=(45, 5)).astype(np.float32)
+  y = (rng.uniform(size=(45, 1)) > 0.5).astype(np.float32)
+
+  def built():
+    keras.utils.set_random_seed(6)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer="sgd", loss="binary_crossentropy",
+                  metrics=["accuracy", keras.metrics.AUC(name="auc"), keras.metrics.Precision(name="p"),
+                           keras.metrics.Recall(name="r")])
+    return model
+
+  with strategy.scope():
+    model = built()
+  reference = built()
+  assert_close(model.evaluate(x, y, batch_size=16, verbose=0), reference.evaluate(x, y, batch_size=16, verbose=0))
+
+
+def test_compile_inside_a_scope_needs_the_model_built_there(strategy):
+  model = mlp()
+  with strategy.scope(), pytest.raises(ValueError, match="created outside any strategy's scope"):
+    model.compile(**compile_args())
+  other = tpustrat.MirroredStrategy(jax.devices()[:2])
+  with other.scope():
+    model = mlp()
+  with strategy.scope(), pytest.raises(ValueError, match="in the scope of"):
+    model.compile(**compile_args())
+
+
+def test_a_model_compiled_outside_the_scope_keeps_the_strategy_it_was_built_in(strategy, rng):
+  x, y = classification(20, rng)
+  with strategy.scope():
+    model = mlp()
+  model.compile(**compile_args())  # TF: the model's strategy, from its variables
+  assert tk.strategy_of(model) is strategy
+  model.fit(x, y, batch_size=8, verbose=0)
+  assert on_every_device(model, strategy)
+  other = tpustrat.MirroredStrategy(jax.devices()[:2])
+  with other.scope(), pytest.raises(ValueError, match="was compiled under"):
+    model.fit(x, y, batch_size=8, verbose=0)
+  plain = mlp()
+  plain.compile(**compile_args())
+  with strategy.scope(), pytest.raises(ValueError, match="not compiled under it"):
+    plain.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_keras_outside_any_scope_is_untouched(rng):
+  x, y = classification(20, rng)
+  model = mlp()
+  model.compile(**compile_args())
+  model.fit(x, y, batch_size=8, verbose=0)
+  assert tk.strategy_of(model) is None
+  assert all(len(v.value.sharding.device_set) == 1 for v in model.variables)
+
+
+def test_a_loss_that_sums_is_refused_naming_the_reduction(strategy, rng):
+  x, y = classification(16, rng)
+  with strategy.scope():
+    model = mlp()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"))
+  with pytest.raises(ValueError, match="reduction='sum'"):
+    model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_save_load_and_callbacks_after_fit(strategy, rng, tmp_path):
+  x, y = classification(90, rng)
+  path = os.fspath(tmp_path / "model.keras")
+  with strategy.scope():
+    model = mlp(seed=8)
+    model.compile(**compile_args())
+  callbacks = [keras.callbacks.ModelCheckpoint(path), keras.callbacks.CSVLogger(os.fspath(tmp_path / "log.csv")),
+               keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5)]
+  history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+  reference = mlp(seed=8)
+  reference.compile(**compile_args())
+  expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                           callbacks=[keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5)])
+  assert_histories(history, expected)
+  loaded = keras.models.load_model(path)
+  assert_weights(loaded, reference)
+  assert_close(loaded.predict(x, verbose=0), reference.predict(x, verbose=0))
+  assert_close(np.asarray(model(x)), np.asarray(reference(x)))  # plain Keras use after fit
+  logged = np.genfromtxt(tmp_path / "log.csv", delimiter=",", names=True)
+  assert_close(logged["loss"], expected.history["loss"])
