@@ -265,3 +265,43 @@ def test_save_load_and_callbacks_after_fit(strategy, rng, tmp_path):
   assert_close(np.asarray(model(x)), np.asarray(reference(x)))  # plain Keras use after fit
   logged = np.genfromtxt(tmp_path / "log.csv", delimiter=",", names=True)
   assert_close(logged["loss"], expected.history["loss"])
+
+
+def test_plain_batch_normalization_keeps_tf_per_replica_statistics_over_real_rows(strategy, rng):
+  """TF's per-replica batch norm: each replica's statistics over its own real rows; the moving statistics
+  are their mean over the replicas that held rows (`ON_READ` `MEAN`). 13 rows, batch 16: replicas 0-5 hold
+  2 rows, replica 6 one, replica 7 none."""
+  x = rng.normal(size=(13, 4)).astype(np.float32)
+  y = rng.integers(0, 2, size=13).astype(np.int32)
+  with strategy.scope():
+    keras.utils.set_random_seed(9)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, use_bias=False),
+                              keras.layers.BatchNormalization(momentum=0.5), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  kernel = np.asarray(model.layers[0].kernel.value)
+  model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+  h = x.astype(np.float64) @ kernel
+  parts = [h[r * 2:(r + 1) * 2] for r in range(8) if r * 2 < 13]
+  mean = np.mean([p.mean(0) for p in parts], axis=0)
+  var = np.mean([p.var(0) for p in parts], axis=0)
+  bn = model.layers[1]
+  assert_close(np.asarray(bn.moving_mean.value), 0.5 * 0.0 + 0.5 * mean, scale=np.abs(h).max())
+  assert_close(np.asarray(bn.moving_variance.value), 0.5 * 1.0 + 0.5 * var, scale=np.abs(h).max() ** 2)
+
+
+def test_a_distributed_dataset_is_read_as_its_global_batches(strategy, rng):
+  x, y = classification(70, rng)
+  batches = [(x[i:i + 32], y[i:i + 32]) for i in range(0, 70, 32)]  # the last of 6 rows
+  with strategy.scope():
+    model = mlp(seed=10)
+    model.compile(**compile_args())
+  history = model.fit(strategy.experimental_distribute_dataset(batches), epochs=2,
+                      validation_data=strategy.experimental_distribute_dataset(batches[:1]), verbose=0)
+  reference = mlp(seed=10)
+  reference.compile(**compile_args())
+  expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, validation_data=batches[0], verbose=0)
+  assert_histories(history, expected)
+  assert_weights(model, reference)
+  per_replica = strategy.experimental_distribute_datasets_from_function(lambda ctx: batches)
+  with pytest.raises(ValueError, match="global batches"):
+    model.fit(per_replica, verbose=0)

@@ -30,6 +30,7 @@ The private Keras names this relies on are checked once, with the Keras version,
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import functools
 import sys
@@ -43,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpustrat._src import context, jax_compat, keras_models
+from tpustrat._src import input as input_lib
 from tpustrat._src import steps as steps_lib
 from tpustrat._src.input import padding
 from tpustrat._src.names import REPLICA_AXIS
@@ -185,6 +187,7 @@ def install() -> None:
               f"model.{name}() was called inside the scope of {current!r}, but the model {self.name!r} "
               f"was compiled under {fit.strategy!r}. Call it outside any scope or inside that strategy's "
               "scope, or build and compile the model again under this one.")
+        args, kwargs = _global_inputs(name, args, kwargs)
         with fit.keras_distribution_off():
           return method(self, *args, **kwargs)
 
@@ -194,6 +197,45 @@ def install() -> None:
     for name in ("fit", "evaluate", "predict"):
       setattr(owners[name], name, guarded(name))
     _INSTALLED.append(original)
+
+
+def _global_inputs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+  """TF's ``model.fit(strategy.experimental_distribute_dataset(ds))``: a distributed dataset given to
+  ``fit`` / ``evaluate`` / ``predict`` (as ``x`` or ``validation_data``) is read as the global batches it
+  distributes (Keras's data adapters batch nothing again; tpustrat distributes them in the step)."""
+  what = f"model.{name}"
+
+  def unwrap(value: Any) -> Any:
+    if isinstance(value, input_lib.DistributedIterator):
+      raise TypeError(f"{what}: got a DistributedIterator; pass the dataset (or its source), as TF's fit "
+                      "takes the distributed dataset itself.")
+    if not isinstance(value, input_lib.DistributedDataset):
+      return value
+    source = value.global_source(what)
+    if isinstance(source, collections.abc.Sequence) and not isinstance(source, (str, bytes)):
+      return _py_dataset(source)  # a list of batches would read as arrays; Keras's PyDataset reads it in order
+    return source if not isinstance(source, collections.abc.Iterator) else (b for b in source)
+
+  given = args[0] if args else kwargs.get("x")
+  args = tuple(unwrap(a) if i == 0 else a for i, a in enumerate(args))
+  kwargs = {k: unwrap(v) if k in ("x", "validation_data") else v for k, v in kwargs.items()}
+  if name == "fit" and isinstance(given, input_lib.DistributedDataset):
+    kwargs["shuffle"] = False  # a dataset keeps its order, as TF's fit keeps a tf.data dataset's
+  return args, kwargs
+
+
+def _py_dataset(batches: collections.abc.Sequence[Any]) -> Any:
+  """A list of global batches as a Keras ``PyDataset`` (read in order, one batch per index)."""
+  keras = keras_models.import_keras()
+
+  class Batches(keras.utils.PyDataset):  # type: ignore[misc, name-defined]
+    def __len__(self) -> int:
+      return len(batches)
+
+    def __getitem__(self, i: int) -> Any:
+      return batches[i]
+
+  return Batches()
 
 
 def _strategy_for_compile(model: Any) -> Any:
@@ -251,6 +293,7 @@ class _Fit:
     object.__setattr__(model, "make_predict_function", fit.make_predict_function)
     model.train_function = model.test_function = model.predict_function = None
     _place(model, strategy)
+    keras_models.mask_batch_norm_padding(model)
 
   def detach(self) -> None:
     model = self.model_ref()
@@ -435,6 +478,34 @@ def _fold(model: Any, non_trainable: list[Any]) -> tuple[list[Any], dict[int, An
   return keras_models.fold_seeds(model, non_trainable)
 
 
+def _settle(model: Any, rows: _Rows, new: list[Any], given: dict[int, Any], folded: dict[int, Any]) -> list[Any]:
+  """The non-trainable values after a step, the same on every replica: the seeds advanced (`settle_seeds`);
+  every other value that differs between replicas combined by its Keras aggregation, a mean (batch norm's
+  moving statistics, TF's ``ON_READ`` ``MEAN``) over the replicas that held real rows (a replica that
+  holds none of a partial batch has no statistics to add)."""
+  new = keras_models.settle_seeds(model, new, given, folded, aggregate=False)
+  has_rows = (jnp.sum(rows.mask) > 0).astype(jnp.float32)
+  holders = jax.lax.psum(has_rows, REPLICA_AXIS)
+  replica = jax.lax.axis_index(REPLICA_AXIS)
+  for i, variable in enumerate(model.non_trainable_variables):
+    v = new[i]
+    if i in given or REPLICA_AXIS not in jax_compat.varying_axes(v):
+      continue
+    if variable.aggregation == "sum":
+      new[i] = jax.lax.psum(v, REPLICA_AXIS)
+    elif variable.aggregation == "only_first_replica":
+      new[i] = jax.lax.psum(jnp.where(replica == 0, v, jnp.zeros_like(v)), REPLICA_AXIS)
+    elif jnp.issubdtype(v.dtype, jnp.floating):
+      mean = jax.lax.psum(v.astype(jnp.float32) * has_rows, REPLICA_AXIS) / jnp.maximum(holders, 1.0)
+      new[i] = mean.astype(v.dtype)
+    else:
+      raise ValueError(
+          f"model.fit under a strategy: the non-trainable variable {variable.path} (dtype {v.dtype}) differs "
+          "between replicas after a step and cannot be averaged; give it aggregation='sum' or "
+          "'only_first_replica'.")
+  return new
+
+
 def _metrics_start(model: Any, metrics: list[Any]) -> list[Any]:
   """Each replica's metric variables before its update: 0 for those summed over the replicas (their
   increments are added to the value before the step), the value itself for the others."""
@@ -531,7 +602,7 @@ def _train_step(fit: _Fit, state: Any, batch: Any) -> Any:
 
   (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
   unscaled, y_pred, new_non_trainable, new_metrics = aux
-  new_non_trainable = keras_models.settle_seeds(model, list(new_non_trainable), given, folded)
+  new_non_trainable = _settle(model, rows, list(new_non_trainable), given, folded)
   trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads, trainable)
   new_metrics = _update_metrics(model, rows, new_metrics, unscaled, x, y, y_pred, metric_w)
   new_metrics = _metrics_combine(model, rows, metrics, new_metrics)
@@ -551,7 +622,7 @@ def _test_step(fit: _Fit, state: Any, batch: Any) -> Any:
   start = _metrics_start(model, metrics)
   _, aux = model.compute_loss_and_updates(trainable, folded_nt, start, x, y, loss_w, training=False)
   unscaled, y_pred, new_non_trainable, new_metrics = aux
-  new_non_trainable = keras_models.settle_seeds(model, list(new_non_trainable), given, folded)
+  new_non_trainable = _settle(model, rows, list(new_non_trainable), given, folded)
   new_metrics = _update_metrics(model, rows, new_metrics, unscaled, x, y, y_pred, metric_w)
   new_metrics = _metrics_combine(model, rows, metrics, new_metrics)
   return (trainable, new_non_trainable, new_metrics), _results(model, new_metrics)

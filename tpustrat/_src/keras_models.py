@@ -283,10 +283,12 @@ def settle_seeds(model: Any, new: list[Any], given: dict[int, Any], folded: dict
 # -- SyncBatchNormalization -------------------------------------------------------------------------------
 
 
-def _sync_moments(x: Any, axes: Sequence[int], mask: Any, real: Any = None) -> tuple[Any, Any]:
+def _sync_moments(x: Any, axes: Sequence[int], mask: Any, real: Any = None, sync: bool = True) -> tuple[Any, Any]:
   """Mean and variance of `x` over `axes` and over every replica's rows: two sums over the replicas (the
   mean first, then the squared deviations from it, as ``jnp.var`` computes on one device). `real`: this
-  replica's real rows of a padded batch whose rows `x` holds (the padding rows weigh nothing), or None."""
+  replica's real rows of a padded batch whose rows `x` holds (the padding rows weigh nothing), or None.
+  Without `sync`, this replica's rows only (no sums over the replicas)."""
+  psum = (lambda v: jax.lax.psum(v, REPLICA_AXIS)) if sync else (lambda v: v)
   x32 = x.astype(jnp.float32)
   if mask is None and real is None:
     weight = jnp.ones((), jnp.float32)
@@ -297,11 +299,39 @@ def _sync_moments(x: Any, axes: Sequence[int], mask: Any, real: Any = None) -> t
     if real is not None:
       weight = jnp.where(jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) < real, weight, 0.0)
     count = jnp.sum(weight, axis=tuple(axes))
-  total, count = jax.lax.psum((jnp.sum(x32 * weight, axis=tuple(axes)), count), REPLICA_AXIS)
+  total, count = psum((jnp.sum(x32 * weight, axis=tuple(axes)), count))
   mean = total / jnp.maximum(count, 1.0)
   shape = [1 if a in axes else d for a, d in enumerate(x.shape)]
-  squares = jax.lax.psum(jnp.sum(jnp.square(x32 - mean.reshape(shape)) * weight, axis=tuple(axes)), REPLICA_AXIS)
+  squares = psum(jnp.sum(jnp.square(x32 - mean.reshape(shape)) * weight, axis=tuple(axes)))
   return mean.astype(x.dtype), (squares / jnp.maximum(count, 1.0)).astype(x.dtype)
+
+
+def _replica_moments(layer: Any, inputs: Any, mask: Any) -> tuple[Any, Any]:
+  """A plain `BatchNormalization`'s statistics inside a step: this replica's real rows only (TF hands a
+  replica only its real rows of a partial batch); Keras's own outside a step or for a batch not padded."""
+  ctx = context.active_replica_context()
+  axis = layer.axis % inputs.ndim
+  real = None
+  if ctx is not None and context.replica_axis(ctx) is not None and axis != 0:
+    real = ctx.padding_count(inputs, f"{type(layer).__name__} {layer.name!r}: its inputs")
+  if real is None:
+    return type(layer)._moments(layer, inputs, mask)  # pylint: disable=protected-access
+  return _sync_moments(inputs, [a for a in range(inputs.ndim) if a != axis], mask, real, sync=False)
+
+
+def mask_batch_norm_padding(model: Any) -> None:
+  """Makes every plain `BatchNormalization` layer of `model` (not `SyncBatchNormalization`) compute its
+  batch statistics over this replica's real rows of a padded batch (an instance attribute over Keras's
+  private ``_moments``, checked as for `SyncBatchNormalization`; not saved with the model)."""
+  keras = import_keras()
+  base = keras.layers.BatchNormalization
+  _check_moments_hook(base, keras.__version__)
+  sync = sync_batch_normalization_class()
+  flatten = getattr(model, "_flatten_layers", None)
+  layers = list(flatten(include_self=True)) if callable(flatten) else [model]
+  for layer in layers:
+    if isinstance(layer, base) and not isinstance(layer, sync) and type(layer)._moments is base._moments:  # pylint: disable=protected-access
+      object.__setattr__(layer, "_moments", functools.partial(_replica_moments, layer))
 
 
 def _check_moments_hook(bn: type, version: str) -> None:

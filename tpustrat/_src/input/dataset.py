@@ -249,6 +249,18 @@ class DistributedDataset:
   def __repr__(self) -> str:
     return f"DistributedDataset(num_replicas={self._num_replicas}, source={type(self._source).__name__})"
 
+  def global_source(self, what: str) -> Any:
+    """The dataset of global batches this one distributes (for Keras's ``fit``, which distributes it again
+    with its own data adapters); raises for a dataset made per replica by a function, which has none."""
+    if self._per_replica:
+      raise ValueError(
+          f"{what}: a dataset made by experimental_distribute_datasets_from_function yields each replica's "
+          "batch, not global batches; give model.fit the dataset of global batches (or "
+          "strategy.experimental_distribute_dataset(dataset)).")
+    if self._stash:  # element_spec read a one-shot source ahead
+      return itertools.chain(self._stash, self._source)
+    return self._source
+
   def _iter_source(self, start: int = 0) -> Iterator[Any]:
     """A new pass over the source from element `start` (a batched grain MapDataset read per process: this
     process's parts of the batches, see `_read_local`; `start` > 0 only then)."""
