@@ -279,9 +279,14 @@ class _Fit:
     self.iterators: dict[str, tuple[Any, Any]] = {}  # "train"/"test"/"predict" -> (Keras iterator, ours)
     self.warned: set[str] = set()
     # The step functions, one object each, so that the strategy's program cache finds them again.
-    self.train_steps = _steps(functools.partial(_train_step, self))
-    self.test_steps = _steps(functools.partial(_test_step, self))
-    self.predict_steps = _steps(functools.partial(_predict_step, self))
+    # The step functions, one object each (the strategy's program caches find them again): one step per
+    # `run`; k steps per `experimental_run_steps`, the last step's logs in the carry (not stacked outputs,
+    # which would cost a slice per log entry on the host).
+    self.steps = {kind: _named(functools.partial(step, self), kind)
+                  for kind, step in (("train", _train_step), ("test", _test_step), ("predict", _predict_step))}
+    self.many_steps = {kind: _named(functools.partial(_carrying_logs, self.steps[kind]), kind)
+                       for kind in ("train", "test")}
+    self.log_zeros: dict[str, Any] = {}
 
   @classmethod
   def attach(cls, model: Any, strategy: Any) -> None:
@@ -323,19 +328,19 @@ class _Fit:
   def make_train_function(self, force: bool = False) -> Any:
     model = self.model_ref()
     if model.train_function is None or force:
-      model.train_function = functools.partial(self._call, "train", self.train_steps)
+      model.train_function = functools.partial(self._call, "train")
     return model.train_function
 
   def make_test_function(self, force: bool = False) -> Any:
     model = self.model_ref()
     if model.test_function is None or force:
-      model.test_function = functools.partial(self._call, "test", self.test_steps)
+      model.test_function = functools.partial(self._call, "test")
     return model.test_function
 
   def make_predict_function(self, force: bool = False) -> Any:
     model = self.model_ref()
     if model.predict_function is None or force:
-      model.predict_function = functools.partial(self._call, "predict", self.predict_steps)
+      model.predict_function = functools.partial(self._call, "predict")
     return model.predict_function
 
   # One call of a Keras function: up to steps_per_execution batches in one program ---------------------
@@ -351,20 +356,37 @@ class _Fit:
     self.iterators[kind] = (iterator, ours)
     return ours
 
-  def _call(self, kind: str, steps_fn: Any, state: Any, iterator: Any) -> Any:
+  def _call(self, kind: str, state: Any, iterator: Any) -> Any:
     model = self.model_ref()
     k = max(1, int(model.steps_per_execution))
     ours = self._distributed(kind, iterator)
+    state = tuple(state)
     with warnings.catch_warnings():
       # The steps weigh padding rows 0 in the loss and every metric (see the module docstring): the
       # padding-read analysis, which cannot see through Keras's weighting, would be a false alarm.
       warnings.simplefilter("ignore", PaddingReadWarning)
-      carry, outputs = self.strategy.experimental_run_steps(steps_fn, ours, k, init=tuple(state))
-    state = tuple(_arrays(carry))
+      if k == 1:
+        state, outputs = self.strategy.run(self.steps[kind], args=(state, next(ours)))
+      elif kind == "predict":
+        state, outputs = self.strategy.experimental_run_steps(self.steps[kind], ours, k, init=state)
+      else:
+        (state, outputs), _ = self.strategy.experimental_run_steps(
+            self.many_steps[kind], ours, k, init=(state, self._log_zeros(kind, model, state)))
+    state = tuple(_arrays(state))
     if kind == "predict":
-      return _predictions(self.strategy, outputs), state
-    logs = jax.tree.map(lambda v: _array(v)[-1], outputs)
-    return logs, state
+      return _predictions(self.strategy, outputs, stacked=k > 1), state
+    return _arrays(outputs), state
+
+  def _log_zeros(self, kind: str, model: Any, state: Any) -> Any:
+    """The carry's logs before the first step: zeros shaped as the metrics' results (computed once)."""
+    zeros = self.log_zeros.get(kind)
+    if zeros is None:
+      metrics = state[-1]
+      keras = keras_models.import_keras()
+      with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metrics))):
+        results = model.get_metrics_result()
+      zeros = self.log_zeros[kind] = jax.tree.map(lambda v: np.zeros(np.shape(v), np.asarray(v).dtype), results)
+    return zeros
 
 
 class _GlobalBatches:
@@ -388,11 +410,18 @@ def _host(x: Any) -> Any:
   return jax.tree.map(lambda a: a if isinstance(a, np.ndarray) else np.asarray(a), x)
 
 
-def _steps(step: Any) -> Any:
-  @functools.wraps(step)
+def _named(step: Any, kind: str) -> Any:
   def body(carry: Any, batch: Any) -> Any:
     return step(carry, batch)
+
+  body.__name__ = body.__qualname__ = f"keras_{kind}_step"  # the step's name in profiles and messages
   return body
+
+
+def _carrying_logs(step: Any, carry: Any, batch: Any) -> Any:
+  """One step of `experimental_run_steps` whose carry holds the state and the last step's logs."""
+  state, _ = carry
+  return step(state, batch), ()
 
 
 def _array(v: Any) -> Any:
@@ -403,9 +432,9 @@ def _arrays(tree: Any) -> Any:
   return jax.tree.map(_array, tree, is_leaf=lambda v: isinstance(v, DistributedValues))
 
 
-def _predictions(strategy: Any, outputs: Any) -> Any:
-  """The stacked steps' per-example outputs as one array per output: exactly the real rows, in order."""
-  steps = steps_lib.unstack_steps(outputs)
+def _predictions(strategy: Any, outputs: Any, stacked: bool) -> Any:
+  """The per-example outputs as one array per output: exactly the real rows, in order."""
+  steps = steps_lib.unstack_steps(outputs) if stacked else (outputs,)
   parts = [strategy.gather(step, axis=0) for step in steps]
   return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
 
