@@ -5,12 +5,16 @@ scope, trained by Keras's own ``fit`` on the same global batches (``shuffle=Fals
 on 8 emulated CPU devices; the global batches are not multiples of 8 where a test says partial.
 """
 
+import importlib.util
 import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, launched_results
 
 import tpustrat
 
@@ -43,9 +47,11 @@ def classification(rows, rng, features=10, classes=3):
 
 
 def assert_histories(actual, expected):
-  assert set(actual.history) == set(expected.history), (actual.history, expected.history)
-  for name, values in expected.history.items():
-    assert_close(actual.history[name], values, rtol=1e-5, err_msg=name)
+  """Two `History` objects (or their ``history`` dicts) hold the same figures per epoch."""
+  actual, expected = (getattr(h, "history", h) for h in (actual, expected))
+  assert set(actual) == set(expected), (actual, expected)
+  for name, values in expected.items():
+    assert_close(actual[name], values, rtol=1e-5, err_msg=name)
 
 
 def assert_weights(actual, expected):
@@ -305,3 +311,30 @@ def test_a_distributed_dataset_is_read_as_its_global_batches(strategy, rng):
   per_replica = strategy.experimental_distribute_datasets_from_function(lambda ctx: batches)
   with pytest.raises(ValueError, match="global batches"):
     model.fit(per_replica, verbose=0)
+
+
+@pytest.mark.processes
+def test_two_processes_of_four_devices_give_one_device_keras_numbers():
+  """tests/_mp_scripts/keras_fit.py under the launcher (2 x 4, `MultiWorkerMirroredStrategy`): fit with a
+  validation split and partial batches, evaluate and predict give one-device Keras's numbers in both
+  processes, and every variable lives on the job's 8 devices."""
+  script = pathlib.Path(__file__).resolve().parent / "_mp_scripts" / "keras_fit.py"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_") and k != "JAX_NUM_CPU_DEVICES"}
+  out = subprocess.run([sys.executable, "-m", "tpustrat.launch", "--num-processes", "2", "--devices-per-process",
+                        "4", "--timeout", "240", str(script)], env=env, cwd=script.parents[2], capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-4000:]
+  results = launched_results(out.stdout)
+  spec = importlib.util.spec_from_file_location("keras_fit_job", script)
+  job = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(job)
+  reference = job.build()
+  reference.compile(**job.compile_args())
+  want = job.train(reference)
+  for process, got in results.items():
+    assert got["process"] == process and got["replicas"] == 8 and got["devices"] == [8]
+    assert_histories(got["history"], want["history"])
+    for a, b in zip(got["weights"], want["weights"], strict=True):
+      assert_close(a, b, scale=np.abs(b).max() + 1.0)
+    assert_close(got["evaluate"], want["evaluate"])
+    assert_close(got["predict"], want["predict"])
