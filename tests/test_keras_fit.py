@@ -338,3 +338,39 @@ def test_two_processes_of_four_devices_give_one_device_keras_numbers():
       assert_close(a, b, scale=np.abs(b).max() + 1.0)
     assert_close(got["evaluate"], want["evaluate"])
     assert_close(got["predict"], want["predict"])
+
+
+def read_scalars(folder):
+  """{tag: [(step, value), ...]} from the TensorBoard event files in `folder` (TFRecord framing: an 8-byte
+  length, its CRC, the record, its CRC), parsed with tensorboardX's own Event protocol buffer."""
+  from tensorboardX.proto import event_pb2  # noqa: PLC0415
+  scalars = {}
+  for path in sorted(pathlib.Path(folder).glob("events.out.tfevents.*")):
+    data = path.read_bytes()
+    at = 0
+    while at < len(data):
+      length = int.from_bytes(data[at:at + 8], "little")
+      event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+      at += 12 + length + 4
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return scalars
+
+
+def test_tensorboard_writes_keras_scalars_without_tensorflow(strategy, rng, tmp_path):
+  x, y = classification(60, rng)
+  with strategy.scope():
+    model = mlp(seed=11)
+    model.compile(**compile_args())
+  board = tk.TensorBoard(tmp_path, update_freq=2)
+  history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, validation_data=(x[:20], y[:20]),
+                      callbacks=[board], verbose=0)
+  train, validation = read_scalars(tmp_path / "train"), read_scalars(tmp_path / "validation")
+  for name in ("loss", "accuracy"):
+    assert [s for s, _ in train[f"epoch_{name}"]] == [0, 1]
+    assert_close([v for _, v in train[f"epoch_{name}"]], history.history[name])
+    assert_close([v for _, v in validation[f"epoch_{name}"]], history.history[f"val_{name}"])
+  assert_close([v for _, v in train["epoch_learning_rate"]], [1e-2, 1e-2])
+  assert [s for s, _ in train["batch_loss"]] == [2, 4, 6, 8]  # 4 batches an epoch: after batches 2 and 4
+  with pytest.raises(ValueError, match="update_freq=0"):
+    tk.TensorBoard(tmp_path, update_freq=0)

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     # Multistep; cross-device ops; the cluster and its topology.
     ("tpustrat._src.multistep", "tpustrat._src.sharding", "tpustrat._src.zero", "tpustrat._src.accumulation",
      "tpustrat._src.mixed_precision", "tpustrat._src.keras_models", "tpustrat._src.keras_fit",
+     "tpustrat._src.keras_callbacks",
      "tpustrat._src.cross_device",
      "tpustrat._src.distributed", "tpustrat._src.cluster_environment", "tpustrat._src.cluster_spec",
      "tpustrat._src.cluster_resolver", "tpustrat._src.cluster_connection", "tpustrat._src.tpu_cluster_resolver",

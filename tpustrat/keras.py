@@ -1,24 +1,30 @@
-"""Keras 3 models (``KERAS_BACKEND=jax``) trained in `strategy.run` with Keras's stateless API.
+"""Keras 3 models (``KERAS_BACKEND=jax``) under a strategy: Keras's own ``compile`` / ``fit``, or `strategy.run`.
 
+A model built and compiled inside ``strategy.scope()`` trains, evaluates and predicts with Keras's own
+``fit`` / ``evaluate`` / ``predict`` on every replica (`strategy_of` says which strategy a model belongs
+to; `TensorBoard` writes TensorBoard's scalars without TensorFlow). For a custom loop in `strategy.run`,
 `state` / `assign` move a model's and optimizer's variables into a pytree and back, `stateless_call` is
 ``model.stateless_call`` with per-replica random streams and batch norm statistics aggregated as TF does,
 and `SyncBatchNormalization` is TF's synchronised batch norm. Keras is an optional dependency
 (``pip install 'tpustrat[keras]'``): it is imported when one of these is first used, never by
-``import tpustrat``. See docs/guides/keras.md and `tpustrat._src.keras_models`.
+``import tpustrat``. See docs/guides/keras.md and `tpustrat._src.keras_fit`.
 """
 
 from typing import Any
 
+from tpustrat._src.keras_callbacks import tensorboard_class as _tensorboard_class
 from tpustrat._src.keras_fit import strategy_of_model as strategy_of
 from tpustrat._src.keras_models import assign as assign
 from tpustrat._src.keras_models import state as state
 from tpustrat._src.keras_models import stateless_call as stateless_call
 from tpustrat._src.keras_models import sync_batch_normalization_class as _sync_batch_normalization_class
 
-__all__ = ["SyncBatchNormalization", "assign", "state", "stateless_call", "strategy_of"]  # noqa: F822 (module __getattr__)
+__all__ = ["SyncBatchNormalization", "TensorBoard", "assign", "state", "stateless_call", "strategy_of"]  # noqa: F822 (module __getattr__)
 
 
 def __getattr__(name: str) -> Any:
   if name == "SyncBatchNormalization":  # a Keras subclass: built when first asked for (imports Keras)
     return _sync_batch_normalization_class()
+  if name == "TensorBoard":  # a Keras callback: built when first asked for (imports Keras)
+    return _tensorboard_class()
   raise AttributeError(f"module 'tpustrat.keras' has no attribute {name!r}")
