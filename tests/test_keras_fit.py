@@ -374,3 +374,69 @@ def test_tensorboard_writes_keras_scalars_without_tensorflow(strategy, rng, tmp_
   assert [s for s, _ in train["batch_loss"]] == [2, 4, 6, 8]  # 4 batches an epoch: after batches 2 and 4
   with pytest.raises(ValueError, match="update_freq=0"):
     tk.TensorBoard(tmp_path, update_freq=0)
+
+
+class Interrupt(Exception):
+  pass
+
+
+def test_backup_and_restore_resumes_at_the_batch_it_backed_up(strategy, rng, tmp_path):
+  """A fit interrupted in its second epoch (after 2 of its 4 batches, backed up every batch) and run again
+  with the same callback resumes at batch 3 of epoch 1: the weights, optimizer and the second epoch's
+  logs equal an uninterrupted one-device Keras fit; the backup is deleted when fit completes."""
+  x, y = classification(56, rng)  # batch 16: 3 full batches and one of 8 rows
+
+  class StopAt(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+      if self.model.optimizer.iterations.value == 6:  # epoch 1, batch 1 (the 6th step)
+        raise Interrupt
+
+  backup_dir = tmp_path / "backup"
+  with strategy.scope():
+    model = mlp(seed=12)
+    model.compile(**compile_args(steps_per_execution=1))
+  with pytest.raises(Interrupt):
+    model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+              callbacks=[tk.BackupAndRestore(backup_dir, save_freq=1), StopAt()])
+  with strategy.scope():  # a new process would build the model again: start from fresh weights
+    model = mlp(seed=99)
+    model.compile(**compile_args(steps_per_execution=2))
+  history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+                      callbacks=[tk.BackupAndRestore(backup_dir, save_freq=1)])
+  reference = mlp(seed=12)
+  reference.compile(**compile_args())
+  expected = reference.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+  assert_histories(history, {k: v[1:] for k, v in expected.history.items()})  # epochs 1 and 2
+  assert_weights(model, reference)
+  assert int(model.optimizer.iterations.value) == 12
+  assert not backup_dir.exists()
+
+
+@pytest.mark.processes
+def test_a_sigterm_backs_up_and_the_restarted_job_resumes_at_that_step(tmp_path):
+  """tests/_mp_scripts/keras_backup.py under the launcher (2 x 4, ``--max-restarts 1``): process 1 gets a
+  SIGTERM in epoch 1; the job backs up at the step both processes agree on, ends with the restart status
+  and is started again; the second start's fit resumes there and its epochs, weights and step count equal
+  an uninterrupted one-device Keras fit's."""
+  script = pathlib.Path(__file__).resolve().parent / "_mp_scripts" / "keras_backup.py"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_") and k != "JAX_NUM_CPU_DEVICES"}
+  out = subprocess.run([sys.executable, "-m", "tpustrat.launch", "--num-processes", "2", "--devices-per-process",
+                        "4", "--max-restarts", "1", "--timeout", "240", str(script), str(tmp_path / "backup")],
+                       env=env, cwd=script.parents[2], capture_output=True, text=True, timeout=420)
+  assert out.returncode == 0, out.stderr[-4000:]
+  assert "saved checkpoint" in out.stdout + out.stderr and "restarting the job" in out.stderr
+  results = launched_results(out.stdout)
+  spec = importlib.util.spec_from_file_location("keras_backup_job", script)
+  job = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(job)
+  reference = job.build()
+  reference.compile(**job.compile_args())
+  x, y = job.data()
+  expected = reference.fit(x, y, batch_size=job.BATCH, epochs=job.EPOCHS, shuffle=False, verbose=0)
+  for got in results.values():
+    assert got["start"] == 1
+    assert_histories(got["history"], {k: v[1:] for k, v in expected.history.items()})  # the resumed epochs
+    for a, b in zip(got["weights"], weights(reference), strict=True):
+      assert_close(a, b, scale=np.abs(b).max() + 1.0)
+    assert got["iterations"] == int(reference.optimizer.iterations.value)
+  assert not (tmp_path / "backup").exists()  # deleted once fit completed

@@ -34,7 +34,6 @@ LAYERS: list[tuple[str, ...]] = [
     # Multistep; cross-device ops; the cluster and its topology.
     ("tpustrat._src.multistep", "tpustrat._src.sharding", "tpustrat._src.zero", "tpustrat._src.accumulation",
      "tpustrat._src.mixed_precision", "tpustrat._src.keras_models", "tpustrat._src.keras_fit",
-     "tpustrat._src.keras_callbacks",
      "tpustrat._src.cross_device",
      "tpustrat._src.distributed", "tpustrat._src.cluster_environment", "tpustrat._src.cluster_spec",
      "tpustrat._src.cluster_resolver", "tpustrat._src.cluster_connection", "tpustrat._src.tpu_cluster_resolver",
@@ -44,7 +43,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpustrat._src.strategy_extended", "tpustrat._src.strategy", "tpustrat._src.tpu_strategy",
      "tpustrat._src.mirrored_strategy"),
     # State beyond the loop: checkpoint, the preemption handler that saves through it, sharded embeddings.
-    ("tpustrat._src.checkpoint", "tpustrat._src.preemption", "tpustrat._src.embedding"),
+    ("tpustrat._src.checkpoint", "tpustrat._src.preemption", "tpustrat._src.embedding",
+     "tpustrat._src.keras_callbacks"),
     # The public surface.
     ("tpustrat._src", "tpustrat.ops", "tpustrat.checkpoint", "tpustrat.cluster_resolver", "tpustrat.embedding",
      "tpustrat.mixed_precision", "tpustrat.keras", "tpustrat.experimental", "tpustrat.launch",

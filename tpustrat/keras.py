@@ -12,6 +12,7 @@ and `SyncBatchNormalization` is TF's synchronised batch norm. Keras is an option
 
 from typing import Any
 
+from tpustrat._src.keras_callbacks import backup_and_restore_class as _backup_and_restore_class
 from tpustrat._src.keras_callbacks import tensorboard_class as _tensorboard_class
 from tpustrat._src.keras_fit import strategy_of_model as strategy_of
 from tpustrat._src.keras_models import assign as assign
@@ -19,12 +20,14 @@ from tpustrat._src.keras_models import state as state
 from tpustrat._src.keras_models import stateless_call as stateless_call
 from tpustrat._src.keras_models import sync_batch_normalization_class as _sync_batch_normalization_class
 
-__all__ = ["SyncBatchNormalization", "TensorBoard", "assign", "state", "stateless_call", "strategy_of"]  # noqa: F822 (module __getattr__)
+__all__ = ["BackupAndRestore", "SyncBatchNormalization", "TensorBoard", "assign", "state", "stateless_call", "strategy_of"]  # noqa: F822 (module __getattr__)
 
 
 def __getattr__(name: str) -> Any:
   if name == "SyncBatchNormalization":  # a Keras subclass: built when first asked for (imports Keras)
     return _sync_batch_normalization_class()
+  if name == "BackupAndRestore":  # a Keras callback: built when first asked for (imports Keras)
+    return _backup_and_restore_class()
   if name == "TensorBoard":  # a Keras callback: built when first asked for (imports Keras)
     return _tensorboard_class()
   raise AttributeError(f"module 'tpustrat.keras' has no attribute {name!r}")

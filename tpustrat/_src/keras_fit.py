@@ -51,7 +51,7 @@ from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.padding_reads import PaddingReadWarning
 from tpustrat._src.values import DistributedValues
 
-__all__ = ["install", "scope_distribution", "strategy_of_model"]
+__all__ = ["fit_of", "install", "scope_distribution", "strategy_of_model"]
 
 # Reductions for which each replica's loss with scaled weights averages to the one-device loss.
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -124,6 +124,11 @@ def _on_jax(keras: Any) -> bool:
     return False
 
 
+def fit_of(model: Any) -> Any:
+  """What a model compiled under a strategy holds (`_Fit`), or None."""
+  return getattr(model, "_tpustrat_fit", None)
+
+
 def strategy_of_model(model: Any) -> Any:
   """The strategy whose replicas a Keras model's ``fit`` / ``evaluate`` / ``predict`` run on, or None.
 
@@ -188,8 +193,13 @@ def install() -> None:
               f"was compiled under {fit.strategy!r}. Call it outside any scope or inside that strategy's "
               "scope, or build and compile the model again under this one.")
         args, kwargs = _global_inputs(name, args, kwargs)
-        with fit.keras_distribution_off():
-          return method(self, *args, **kwargs)
+        try:
+          with fit.keras_distribution_off():
+            return method(self, *args, **kwargs)
+        finally:
+          if name == "fit" and fit.backup is not None:  # fit returned or raised: stop watching for notices
+            fit.backup.end()
+            fit.backup = None
 
       return call
 
@@ -287,6 +297,9 @@ class _Fit:
     self.many_steps = {kind: _named(functools.partial(_carrying_logs, self.steps[kind]), kind)
                        for kind in ("train", "test")}
     self.log_zeros: dict[str, Any] = {}
+    self.backup: Any = None  # a tpustrat.keras.BackupAndRestore while its fit runs
+    self.skip_batches = 0  # batches of the next training epoch already done before a restart
+    self.last_steps = 0  # training steps the last train execution ran
 
   @classmethod
   def attach(cls, model: Any, strategy: Any) -> None:
@@ -357,34 +370,64 @@ class _Fit:
     return ours
 
   def _call(self, kind: str, state: Any, iterator: Any) -> Any:
+    if kind == "train" and self.backup is not None:
+      return self.backup.run_call(lambda: self._execute(kind, state, iterator))
+    logs, state, _ = self._execute(kind, state, iterator)
+    return logs, state
+
+  def _execute(self, kind: str, state: Any, iterator: Any) -> tuple[Any, Any, int]:
+    """One call of a Keras function: up to ``steps_per_execution`` batches in one program. Returns the
+    logs (or predictions), the new state and how many steps ran."""
     model = self.model_ref()
     k = max(1, int(model.steps_per_execution))
-    ours = self._distributed(kind, iterator)
     state = tuple(state)
+    if kind == "train" and self.skip_batches:
+      # Resuming inside an epoch: its first batches were trained on before the restart. Each call still
+      # takes its k batches from Keras's iterator (Keras counts the epoch's batches by calls), but those
+      # already done are dropped, and a call with none left to train on runs no step.
+      drop = min(self.skip_batches, k)
+      for _ in range(drop):
+        next(iterator)  # the end of the data ends the epoch, as in Keras
+      self.skip_batches -= drop
+      k -= drop
+      if k == 0:
+        self.last_steps = 0
+        return self._host_logs(model, state[-1]), state, 0
+    ours = self._distributed(kind, iterator)
+    return self._steps(kind, state, ours=ours, k=k)
+
+  def _steps(self, kind: str, state: Any, *, ours: Any, k: int) -> Any:
+    model = self.model_ref()
     with warnings.catch_warnings():
       # The steps weigh padding rows 0 in the loss and every metric (see the module docstring): the
       # padding-read analysis, which cannot see through Keras's weighting, would be a false alarm.
       warnings.simplefilter("ignore", PaddingReadWarning)
       if k == 1:
         state, outputs = self.strategy.run(self.steps[kind], args=(state, next(ours)))
+        steps = 1
       elif kind == "predict":
         state, outputs = self.strategy.experimental_run_steps(self.steps[kind], ours, k, init=state)
+        steps = k
       else:
-        (state, outputs), _ = self.strategy.experimental_run_steps(
+        (state, outputs), ran = self.strategy.experimental_run_steps(
             self.many_steps[kind], ours, k, init=(state, self._log_zeros(kind, model, state)))
+        steps = int(jax.tree.leaves(ran)[0].shape[0])  # fewer than k at the end of the data
+    self.last_steps = steps
     state = tuple(_arrays(state))
     if kind == "predict":
-      return _predictions(self.strategy, outputs, stacked=k > 1), state
-    return _arrays(outputs), state
+      return _predictions(self.strategy, outputs, stacked=k > 1), state, steps
+    return _arrays(outputs), state, steps
+
+  def _host_logs(self, model: Any, metrics: Any) -> Any:
+    keras = keras_models.import_keras()
+    with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metrics))):
+      return model.get_metrics_result()
 
   def _log_zeros(self, kind: str, model: Any, state: Any) -> Any:
     """The carry's logs before the first step: zeros shaped as the metrics' results (computed once)."""
     zeros = self.log_zeros.get(kind)
     if zeros is None:
-      metrics = state[-1]
-      keras = keras_models.import_keras()
-      with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metrics))):
-        results = model.get_metrics_result()
+      results = self._host_logs(model, state[-1])
       zeros = self.log_zeros[kind] = jax.tree.map(lambda v: np.zeros(np.shape(v), np.asarray(v).dtype), results)
     return zeros
 
@@ -421,7 +464,7 @@ def _named(step: Any, kind: str) -> Any:
 def _carrying_logs(step: Any, carry: Any, batch: Any) -> Any:
   """One step of `experimental_run_steps` whose carry holds the state and the last step's logs."""
   state, _ = carry
-  return step(state, batch), ()
+  return step(state, batch), jnp.zeros((), jnp.int8)  # stacked: its length is the number of steps run
 
 
 def _array(v: Any) -> Any:
