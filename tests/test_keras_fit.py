@@ -440,3 +440,27 @@ def test_a_sigterm_backs_up_and_the_restarted_job_resumes_at_that_step(tmp_path)
       assert_close(a, b, scale=np.abs(b).max() + 1.0)
     assert got["iterations"] == int(reference.optimizer.iterations.value)
   assert not (tmp_path / "backup").exists()  # deleted once fit completed
+
+
+def test_check_numerics_and_step_statistics_under_fit(strategy, rng):
+  """What a step under tpustrat gets, fit gets: `set_run_options(check_numerics=True)` names the step and
+  output that went NaN (a NaN in row 40 of 64: the third batch of 16); the step statistics count fit's
+  steps (4 batches at steps_per_execution 2: 4 steps in 2 programs)."""
+  x, y = classification(64, rng)
+  with strategy.scope():
+    model = mlp(seed=13)
+    model.compile(**compile_args(steps_per_execution=2))
+  strategy.experimental_step_stats(reset=True)
+  model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+  stats = strategy.experimental_step_stats(reset=True)
+  assert stats.steps == 4, stats
+  tk.set_run_options(model, tpustrat.RunOptions(check_numerics=True))
+  bad = x.copy()
+  bad[40, 0] = np.nan
+  with pytest.raises(tpustrat.NumericsError, match="NaN"):
+    model.fit(bad, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    strategy.experimental_run_wait()
+  with pytest.raises(ValueError, match="donate_argnums"):
+    tk.set_run_options(model, tpustrat.RunOptions(donate_argnums=0))
+  with pytest.raises(ValueError, match="not compiled under a strategy"):
+    tk.set_run_options(mlp(), None)

@@ -14,13 +14,14 @@ from typing import Any
 
 from tpustrat._src.keras_callbacks import backup_and_restore_class as _backup_and_restore_class
 from tpustrat._src.keras_callbacks import tensorboard_class as _tensorboard_class
+from tpustrat._src.keras_fit import set_run_options as set_run_options
 from tpustrat._src.keras_fit import strategy_of_model as strategy_of
 from tpustrat._src.keras_models import assign as assign
 from tpustrat._src.keras_models import state as state
 from tpustrat._src.keras_models import stateless_call as stateless_call
 from tpustrat._src.keras_models import sync_batch_normalization_class as _sync_batch_normalization_class
 
-__all__ = ["BackupAndRestore", "SyncBatchNormalization", "TensorBoard", "assign", "state", "stateless_call", "strategy_of"]  # noqa: F822 (module __getattr__)
+__all__ = ["BackupAndRestore", "SyncBatchNormalization", "TensorBoard", "assign", "state", "set_run_options", "stateless_call", "strategy_of"]  # noqa: F822 (module __getattr__)
 
 
 def __getattr__(name: str) -> Any:

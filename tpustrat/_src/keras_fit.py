@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import dataclasses
 import functools
 import sys
 import threading
@@ -46,12 +47,13 @@ import numpy as np
 from tpustrat._src import context, jax_compat, keras_models
 from tpustrat._src import input as input_lib
 from tpustrat._src import steps as steps_lib
+from tpustrat._src.engine import RunOptions
 from tpustrat._src.input import padding
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.padding_reads import PaddingReadWarning
 from tpustrat._src.values import DistributedValues
 
-__all__ = ["fit_of", "install", "scope_distribution", "strategy_of_model"]
+__all__ = ["fit_of", "install", "scope_distribution", "set_run_options", "strategy_of_model"]
 
 # Reductions for which each replica's loss with scaled weights averages to the one-device loss.
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -122,6 +124,47 @@ def _on_jax(keras: Any) -> bool:
     return keras.backend.backend() == "jax"
   except Exception:  # noqa: BLE001 - a half-imported Keras: leave it alone
     return False
+
+
+def set_run_options(model: Any, options: RunOptions | None) -> None:
+  """The `tpustrat.RunOptions` of the programs a Keras model's ``fit`` / ``evaluate`` / ``predict`` run.
+
+  A model compiled under a strategy runs each call of its train, test and predict functions through
+  `strategy.run` (one step) or `strategy.experimental_run_steps` (``steps_per_execution`` steps); these
+  options are theirs: ``check_numerics=True`` checks every step's outputs for NaN and Inf
+  (`tpustrat.NumericsError` names the step, the output and the replicas), ``max_steps_in_flight`` bounds
+  the programs queued on the devices, ``scan_unroll`` unrolls the steps of one execution. The training
+  state is always donated (as Keras's JAX trainer donates it), so ``donate_argnums`` cannot be set here.
+  None restores the defaults.
+
+  >>> import keras
+  >>> strategy = tpustrat.TPUStrategy()
+  >>> with strategy.scope():
+  ...   model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+  ...   model.compile(optimizer="sgd", loss="mse")
+  >>> tpustrat.keras.set_run_options(model, tpustrat.RunOptions(check_numerics=True))
+
+  Raises:
+    ValueError: the model is not compiled under a strategy, or `options` sets ``donate_argnums`` or
+      ``experimental_layout_map``.
+    TypeError: `options` is not a `tpustrat.RunOptions` or None.
+  """
+  fit = fit_of(model)
+  if fit is None:
+    raise ValueError(f"tpustrat.keras.set_run_options: the model {getattr(model, 'name', model)!r} is not "
+                     "compiled under a strategy (build and compile it inside strategy.scope()).")
+  if options is None:
+    options = RunOptions()
+  if not isinstance(options, RunOptions):
+    raise TypeError(f"tpustrat.keras.set_run_options: options must be a tpustrat.RunOptions or None, got "
+                    f"{type(options).__name__}: {options!r:.100}.")
+  if options.donate_argnums:
+    raise ValueError(f"tpustrat.keras.set_run_options: donate_argnums={options.donate_argnums}; fit always "
+                     "donates the training state and nothing else (the batches belong to the input pipeline).")
+  if options.experimental_layout_map is not None:
+    raise ValueError("tpustrat.keras.set_run_options: experimental_layout_map is not supported for Keras "
+                     "models (their variables are replicated on every replica).")
+  fit.options = options
 
 
 def fit_of(model: Any) -> Any:
@@ -298,6 +341,7 @@ class _Fit:
                        for kind in ("train", "test")}
     self.log_zeros: dict[str, Any] = {}
     self.backup: Any = None  # a tpustrat.keras.BackupAndRestore while its fit runs
+    self.options = RunOptions()  # set_run_options
     self.skip_batches = 0  # batches of the next training epoch already done before a restart
     self.last_steps = 0  # training steps the last train execution ran
 
@@ -402,15 +446,19 @@ class _Fit:
       # The steps weigh padding rows 0 in the loss and every metric (see the module docstring): the
       # padding-read analysis, which cannot see through Keras's weighting, would be a false alarm.
       warnings.simplefilter("ignore", PaddingReadWarning)
+      # The state is donated, as Keras's JAX trainer donates it: Keras reads it back from the step's
+      # results (the model's variables were purged of it), so the old and new state are not both kept.
+      options = self.options if kind == "predict" else dataclasses.replace(self.options, donate_argnums=0)
       if k == 1:
-        state, outputs = self.strategy.run(self.steps[kind], args=(state, next(ours)))
+        state, outputs = self.strategy.run(self.steps[kind], args=(state, next(ours)), options=options)
         steps = 1
       elif kind == "predict":
-        state, outputs = self.strategy.experimental_run_steps(self.steps[kind], ours, k, init=state)
+        state, outputs = self.strategy.experimental_run_steps(self.steps[kind], ours, k, init=state,
+                                                              options=options)
         steps = k
       else:
         (state, outputs), ran = self.strategy.experimental_run_steps(
-            self.many_steps[kind], ours, k, init=(state, self._log_zeros(kind, model, state)))
+            self.many_steps[kind], ours, k, init=(state, self._log_zeros(kind, model, state)), options=options)
         steps = int(jax.tree.leaves(ran)[0].shape[0])  # fewer than k at the end of the data
     self.last_steps = steps
     state = tuple(_arrays(state))
