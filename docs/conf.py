@@ -59,7 +59,8 @@ add_module_names = False
 # -- HTML ---------------------------------------------------------------------------------------------
 html_theme = "sphinx_book_theme"
 html_title = f"tpustrat {version}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["tpustrat.css"]  # the article as wide as the window allows (wide tables and code blocks)
 html_theme_options = {
     "show_toc_level": 2,
     "navigation_with_keys": False,
