@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import jax
 import numpy as np
@@ -242,13 +243,76 @@ def test_keras_outside_any_scope_is_untouched(rng):
   assert all(len(v.value.sharding.device_set) == 1 for v in model.variables)
 
 
-def test_a_loss_that_sums_is_refused_naming_the_reduction(strategy, rng):
-  x, y = classification(16, rng)
+@pytest.mark.parametrize("reduction", ["sum", "sum_over_batch_size", "mean_with_sample_weight"])
+def test_every_loss_reduction_equals_one_device_on_a_partial_batch(strategy, rng, reduction):
+  x, y = classification(45, rng)  # batch 16: the last of 13 rows
+  w = rng.uniform(0.5, 2.0, size=45).astype(np.float32)
+
+  def compiled(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.01), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction))
+    return model
+
   with strategy.scope():
-    model = mlp()
-    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"))
-  with pytest.raises(ValueError, match="reduction='sum'"):
-    model.fit(x, y, batch_size=8, verbose=0)
+    model = compiled(mlp(seed=15))
+  history = model.fit(x, y, sample_weight=w, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  reference = compiled(mlp(seed=15))
+  assert_histories(history, reference.fit(x, y, sample_weight=w, batch_size=16, epochs=2, shuffle=False, verbose=0))
+  assert_weights(model, reference)
+
+
+def sequence_tagger(mask_zero, seed=16):
+  keras.utils.set_random_seed(seed)
+  tokens = keras.Input((6,), dtype="int32")
+  h = keras.layers.Embedding(20, 8, mask_zero=mask_zero)(tokens)
+  return keras.Model(tokens, keras.layers.Dense(3)(h))
+
+
+@pytest.mark.parametrize("mask_zero", [False, True])
+def test_per_timestep_outputs_with_and_without_a_keras_mask_equal_one_device(strategy, rng, mask_zero):
+  """Labels per timestep (y [N, T], predictions [N, T, 3]); with `mask_zero` the loss and accuracy count
+  only the unmasked timesteps, over the global batch (replicas hold different numbers of them)."""
+  tokens = rng.integers(1, 20, size=(51, 6))
+  tokens[::3, 4:] = 0
+  tokens[1::7, 1:] = 0
+  labels = rng.integers(0, 3, size=(51, 6))
+
+  def compiled(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+  with strategy.scope():
+    model = compiled(sequence_tagger(mask_zero))
+  history = model.fit(tokens, labels, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  reference = compiled(sequence_tagger(mask_zero))
+  assert_histories(history, reference.fit(tokens, labels, batch_size=16, epochs=2, shuffle=False, verbose=0))
+  assert_weights(model, reference)
+  assert_close(model.evaluate(tokens, labels, batch_size=16, verbose=0),
+               reference.evaluate(tokens, labels, batch_size=16, verbose=0))
+
+
+def test_what_cannot_be_made_exact_on_a_partial_batch_is_warned(strategy, rng):
+  """A loss that returns one number for its batch, and an activity regularizer (a loss of the model
+  computed from each replica's rows), include the padding rows: said once each, when a partial batch
+  ran; full batches are not warned."""
+  x, y = classification(48, rng)
+
+  def scalar_loss(y_true, y_pred):
+    return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True))
+
+  with strategy.scope():
+    keras.utils.set_random_seed(17)
+    model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(8, activity_regularizer="l2"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss=scalar_loss)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # 3 full batches: exact, nothing said
+  with pytest.warns(tpustrat.PaddingReadWarning) as said:
+    model.fit(x[:45], y[:45], batch_size=16, epochs=1, verbose=0)
+  text = " ".join(str(w.message) for w in said)
+  assert "returns one number for the batch" in text and "activity_regularizer" in text
 
 
 def test_save_load_and_callbacks_after_fit(strategy, rng, tmp_path):
@@ -464,3 +528,34 @@ def test_check_numerics_and_step_statistics_under_fit(strategy, rng):
     tk.set_run_options(model, tpustrat.RunOptions(donate_argnums=0))
   with pytest.raises(ValueError, match="not compiled under a strategy"):
     tk.set_run_options(mlp(), None)
+
+
+def test_train_on_batch_and_predict_on_batch_run_on_every_replica(strategy, rng):
+  x, y = classification(13, rng)  # one batch of 13 rows: 2 per replica, the last replica's padded
+  with strategy.scope():
+    model = mlp(seed=14)
+    model.compile(**compile_args())
+    logs = model.train_on_batch(x, y, return_dict=True)  # inside the scope, as TF allows
+  reference = mlp(seed=14)
+  reference.compile(**compile_args())
+  assert_histories({k: [v] for k, v in logs.items()},
+                   {k: [v] for k, v in reference.train_on_batch(x, y, return_dict=True).items()})
+  assert_weights(model, reference)
+  assert_close(model.test_on_batch(x, y), reference.test_on_batch(x, y))
+  assert_close(model.predict_on_batch(x), reference.predict_on_batch(x))
+
+
+def test_a_model_that_overrides_train_step_is_refused_naming_what_to_override(strategy, rng):
+  x, y = classification(16, rng)
+
+  class Custom(keras.Sequential):
+    def train_step(self, state, data):  # noqa: D102 - a user's own step
+      return super().train_step(state, data)
+
+  with strategy.scope():
+    keras.utils.set_random_seed(0)
+    model = Custom([keras.Input((10,)), keras.layers.Dense(3)])
+    model.compile(**compile_args())
+  with pytest.raises(NotImplementedError, match="overrides train_step"):
+    model.fit(x, y, batch_size=8, verbose=0)
+  assert model.evaluate(x, y, batch_size=8, verbose=0)  # its test_step is Keras's own

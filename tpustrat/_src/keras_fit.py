@@ -55,10 +55,15 @@ from tpustrat._src.values import DistributedValues
 
 __all__ = ["fit_of", "install", "scope_distribution", "set_run_options", "strategy_of_model"]
 
-# Reductions for which each replica's loss with scaled weights averages to the one-device loss.
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+# Keras's methods that run a model's train, test or predict function: under a strategy, tpustrat's.
+_GUARDED = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+# The steps Keras's functions call, which tpustrat's replace (a model that overrides one is refused).
+_STEPS = {"fit": "train_step", "train_on_batch": "train_step", "evaluate": "test_step",
+          "test_on_batch": "test_step", "predict": "predict_step", "predict_on_batch": "predict_step"}
 # Private members of Keras 3's JAX trainer this module uses (see `check_keras`).
 _PRIVATE = ("_get_jax_state", "jax_state_sync")
+# Keras's loss reduction, private, which `_ReplicaLoss` mirrors with global denominators.
+_LOSS_FUNCTIONS = ("standardize_reduction", "apply_mask", "squeeze_or_expand_to_same_rank")
 
 _LOCK = threading.Lock()
 _INSTALLED: list[Any] = []
@@ -72,6 +77,11 @@ def check_keras(keras: Any) -> None:
   missing = [name for name in _PRIVATE + ("compute_loss_and_updates", "make_train_function",
                                           "make_test_function", "make_predict_function")
              if not callable(getattr(trainer, name, None))]
+  loss_module = _keras_loss_module()
+  missing += [f"keras.src.losses.loss.{name}" for name in _LOSS_FUNCTIONS
+              if not callable(getattr(loss_module, name, None))]
+  if not callable(getattr(getattr(loss_module, "backend", None), "get_keras_mask", None)):
+    missing.append("keras.src.backend.get_keras_mask")
   if missing:
     raise RuntimeError(
         f"tpustrat: Keras {keras.__version__}'s JAX trainer has no {', '.join(missing)}; tpustrat's "
@@ -202,7 +212,7 @@ def install() -> None:
     # Each method is wrapped on the class that defines it (Keras's Trainer, its JAX trainer): Keras compares
     # ``model.__class__.compile`` with ``Trainer.compile`` to tell a user's own compile (load_model).
     owners = {name: next(c for c in keras.Model.__mro__ if name in vars(c))
-              for name in ("compile", "fit", "evaluate", "predict")}
+              for name in ("compile",) + _GUARDED}
     original = {name: vars(owner)[name] for name, owner in owners.items()}
 
     @functools.wraps(original["compile"])
@@ -235,11 +245,16 @@ def install() -> None:
               f"model.{name}() was called inside the scope of {current!r}, but the model {self.name!r} "
               f"was compiled under {fit.strategy!r}. Call it outside any scope or inside that strategy's "
               "scope, or build and compile the model again under this one.")
+        fit.check_steps(self, name)
         args, kwargs = _global_inputs(name, args, kwargs)
+        fit.depth += 1
         try:
           with fit.keras_distribution_off():
             return method(self, *args, **kwargs)
         finally:
+          fit.depth -= 1
+          if not fit.depth:  # not the evaluate that fit calls for validation: fit's iterators stay open
+            fit.close_iterators()
           if name == "fit" and fit.backup is not None:  # fit returned or raised: stop watching for notices
             fit.backup.end()
             fit.backup = None
@@ -247,7 +262,7 @@ def install() -> None:
       return call
 
     owners["compile"].compile = compile
-    for name in ("fit", "evaluate", "predict"):
+    for name in _GUARDED:
       setattr(owners[name], name, guarded(name))
     _INSTALLED.append(original)
 
@@ -342,6 +357,11 @@ class _Fit:
     self.log_zeros: dict[str, Any] = {}
     self.backup: Any = None  # a tpustrat.keras.BackupAndRestore while its fit runs
     self.options = RunOptions()  # set_run_options
+    # What a traced step cannot make exact on a padded batch (`_ReplicaLoss`, `_forward_losses`), said
+    # once each (`PaddingReadWarning`) when a partial batch has run; `padded`: one has been read.
+    self.hazards: set[str] = set()
+    self.padded = False
+    self.depth = 0  # fit / evaluate / predict calls in progress (fit calls evaluate)
     self.skip_batches = 0  # batches of the next training epoch already done before a restart
     self.last_steps = 0  # training steps the last train execution ran
 
@@ -380,6 +400,27 @@ class _Fit:
     finally:
       keras.distribution.set_distribution(current)
 
+  def check_steps(self, model: Any, name: str) -> None:
+    """Refuses a model whose class overrides the Keras step that `name` runs: tpustrat runs Keras's own
+    step per replica (exact on padded batches); a step of the user's would run per replica with padding
+    rows and gradients already summed over the replicas, a different computation than the one written."""
+    step = _STEPS[name]
+    keras = keras_models.import_keras()
+    base = next(c for c in keras.Model.__mro__ if step in vars(c))
+    if getattr(type(model), step) is not vars(base)[step]:
+      raise NotImplementedError(
+          f"model.{name}() under {self.strategy!r}: the model's class {type(model).__name__} overrides "
+          f"{step}, which tpustrat does not run per replica (its loss would count the padding rows of a "
+          f"partial batch, and its gradients w.r.t. the replicated weights come back already summed over the "
+          f"replicas). Override compute_loss / compute_metrics instead (both are used), or write the step "
+          "for strategy.run with tpustrat.keras.stateless_call (docs/guides/keras.md, the custom loop).")
+
+  def close_iterators(self) -> None:
+    """Closes the distributed iterators over Keras's iterators (and their prefetch threads)."""
+    iterators, self.iterators = self.iterators, {}
+    for _, ours in iterators.values():
+      ours.close()
+
   # Keras's override points --------------------------------------------------------------------------
 
   def make_train_function(self, force: bool = False) -> Any:
@@ -409,7 +450,7 @@ class _Fit:
       return known[1]
     if known is not None:
       known[1].close()
-    ours = iter(self.strategy.experimental_distribute_dataset(_GlobalBatches(iterator)))
+    ours = iter(self.strategy.experimental_distribute_dataset(_GlobalBatches(iterator, self)))
     self.iterators[kind] = (iterator, ours)
     return ours
 
@@ -461,6 +502,15 @@ class _Fit:
             self.many_steps[kind], ours, k, init=(state, self._log_zeros(kind, model, state)), options=options)
         steps = int(jax.tree.leaves(ran)[0].shape[0])  # fewer than k at the end of the data
     self.last_steps = steps
+    if self.padded and self.hazards - self.warned:
+      for hazard in sorted(self.hazards - self.warned):
+        self.warned.add(hazard)
+        warnings.warn(
+            f"model.{'fit' if kind == 'train' else 'evaluate' if kind == 'test' else 'predict'} under "
+            f"{self.strategy!r}: a partial batch was padded to whole rows per replica, and {hazard}: those "
+            "numbers differ from one device's on that batch (TF hands replicas only real rows). Compute the "
+            "term per example inside a Keras loss (its padding rows then weigh nothing), or give the data "
+            "a number of rows that divides into full global batches.", PaddingReadWarning, stacklevel=5)
     state = tuple(_arrays(state))
     if kind == "predict":
       return _predictions(self.strategy, outputs, stacked=k > 1), state, steps
@@ -484,8 +534,10 @@ class _GlobalBatches:
   """Keras's iterator of global batches as a one-shot source: ``(x,)``, ``(x, y)`` or ``(x, y, w)``
   with Nones dropped from the structure (kept as the positions that hold them)."""
 
-  def __init__(self, iterator: Any) -> None:
+  def __init__(self, iterator: Any, fit: _Fit) -> None:
     self.iterator = iterator
+    self.fit = fit
+    self.first_rows: int | None = None
 
   def __iter__(self) -> Any:
     return self
@@ -494,7 +546,15 @@ class _GlobalBatches:
     data = next(self.iterator)
     if not isinstance(data, tuple):
       data = (data,)
-    return tuple(_host(d) for d in data)
+    data = tuple(_host(d) for d in data)
+    leaves = jax.tree.leaves(data)
+    if leaves and np.ndim(leaves[0]):
+      rows = int(np.shape(leaves[0])[0])
+      if self.first_rows is None:
+        self.first_rows = rows
+      if rows % self.fit.replicas or rows != self.first_rows:  # padded: a partial batch
+        self.fit.padded = True
+    return data
 
 
 def _host(x: Any) -> Any:
@@ -564,34 +624,99 @@ class _Rows:
     self.replicas = replicas
 
 
-def _weights(rows: _Rows, w: Any, scale: bool) -> Any:
-  """The sample weights this replica gives Keras: its own (or 1), 0 on padding rows; for the loss, the
-  real rows' scaled by ``N * k / n`` (see the module docstring)."""
-  mask = rows.mask
-  if scale:
-    mask = mask * (rows.replicas * rows.k / jnp.maximum(rows.n, 1.0))
-  if w is None:
-    return mask
-
-  def weigh(a: Any) -> Any:
-    m = mask.reshape(mask.shape + (1,) * (jnp.ndim(a) - 1)).astype(jnp.result_type(a, jnp.float32))
-    return a * m
-
-  return jax.tree.map(weigh, w)
+def _keras_loss_module() -> Any:
+  from keras.src.losses import loss as loss_module  # pylint: disable=import-outside-toplevel
+  return loss_module
 
 
-def _check_reductions(fit: _Fit, model: Any) -> None:
+class _ReplicaLoss:
+  """One output's compiled loss inside a step: Keras's own per-example loss (``loss.call``), reduced so
+  that the mean over the replicas of what each replica returns is Keras's one-device value over the
+  global batch's real rows, for every reduction Keras has: the padding rows (and entries a Keras mask
+  removes) weigh nothing, and the denominators (rows, unmasked entries, the sum of the weights) are the
+  global batch's, summed over the replicas. Mirrors ``keras.losses.Loss.__call__``."""
+
+  def __init__(self, fit: _Fit, loss: Any, rows: _Rows) -> None:
+    self.fit = fit
+    self.loss = loss
+    self.rows = rows
+
+  def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+    keras = keras_models.import_keras()
+    lm = _keras_loss_module()
+    loss, rows = self.loss, self.rows
+    reduction = lm.standardize_reduction(loss.reduction)
+    in_mask = lm.backend.get_keras_mask(y_pred)
+    y_pred = jax.tree.map(lambda v: keras.ops.convert_to_tensor(v, dtype=loss.dtype), y_pred)
+    y_true = jax.tree.map(lambda v: keras.ops.convert_to_tensor(v, dtype=loss.dtype), y_true)
+    values = loss.call(y_true, y_pred)
+    if reduction in (None, "none") or jnp.ndim(values) == 0:
+      if jnp.ndim(values) == 0:  # the loss reduced its rows itself: its padding rows cannot be removed
+        self.fit.hazards.add(f"the loss {getattr(loss, 'name', loss)!r} returns one number for the batch "
+                             "(it reduces its rows itself), so each replica's value includes its padding rows")
+      return loss(y_true, y_pred, sample_weight)
+    out_mask = lm.backend.get_keras_mask(values)
+    keras_mask = (in_mask & out_mask if in_mask is not None and out_mask is not None
+                  else in_mask if in_mask is not None else out_mask)
+    values = keras.ops.convert_to_tensor(values, dtype=loss.dtype)
+    dtype = values.dtype
+    real = rows.mask.reshape(rows.mask.shape + (1,) * (values.ndim - 1)).astype(bool)
+    real = jnp.broadcast_to(real, values.shape)
+    mask = real if keras_mask is None else real & jnp.broadcast_to(keras_mask.astype(bool), values.shape)
+    weight = lm.apply_mask(sample_weight, mask, dtype=dtype, reduction="sum")  # weights x 0/1 mask
+    weighted, weight = lm.squeeze_or_expand_to_same_rank(values, weight)
+    total = jnp.sum(weighted * weight)
+    psum = functools.partial(jax.lax.psum, axis_name=REPLICA_AXIS)
+    if reduction == "sum":
+      value = total
+    elif reduction == "mean_with_sample_weight" and sample_weight is not None:
+      value = total / psum(jnp.sum(weight))
+    elif keras_mask is not None and reduction != "mean_with_sample_weight":  # Keras: sum / unmasked entries
+      value = total / psum(jnp.sum(mask.astype(dtype)))
+    else:  # sum over the global batch's size: its real rows times each row's entries
+      entries = int(np.prod(values.shape[1:], dtype=np.int64))
+      value = total / (rows.n.astype(dtype) * entries)
+    return (value * rows.replicas).astype(dtype)  # the replicas' mean is the global value
+
+
+@contextlib.contextmanager
+def _replica_losses(fit: _Fit, model: Any, rows: _Rows):
+  """While a step is traced, each compiled loss of the model is a `_ReplicaLoss` (Keras's compiled loss
+  keeps them in its private ``_flat_losses``, checked by `check_keras`)."""
   compiled = getattr(model, "_compile_loss", None)
-  flat = getattr(compiled, "_flat_losses", None) or ()
-  for entry in flat:
-    loss = entry[1]
-    reduction = getattr(loss, "reduction", "sum_over_batch_size")
-    if reduction not in _MEAN_REDUCTIONS:
-      raise ValueError(
-          f"model.fit under {fit.strategy!r}: the loss {getattr(loss, 'name', loss)!r} reduces with "
-          f"reduction={reduction!r}; under a strategy, fit gives the one-device loss for Keras's default "
-          "reduction 'sum_over_batch_size' (and 'mean'). Use that reduction, or train in strategy.run with "
-          "tpustrat.compute_average_loss.")
+  flat = getattr(compiled, "_flat_losses", None)
+  if not flat:
+    yield
+    return
+  original = list(flat)
+  compiled._flat_losses = [entry._replace(loss=_ReplicaLoss(fit, entry.loss, rows))  # noqa: SLF001
+                           for entry in original]
+  try:
+    yield
+  finally:
+    compiled._flat_losses = original  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def _forward_losses(fit: _Fit, model: Any):
+  """While a step is traced, notes whether the model's own losses (``add_loss``, activity regularizers)
+  depend on the batch: each replica computes them over its rows, padding rows included."""
+  call = model.stateless_call
+
+  def noted(*args: Any, **kwargs: Any) -> Any:
+    result = call(*args, **kwargs)
+    if kwargs.get("return_losses") and isinstance(result, tuple) and len(result) == 3:
+      names = [i for i, loss in enumerate(result[2]) if REPLICA_AXIS in jax_compat.varying_axes(loss)]
+      if names:
+        fit.hazards.add(f"{len(names)} of the model's own losses (add_loss, activity_regularizer) depend on "
+                        "the batch's rows, and each replica computes them over its rows, padding rows included")
+    return result
+
+  object.__setattr__(model, "stateless_call", noted)
+  try:
+    yield
+  finally:
+    model.__dict__.pop("stateless_call", None)
 
 
 def _fold(model: Any, non_trainable: list[Any]) -> tuple[list[Any], dict[int, Any], dict[int, Any]]:
@@ -661,17 +786,34 @@ def _metrics_combine(model: Any, rows: _Rows, before: list[Any], after: list[Any
   return out
 
 
+def _row_weight(rows: _Rows, y_pred: Any, sample_weight: Any) -> Any:
+  """A compiled metric's sample weight with the padding rows at 0: the given weight (or 1) times the
+  real-row mask, shaped like the weight, or like the Keras mask of the prediction when there is no weight
+  (a per-timestep mask), so that Keras combines the two as it does on one device."""
+  mask = rows.mask
+  if sample_weight is None:
+    keras_mask = _keras_loss_module().backend.get_keras_mask(y_pred)
+    if keras_mask is None:
+      return mask
+    shaped = mask.reshape(mask.shape + (1,) * (jnp.ndim(keras_mask) - 1))
+    return jnp.broadcast_to(shaped, jnp.shape(keras_mask))
+  weight = jnp.asarray(sample_weight)
+  return weight * mask.reshape(mask.shape + (1,) * (weight.ndim - 1)).astype(jnp.result_type(weight, jnp.float32))
+
+
 @contextlib.contextmanager
-def _weighted_metrics(model: Any, mask: Any):
-  """Keras updates the metrics of ``compile(metrics=...)`` without sample weights; here each is updated
-  with the real-row mask as its weight (1 on every real row: the same numbers), so padding rows count 0."""
+def _weighted_metrics(model: Any, rows: _Rows):
+  """While a step is traced, every compiled metric (``compile(metrics=...)``, which Keras updates without
+  sample weights, and ``weighted_metrics``) is updated with the padding rows weighted 0 (`_row_weight`):
+  on the real rows the weights are Keras's own, so the numbers are one device's."""
   compiled = getattr(model, "_compile_metrics", None)
-  lists = [m for m in (getattr(compiled, "_flat_metrics", None) or ()) if m]
+  lists = [m for name in ("_flat_metrics", "_flat_weighted_metrics")
+           for m in (getattr(compiled, name, None) or ()) if m]
   for m in lists:
     update = type(m).update_state
 
     def masked(y_true: Any, y_pred: Any, sample_weight: Any = None, _m: Any = m, _update: Any = update) -> Any:
-      return _update(_m, y_true, y_pred, sample_weight=mask if sample_weight is None else sample_weight)
+      return _update(_m, y_true, y_pred, sample_weight=_row_weight(rows, y_pred, sample_weight))
 
     object.__setattr__(m, "update_state", masked)
   try:
@@ -685,11 +827,12 @@ def _update_metrics(model: Any, rows: _Rows, metrics: list[Any], loss: Any, x: A
                     weights: Any) -> list[Any]:
   """Keras's ``_update_metrics_variables`` for one replica: the loss tracker weighs this replica's loss by
   its share of the global batch's real rows (``n / N``: summed, the tracker counts ``n`` rows, as Keras on
-  one device), and every compiled metric sees the padding rows with weight 0."""
+  one device), and every compiled metric sees the padding rows with weight 0. `weights` are the user's
+  sample weights (or None), as Keras passes them."""
   keras = keras_models.import_keras()
   with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metrics))) as scope:
     model._loss_tracker.update_state(loss, sample_weight=rows.n / rows.replicas)  # noqa: SLF001
-    with _weighted_metrics(model, rows.mask):
+    with _weighted_metrics(model, rows):
       model.compute_metrics(x, y, y_pred, weights)
   out = []
   for ref, value in zip(model.metrics_variables, metrics):
@@ -708,23 +851,23 @@ def _train_step(fit: _Fit, state: Any, batch: Any) -> Any:
   model = fit.model_ref()
   trainable, non_trainable, optimizer_vars, metrics = (list(s) for s in state)
   x, y, w = _unpack(batch)
-  _check_reductions(fit, model)
   rows = _Rows(x, fit.replicas)
-  loss_w = _weights(rows, w, scale=True)
-  metric_w = _weights(rows, w, scale=False)
   non_trainable, given, folded = _fold(model, non_trainable)
   start = _metrics_start(model, metrics)
 
   def loss_fn(tv: Any) -> Any:
-    loss, aux = model.compute_loss_and_updates(tv, non_trainable, start, x, y, loss_w, training=True,
+    # Each replica's loss is its share (the replicas' mean is the one-device loss): the gradient of the
+    # mean, summed over the replicas by the program (w.r.t. replicated weights), is one device's.
+    loss, aux = model.compute_loss_and_updates(tv, non_trainable, start, x, y, w, training=True,
                                                optimizer_variables=optimizer_vars)
     return loss / fit.replicas, aux
 
-  (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+  with _replica_losses(fit, model, rows), _forward_losses(fit, model):
+    (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
   unscaled, y_pred, new_non_trainable, new_metrics = aux
   new_non_trainable = _settle(model, rows, list(new_non_trainable), given, folded)
   trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads, trainable)
-  new_metrics = _update_metrics(model, rows, new_metrics, unscaled, x, y, y_pred, metric_w)
+  new_metrics = _update_metrics(model, rows, new_metrics, unscaled, x, y, y_pred, w)
   new_metrics = _metrics_combine(model, rows, metrics, new_metrics)
   logs = _results(model, new_metrics)
   return (trainable, new_non_trainable, optimizer_vars, new_metrics), logs
@@ -734,16 +877,14 @@ def _test_step(fit: _Fit, state: Any, batch: Any) -> Any:
   model = fit.model_ref()
   trainable, non_trainable, metrics = (list(s) for s in state)
   x, y, w = _unpack(batch)
-  _check_reductions(fit, model)
   rows = _Rows(x, fit.replicas)
-  loss_w = _weights(rows, w, scale=True)
-  metric_w = _weights(rows, w, scale=False)
   folded_nt, given, folded = _fold(model, non_trainable)
   start = _metrics_start(model, metrics)
-  _, aux = model.compute_loss_and_updates(trainable, folded_nt, start, x, y, loss_w, training=False)
+  with _replica_losses(fit, model, rows), _forward_losses(fit, model):
+    _, aux = model.compute_loss_and_updates(trainable, folded_nt, start, x, y, w, training=False)
   unscaled, y_pred, new_non_trainable, new_metrics = aux
   new_non_trainable = _settle(model, rows, list(new_non_trainable), given, folded)
-  new_metrics = _update_metrics(model, rows, new_metrics, unscaled, x, y, y_pred, metric_w)
+  new_metrics = _update_metrics(model, rows, new_metrics, unscaled, x, y, y_pred, w)
   new_metrics = _metrics_combine(model, rows, metrics, new_metrics)
   return (trainable, new_non_trainable, new_metrics), _results(model, new_metrics)
 
@@ -755,10 +896,3 @@ def _predict_step(fit: _Fit, state: Any, batch: Any) -> Any:
   kwargs = {"training": False} if model._call_has_training_arg else {}  # noqa: SLF001
   outputs, new_non_trainable, _ = keras_models.stateless_call(model, trainable, non_trainable, x, **kwargs)
   return (trainable, new_non_trainable), padding.per_example(outputs)
-
-
-def _warn_once(fit: _Fit, key: str, message: str, category: type[Warning] = UserWarning) -> None:
-  if key not in fit.warned:
-    fit.warned.add(key)
-    warnings.warn(message, category, stacklevel=3)
-
