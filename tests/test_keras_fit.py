@@ -559,3 +559,31 @@ def test_a_model_that_overrides_train_step_is_refused_naming_what_to_override(st
   with pytest.raises(NotImplementedError, match="overrides train_step"):
     model.fit(x, y, batch_size=8, verbose=0)
   assert model.evaluate(x, y, batch_size=8, verbose=0)  # its test_step is Keras's own
+
+
+def test_backup_and_restore_at_epoch_ends_with_validation_resumes_the_next_epoch(strategy, rng, tmp_path):
+  """Backed up at each epoch's end (after validation, whose metrics the model's metrics then hold) and
+  interrupted as epoch 2 begins, a new fit resumes at epoch 2 at once (the last backup was finished when
+  the interrupted fit raised) with epoch 2's metrics counted from zero."""
+  x, y = classification(70, rng)
+
+  class StopAtEpoch2(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+      if epoch == 2:
+        raise Interrupt
+
+  kwargs = dict(batch_size=32, epochs=4, shuffle=False, verbose=0, validation_data=(x[:20], y[:20]))
+  with strategy.scope():
+    model = mlp(seed=18)
+    model.compile(**compile_args())
+  with pytest.raises(Interrupt):
+    model.fit(x, y, callbacks=[tk.BackupAndRestore(tmp_path / "b"), StopAtEpoch2()], **kwargs)
+  with strategy.scope():
+    model = mlp(seed=98)
+    model.compile(**compile_args())
+  history = model.fit(x, y, callbacks=[tk.BackupAndRestore(tmp_path / "b")], **kwargs)
+  reference = mlp(seed=18)
+  reference.compile(**compile_args())
+  expected = reference.fit(x, y, **kwargs)
+  assert_histories(history, {k: v[2:] for k, v in expected.history.items()})
+  assert_weights(model, reference)

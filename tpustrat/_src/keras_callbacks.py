@@ -228,10 +228,14 @@ def backup_and_restore_class() -> type:
       return logs, state
 
     def end(self) -> None:
-      """Stops watching for termination notices (fit has returned or raised)."""
+      """Stops watching for termination notices and waits for a backup still being written (fit has
+      returned or raised: an interrupted fit leaves its last backup whole, for the next to resume from)."""
       if self._handler is not None:
         self._handler.close()
         self._handler = None
+      if self._manager is not None:
+        self._manager.close()
+        self._manager = None
 
     # Keras's hooks ------------------------------------------------------------------------------------
 
@@ -274,7 +278,9 @@ def backup_and_restore_class() -> type:
       self._epoch = epoch
       resumed, self._resumed = self._resumed, None
       self._done = 0
-      if resumed is not None and resumed[0] == epoch:  # the epoch's metrics so far, over Keras's reset
+      if resumed is not None and resumed[0] == epoch and resumed[1]:
+        # Inside an epoch: its metrics so far, over Keras's reset. (A backup at an epoch's end holds the
+        # last validation's metrics, and the next epoch starts them from zero.)
         self._done = resumed[1]
         for variable, value in zip(self.model.metrics_variables, self._metrics):
           variable.assign(value)
@@ -303,9 +309,6 @@ def backup_and_restore_class() -> type:
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
       self.end()
-      if self._manager is not None:
-        self._manager.close()  # waits for a save still being written
-        self._manager = None
       if self.delete_checkpoint and jax.process_index() == 0:
         shutil.rmtree(self.backup_dir, ignore_errors=True)
 

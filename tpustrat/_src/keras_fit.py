@@ -408,12 +408,16 @@ class _Fit:
     keras = keras_models.import_keras()
     base = next(c for c in keras.Model.__mro__ if step in vars(c))
     if getattr(type(model), step) is not vars(base)[step]:
+      why = {"train_step": "its loss would count the padding rows of a partial batch, and its gradients "
+                           "w.r.t. the replicated weights come back already summed over the replicas",
+             "test_step": "its loss and metrics would count the padding rows of a partial batch",
+             "predict_step": "its outputs would hold the padding rows of a partial batch"}[step]
       raise NotImplementedError(
           f"model.{name}() under {self.strategy!r}: the model's class {type(model).__name__} overrides "
-          f"{step}, which tpustrat does not run per replica (its loss would count the padding rows of a "
-          f"partial batch, and its gradients w.r.t. the replicated weights come back already summed over the "
-          f"replicas). Override compute_loss / compute_metrics instead (both are used), or write the step "
-          "for strategy.run with tpustrat.keras.stateless_call (docs/guides/keras.md, the custom loop).")
+          f"{step}, which tpustrat does not run per replica ({why}). "
+          + ("Override compute_loss / compute_metrics instead (both are used, per example), or write the step "
+             if step != "predict_step" else "Override call, or write the step ")
+          + "for strategy.run with tpustrat.keras.stateless_call (docs/guides/keras.md, the custom loop).")
 
   def close_iterators(self) -> None:
     """Closes the distributed iterators over Keras's iterators (and their prefetch threads)."""
