@@ -14,16 +14,18 @@ TF's most common distributed path: build and compile a Keras model inside ``stra
   distributed dataset (padded to a whole number of rows per replica, the padding rows marked), and
   ``steps_per_execution`` batches run as one `experimental_run_steps` program (one `run` with 1).
   Keras's own ``fit`` loop is kept: callbacks, validation, history, ``initial_epoch``, the progress bar.
-* **Exact on partial batches.** Each replica runs Keras's own ``compute_loss_and_updates`` on its rows
-  with the padding rows weighted 0 and the real rows' sample weights scaled by ``N * k / n`` (``N``
-  replicas of ``k`` rows, ``n`` real rows in the global batch), so the mean of the replicas' losses is
-  Keras's one-device loss on the ``n`` real rows (for Keras's default reduction, ``sum_over_batch_size``);
-  the loss differentiated is that mean (each replica's loss divided by ``N``, the gradients summed over
-  the replicas by the program), TF's ``compute_average_loss`` rule. Metrics see the padding rows with
-  weight 0; each metric variable is combined over the replicas by its Keras ``aggregation`` (``"sum"``:
-  the replicas' increments added, TF's ``SyncOnRead`` ``SUM``), so accuracy, ``Mean``, ``AUC``,
-  ``Precision`` / ``Recall`` and the loss trackers count every real example once. ``predict`` returns
-  exactly the real rows, in order.
+* **Exact on partial batches.** Each replica runs Keras's own ``compute_loss_and_updates`` on its rows;
+  each compiled loss is Keras's per-example ``loss.call`` reduced as Keras reduces it but with the global
+  batch's denominators (`_ReplicaLoss`: its real rows, its unmasked entries, the sum of its weights), the
+  padding rows weighted 0, so the mean of the replicas' losses is Keras's one-device loss on the real
+  rows, for every reduction; the loss differentiated is that mean (each replica's loss divided by ``N``,
+  the gradients summed over the replicas by the program), TF's ``compute_average_loss`` rule. Metrics
+  see the padding rows with weight 0; each metric variable is combined over the replicas by its Keras
+  ``aggregation`` (``"sum"``: the replicas' increments added, TF's ``SyncOnRead`` ``SUM``), so accuracy,
+  ``Mean``, ``AUC``, ``Precision`` / ``Recall`` and the loss trackers count every real example once.
+  ``predict`` returns exactly the real rows, in order. What the trace finds cannot be exact on a padded
+  batch (a loss that returns one number, the model's own batch-dependent losses) is warned once a
+  partial batch has run.
 
 The private Keras names this relies on are checked once, with the Keras version, in `check_keras`.
 """
