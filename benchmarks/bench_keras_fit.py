@@ -27,6 +27,7 @@ devices: the script reports whether it raises (tpustrat pads it).
 Reproduce from the repository root (8 emulated CPU devices)::
 
     .venv/bin/python benchmarks/bench_keras_fit.py
+    .venv/bin/python benchmarks/bench_keras_fit.py --models convnet --spes 10 --scan-unroll   # the steps unrolled
     .venv/bin/python benchmarks/bench_keras_fit.py --models mlp --batches 64 --spes 1 --steps 4 --trials 1  # smoke
 """
 
@@ -47,6 +48,10 @@ def add_flags(parser):
   parser.add_argument("--spes", nargs="+", type=int, default=[1, 10], help="steps_per_execution values")
   parser.add_argument("--steps", type=int, default=20, help="global batches per epoch")
   parser.add_argument("--trials", type=int, default=5)
+  parser.add_argument("--scan-unroll", action="store_true",
+                      help="tpustrat's fit with RunOptions(scan_unroll=True) (tpustrat.keras.set_run_options): "
+                           "the steps of one execution written out, not a loop (XLA:CPU runs convolutions in "
+                           "a loop 5-9x slower; see the many-steps guide)")
 
 
 ARGS = h.parse_args(__doc__, add_flags) if __name__ == "__main__" else None
@@ -59,6 +64,7 @@ import numpy as np  # noqa: E402
 from bench_peers import bounded_keras_steps  # noqa: E402  # Keras's steps bounded in flight, as run's
 
 import tpustrat  # noqa: E402
+import tpustrat.keras  # noqa: E402
 
 
 def build(name):
@@ -145,9 +151,9 @@ def main():
   strategy = tpustrat.TPUStrategy()
   devices = list(strategy.mesh.devices.flat)
   print(h.machine_line(strategy.num_replicas_in_sync))
-  print(h.markdown_header(["model", "batch", "spe", "tpustrat s/epoch", "keras s/epoch", "run s/epoch",
-                           "tpustrat / keras (throughput)", "tpustrat / run (throughput)"],
-                          right=["tpustrat s/epoch", "keras s/epoch", "run s/epoch"]))
+  table = [h.markdown_header(["model", "batch", "spe", "tpustrat s/epoch", "keras s/epoch", "run s/epoch",
+                              "tpustrat / keras (throughput)", "tpustrat / run (throughput)"],
+                             right=["tpustrat s/epoch", "keras s/epoch", "run s/epoch"])]
   worst_keras, worst_run = [], []
   for name in ARGS.models:
     for batch in ARGS.batches:
@@ -155,6 +161,8 @@ def main():
       for spe in ARGS.spes:
         with strategy.scope():
           ours = compiled(build(name), spe)
+        if ARGS.scan_unroll:
+          tpustrat.keras.set_run_options(ours, tpustrat.RunOptions(scan_unroll=True))
         dp = keras.distribution.DataParallel(devices=devices)
         with dp.scope():
           theirs = compiled(build(name), spe)
@@ -175,6 +183,12 @@ def main():
         with bounded_keras_steps(wrapped):  # Keras's train function is made (once) by the first fit
           for v in variants:  # compile
             v.measure()
+        if name == "mlp":  # no random layer: after the same epoch both fits hold the same weights
+          diff = max(float(np.max(np.abs(np.asarray(a.value) - np.asarray(b.value))))
+                     for a, b in zip(ours.weights, theirs.weights))
+          if diff > 1e-4:
+            raise SystemExit(f"{name} b{batch} spe{spe}: tpustrat's and Keras's fit disagree ({diff:.2e})")
+          print(f"# {name} b{batch} spe{spe}: weights allclose after one epoch (max |diff| {diff:.1e})", flush=True)
         if wrapped[0] != 1:
           raise SystemExit(f"keras {keras.__version__} compiled {wrapped[0]} train steps through its trainer's "
                            "jit (1 expected): cannot bound its steps in flight")
@@ -185,9 +199,14 @@ def main():
         worst_keras.append((vs_keras[0], f"{name} b{batch} spe{spe}"))
         if vs_run is not None:
           worst_run.append((vs_run[0], f"{name} b{batch}"))
-        print(h.markdown_row([name, batch, spe, f"{med['tpustrat']:.3f}", f"{med['keras']:.3f}",
-                              f"{med['run']:.3f}" if "run" in med else "-", h.format_spread(vs_keras, 2, "x"),
-                              h.format_spread(vs_run, 2, "x") if vs_run else "-"]), flush=True)
+        table.append(h.markdown_row([name, batch, spe, f"{med['tpustrat']:.3f}", f"{med['keras']:.3f}",
+                                     f"{med['run']:.3f}" if "run" in med else "-",
+                                     h.format_spread(vs_keras, 2, "x"),
+                                     h.format_spread(vs_run, 2, "x") if vs_run else "-"]))
+        print(f"# {name} b{batch} spe{spe}: timed", flush=True)
+  print()
+  print("\n".join(table), flush=True)
+  print()
   for name in ARGS.models:
     print(f"# Keras DataParallel fit, {name}, a last batch of 5 rows on {len(devices)} devices: "
           f"{keras_partial_batch_raises(name, 1, devices)} (tpustrat pads it)")

@@ -71,6 +71,8 @@ BENCHES = [
     Bench("cross_device_ops", ("--width", "0.25", "--trials", "5", "--calls", "1", "--only", "agg small <=32 KiB x10"),
           ("--algorithms", "--noise-floor"),
           ("--width", "0.0625", "--trials", "1", "--calls", "1", "--only", "agg small <=32 KiB x10")),
+    Bench("keras_fit", ("--models", "mlp", "--trials", "3"), ("--trials", "5"),
+          ("--models", "mlp", "--batches", "64", "--spes", "1", "--steps", "2", "--trials", "1")),
     Bench("peers", ("--steps", "10", "--trials", "3", "--compile-trials", "2"), (),
           ("--steps", "10", "--trials", "1", "--compile-trials", "1", "--skip-keras")),
     Bench("embedding", ("--rows", "2000,5000,1000000", "--trials", "5"), (),

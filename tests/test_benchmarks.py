@@ -64,6 +64,13 @@ class Case:
 
 
 CASES = {
+    # `bench_keras_fit.py` (fit under TPUStrategy, Keras's DataParallel fit, tpustrat's run loop), the MLP at
+    # one batch and both steps_per_execution, the fewest steps.
+    "keras_fit": Case(
+        "bench_keras_fit.py", ("--models", "mlp", "--batches", "64", "--spes", "1", "2", "--steps", "2",
+                               "--trials", "1"),
+        ("# mlp b64 spe1: weights allclose", "# mlp b64 spe2: weights allclose"),
+        ("model", "batch", "spe"), (("mlp", "64", "1"), ("mlp", "64", "2"))),
     # README: `bench_run.py --noise-floor` (both steps, the hand-written second copy) and `--only mlp
     # --check-numerics` (run with RunOptions(check_numerics=True), against run), in one run.
     "run": Case(

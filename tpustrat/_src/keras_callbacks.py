@@ -58,7 +58,7 @@ def tensorboard_class() -> type:
   """Builds `TensorBoard` (once): Keras is imported here, on first use."""
   keras = keras_models.import_keras()
 
-  class TensorBoard(keras.callbacks.Callback):  # type: ignore[misc, name-defined]
+  class TensorBoard(keras.callbacks.Callback):  # type: ignore[name-defined]
     """TensorBoard scalars for ``fit`` without TensorFlow: Keras's ``keras.callbacks.TensorBoard``'s
     scalars, names and folders.
 
@@ -163,7 +163,7 @@ def backup_and_restore_class() -> type:
   """Builds `BackupAndRestore` (once): Keras is imported here, on first use."""
   keras = keras_models.import_keras()
 
-  class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc, name-defined]
+  class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[name-defined]
     """TF's ``tf.keras.callbacks.BackupAndRestore`` with TF's preemption semantics, for ``fit`` under a
     strategy.
 

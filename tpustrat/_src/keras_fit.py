@@ -102,7 +102,7 @@ def _keras() -> Any:
 def _distribution_class() -> type:
   keras = keras_models.import_keras()
 
-  class _ScopeDistribution(keras.distribution.DataParallel):  # type: ignore[misc, name-defined]
+  class _ScopeDistribution(keras.distribution.DataParallel):  # type: ignore[name-defined]
     """Keras's data-parallel distribution over a strategy's devices: variables replicated on every
     device; each variable created under it is recorded as the strategy's."""
 
@@ -298,7 +298,7 @@ def _py_dataset(batches: collections.abc.Sequence[Any]) -> Any:
   """A list of global batches as a Keras ``PyDataset`` (read in order, one batch per index)."""
   keras = keras_models.import_keras()
 
-  class Batches(keras.utils.PyDataset):  # type: ignore[misc, name-defined]
+  class Batches(keras.utils.PyDataset):  # type: ignore[name-defined]
     def __len__(self) -> int:
       return len(batches)
 
@@ -343,7 +343,7 @@ class _Fit:
   """What a model compiled under a strategy holds (``model._tpustrat_fit``)."""
 
   def __init__(self, model: Any, strategy: Any) -> None:
-    self.model_ref = weakref.ref(model)
+    self._model_ref = weakref.ref(model)
     self.strategy = strategy
     self.replicas = strategy.num_replicas_in_sync
     self.iterators: dict[str, tuple[Any, Any]] = {}  # "train"/"test"/"predict" -> (Keras iterator, ours)
@@ -367,6 +367,13 @@ class _Fit:
     self.skip_batches = 0  # batches of the next training epoch already done before a restart
     self.last_steps = 0  # training steps the last train execution ran
 
+  def model(self) -> Any:
+    """The model (held weakly: it holds this object)."""
+    model = self._model_ref()
+    if model is None:
+      raise RuntimeError("tpustrat: the Keras model of this train function no longer exists.")
+    return model
+
   @classmethod
   def attach(cls, model: Any, strategy: Any) -> None:
     fit = cls(model, strategy)
@@ -380,7 +387,7 @@ class _Fit:
     keras_models.mask_batch_norm_padding(model)
 
   def detach(self) -> None:
-    model = self.model_ref()
+    model = self._model_ref()
     if model is None:
       return
     for name in ("_tpustrat_fit", "make_train_function", "make_test_function", "make_predict_function"):
@@ -430,19 +437,19 @@ class _Fit:
   # Keras's override points --------------------------------------------------------------------------
 
   def make_train_function(self, force: bool = False) -> Any:
-    model = self.model_ref()
+    model = self.model()
     if model.train_function is None or force:
       model.train_function = functools.partial(self._call, "train")
     return model.train_function
 
   def make_test_function(self, force: bool = False) -> Any:
-    model = self.model_ref()
+    model = self.model()
     if model.test_function is None or force:
       model.test_function = functools.partial(self._call, "test")
     return model.test_function
 
   def make_predict_function(self, force: bool = False) -> Any:
-    model = self.model_ref()
+    model = self.model()
     if model.predict_function is None or force:
       model.predict_function = functools.partial(self._call, "predict")
     return model.predict_function
@@ -469,7 +476,7 @@ class _Fit:
   def _execute(self, kind: str, state: Any, iterator: Any) -> tuple[Any, Any, int]:
     """One call of a Keras function: up to ``steps_per_execution`` batches in one program. Returns the
     logs (or predictions), the new state and how many steps ran."""
-    model = self.model_ref()
+    model = self.model()
     k = max(1, int(model.steps_per_execution))
     state = tuple(state)
     if kind == "train" and self.skip_batches:
@@ -488,7 +495,7 @@ class _Fit:
     return self._steps(kind, state, ours=ours, k=k)
 
   def _steps(self, kind: str, state: Any, *, ours: Any, k: int) -> Any:
-    model = self.model_ref()
+    model = self.model()
     with warnings.catch_warnings():
       # The steps weigh padding rows 0 in the loss and every metric (see the module docstring): the
       # padding-read analysis, which cannot see through Keras's weighting, would be a false alarm.
@@ -631,7 +638,7 @@ class _Rows:
 
 
 def _keras_loss_module() -> Any:
-  from keras.src.losses import loss as loss_module  # pylint: disable=import-outside-toplevel
+  from keras.src.losses import loss as loss_module  # type: ignore[import-untyped]  # pylint: disable=import-outside-toplevel
   return loss_module
 
 
@@ -689,7 +696,7 @@ class _ReplicaLoss:
 def _replica_losses(fit: _Fit, model: Any, rows: _Rows):
   """While a step is traced, each compiled loss of the model is a `_ReplicaLoss` (Keras's compiled loss
   keeps them in its private ``_flat_losses``, checked by `check_keras`)."""
-  compiled = getattr(model, "_compile_loss", None)
+  compiled: Any = getattr(model, "_compile_loss", None)
   flat = getattr(compiled, "_flat_losses", None)
   if not flat:
     yield
@@ -854,7 +861,7 @@ def _results(model: Any, metrics: list[Any]) -> Any:
 
 
 def _train_step(fit: _Fit, state: Any, batch: Any) -> Any:
-  model = fit.model_ref()
+  model = fit.model()
   trainable, non_trainable, optimizer_vars, metrics = (list(s) for s in state)
   x, y, w = _unpack(batch)
   rows = _Rows(x, fit.replicas)
@@ -880,7 +887,7 @@ def _train_step(fit: _Fit, state: Any, batch: Any) -> Any:
 
 
 def _test_step(fit: _Fit, state: Any, batch: Any) -> Any:
-  model = fit.model_ref()
+  model = fit.model()
   trainable, non_trainable, metrics = (list(s) for s in state)
   x, y, w = _unpack(batch)
   rows = _Rows(x, fit.replicas)
@@ -896,9 +903,9 @@ def _test_step(fit: _Fit, state: Any, batch: Any) -> Any:
 
 
 def _predict_step(fit: _Fit, state: Any, batch: Any) -> Any:
-  model = fit.model_ref()
+  model = fit.model()
   trainable, non_trainable = (list(s) for s in state)
   x, _, _ = _unpack(batch)
-  kwargs = {"training": False} if model._call_has_training_arg else {}  # noqa: SLF001
+  kwargs: dict[str, Any] = {"training": False} if model._call_has_training_arg else {}  # noqa: SLF001
   outputs, new_non_trainable, _ = keras_models.stateless_call(model, trainable, non_trainable, x, **kwargs)
   return (trainable, new_non_trainable), padding.per_example(outputs)
