@@ -377,21 +377,27 @@ def test_a_distributed_dataset_is_read_as_its_global_batches(strategy, rng):
     model.fit(per_replica, verbose=0)
 
 
+def launched_job(name, *args, launcher=()):
+  """tests/_mp_scripts/NAME.py run by the launcher on 2 processes x 4 devices: (the completed process,
+  {process: its RESULT}, the script as a module, for its model and data)."""
+  script = pathlib.Path(__file__).resolve().parent / "_mp_scripts" / f"{name}.py"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_") and k != "JAX_NUM_CPU_DEVICES"}
+  out = subprocess.run([sys.executable, "-m", "tpustrat.launch", "--num-processes", "2", "--devices-per-process",
+                        "4", *launcher, "--timeout", "240", str(script), *args], env=env, cwd=script.parents[2],
+                       capture_output=True, text=True, timeout=420)
+  assert out.returncode == 0, out.stderr[-4000:]
+  spec = importlib.util.spec_from_file_location(f"{name}_job", script)
+  job = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(job)
+  return out, launched_results(out.stdout), job
+
+
 @pytest.mark.processes
 def test_two_processes_of_four_devices_give_one_device_keras_numbers():
   """tests/_mp_scripts/keras_fit.py under the launcher (2 x 4, `MultiWorkerMirroredStrategy`): fit with a
   validation split and partial batches, evaluate and predict give one-device Keras's numbers in both
   processes, and every variable lives on the job's 8 devices."""
-  script = pathlib.Path(__file__).resolve().parent / "_mp_scripts" / "keras_fit.py"
-  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_") and k != "JAX_NUM_CPU_DEVICES"}
-  out = subprocess.run([sys.executable, "-m", "tpustrat.launch", "--num-processes", "2", "--devices-per-process",
-                        "4", "--timeout", "240", str(script)], env=env, cwd=script.parents[2], capture_output=True,
-                       text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-4000:]
-  results = launched_results(out.stdout)
-  spec = importlib.util.spec_from_file_location("keras_fit_job", script)
-  job = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(job)
+  _, results, job = launched_job("keras_fit")
   reference = job.build()
   reference.compile(**job.compile_args())
   want = job.train(reference)
@@ -482,17 +488,8 @@ def test_a_sigterm_backs_up_and_the_restarted_job_resumes_at_that_step(tmp_path)
   SIGTERM in epoch 1; the job backs up at the step both processes agree on, ends with the restart status
   and is started again; the second start's fit resumes there and its epochs, weights and step count equal
   an uninterrupted one-device Keras fit's."""
-  script = pathlib.Path(__file__).resolve().parent / "_mp_scripts" / "keras_backup.py"
-  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_") and k != "JAX_NUM_CPU_DEVICES"}
-  out = subprocess.run([sys.executable, "-m", "tpustrat.launch", "--num-processes", "2", "--devices-per-process",
-                        "4", "--max-restarts", "1", "--timeout", "240", str(script), str(tmp_path / "backup")],
-                       env=env, cwd=script.parents[2], capture_output=True, text=True, timeout=420)
-  assert out.returncode == 0, out.stderr[-4000:]
+  out, results, job = launched_job("keras_backup", str(tmp_path / "backup"), launcher=("--max-restarts", "1"))
   assert "saved checkpoint" in out.stdout + out.stderr and "restarting the job" in out.stderr
-  results = launched_results(out.stdout)
-  spec = importlib.util.spec_from_file_location("keras_backup_job", script)
-  job = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(job)
   reference = job.build()
   reference.compile(**job.compile_args())
   x, y = job.data()
