@@ -108,6 +108,7 @@ SLOWEST_FIRST = (
     "test_multiprocess",  # processes: ~210 s, spread
     "test_preemption",  # processes: ~160 s, spread
     "test_many_processes",  # processes: ~140 s, spread
+    "test_keras_fit",  # 60 s (processes: ~85 s)
     "test_examples",  # 55 s
     "test_embedding_exchange",  # 54 s
     "test_embedding",  # 44 s
