@@ -272,10 +272,10 @@ def sequence_tagger(mask_zero, seed=16):
 def test_per_timestep_outputs_with_and_without_a_keras_mask_equal_one_device(strategy, rng, mask_zero):
   """Labels per timestep (y [N, T], predictions [N, T, 3]); with `mask_zero` the loss and accuracy count
   only the unmasked timesteps, over the global batch (replicas hold different numbers of them)."""
-  tokens = rng.integers(1, 20, size=(51, 6))
+  tokens = rng.integers(1, 20, size=(51, 6)).astype(np.int32)
   tokens[::3, 4:] = 0
   tokens[1::7, 1:] = 0
-  labels = rng.integers(0, 3, size=(51, 6))
+  labels = rng.integers(0, 3, size=(51, 6)).astype(np.int32)
 
   def compiled(model):
     model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"],
