@@ -584,3 +584,52 @@ def test_backup_and_restore_at_epoch_ends_with_validation_resumes_the_next_epoch
   expected = reference.fit(x, y, **kwargs)
   assert_histories(history, {k: v[2:] for k, v in expected.history.items()})
   assert_weights(model, reference)
+
+
+@pytest.mark.parametrize("layer", ["LSTM", "GRU"])
+def test_recurrent_layers_train_equal_to_one_device(strategy, rng, layer):
+  """Keras's recurrent layers run a `lax.scan` whose carry starts the same on every replica; inside a step
+  it is typed per replica (tpustrat wraps Keras's `rnn`), so they train, masked and on a partial batch."""
+  tokens = rng.integers(1, 20, size=(21, 5)).astype(np.int32)  # batch 16: the last of 5 rows
+  tokens[::4, 3:] = 0
+  y = rng.normal(size=(21, 1)).astype(np.float32)
+
+  def built():
+    keras.utils.set_random_seed(19)
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(getattr(keras.layers, layer)(3)(h)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+  with strategy.scope():
+    model = built()
+  history = model.fit(tokens, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  reference = built()
+  assert_histories(history, reference.fit(tokens, y, batch_size=16, epochs=2, shuffle=False, verbose=0))
+  assert_weights(model, reference)
+  assert_close(model.predict(tokens, verbose=0), reference.predict(tokens, verbose=0))
+
+
+def test_padding_rows_cannot_make_nan_weights(strategy, rng):
+  """A masked mean over an all-zero row is 0/0: zero padding rows gave NaN gradients (times a zero weight,
+  still NaN) and NaN weights while the loss looked right. Padding rows are copies of a real row: the
+  weights stay finite and equal one device's."""
+  tokens = rng.integers(1, 20, size=(9, 4)).astype(np.int32)  # one batch of 9 rows on 8 replicas
+  y = rng.normal(size=(9, 1)).astype(np.float32)
+
+  def built():
+    keras.utils.set_random_seed(20)
+    inputs = keras.Input((4,), dtype="int32")
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 4, mask_zero=True)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+  with strategy.scope():
+    model = built()
+  history = model.fit(tokens, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  reference = built()
+  assert_histories(history, reference.fit(tokens, y, batch_size=16, epochs=2, shuffle=False, verbose=0))
+  assert all(np.isfinite(w).all() for w in weights(model))
+  assert_weights(model, reference)

@@ -463,7 +463,10 @@ class _Fit:
       return known[1]
     if known is not None:
       known[1].close()
-    ours = iter(self.strategy.experimental_distribute_dataset(_GlobalBatches(iterator, self)))
+    # Padding rows are copies of the batch's first row: they weigh nothing, and cannot make NaN or Inf
+    # (a masked mean over an all-zero row is 0/0) whose gradient, times the zero weight, is still NaN.
+    ours = iter(input_lib.distribute_dataset(self.strategy, _GlobalBatches(iterator, self), None,
+                                             pad_with_first_row=True))
     self.iterators[kind] = (iterator, ours)
     return ours
 

@@ -42,7 +42,39 @@ def import_keras() -> Any:
     raise RuntimeError(
         f"tpustrat.keras: Keras runs on the {keras.backend.backend()!r} backend; tpustrat trains Keras models "
         "on JAX. Set the environment variable KERAS_BACKEND=jax before Keras is first imported.")
+  _patch_rnn()
   return keras
+
+
+_RNN_PARAMS = ["step_function", "inputs", "initial_states"]
+
+
+@functools.cache
+def _patch_rnn() -> None:
+  """Recurrent layers (LSTM, GRU, SimpleRNN) inside a step: Keras's JAX ``rnn`` runs a `jax.lax.scan` whose
+  carry starts from states that are the same on every replica (zeros) and comes out different on each,
+  which JAX's varying-axis check refuses inside `shard_map` ("scan carry ... manual axis types do not
+  match"). Keras's private ``keras.src.backend.rnn`` (which the layers call) is wrapped once so that,
+  inside a step, the initial states are typed varying over the replicas (the same numbers; the cast's
+  transpose sums a gradient over the replicas, as for any value given whole to every replica). Its first
+  parameters are checked: a Keras where they changed raises here rather than being wrapped blindly."""
+  from keras.src import backend  # type: ignore[import-untyped]  # pylint: disable=import-outside-toplevel
+  rnn = getattr(backend, "rnn", None)
+  params = list(inspect.signature(rnn).parameters)[:3] if callable(rnn) else None
+  if params != _RNN_PARAMS:
+    raise RuntimeError(
+        f"tpustrat.keras wraps Keras's private keras.src.backend.rnn{tuple(_RNN_PARAMS)} (Keras 3.5 to 3.15) so "
+        f"that recurrent layers run inside a step; this Keras has {'no such function' if params is None else params}. "
+        "Use a Keras version this tpustrat was tested with.")
+
+  @functools.wraps(rnn)
+  def replica_rnn(step_function: Any, inputs: Any, initial_states: Any, *args: Any, **kwargs: Any) -> Any:
+    ctx = context.active_replica_context()
+    if ctx is not None and context.replica_axis(ctx) is not None:
+      initial_states = jax.tree.map(lambda s: jax_compat.to_varying(s, REPLICA_AXIS), initial_states)
+    return rnn(step_function, inputs, initial_states, *args, **kwargs)
+
+  backend.rnn = replica_rnn
 
 
 def _check_model(model: Any, what: str) -> Any:

@@ -96,13 +96,17 @@ class DistributedDataset:
   """
 
   def __init__(self, strategy: StrategyLike, source: Any, options: InputOptions | None, *,
-               per_replica: bool, what: str) -> None:
+               per_replica: bool, what: str, pad_with_first_row: bool = False) -> None:
     if options is None:
       options = InputOptions()
     elif not isinstance(options, InputOptions):
       raise TypeError(f"{what}: `options` must be a tpustrat.InputOptions or None, got {options!r:.100}.")
     self._what = what
     self._options = options
+    # Padding rows of a partial global batch: copies of its first row instead of zeros (Keras's fit, whose
+    # steps weigh them 0 and must not see a row that makes NaN: `keras_fit`). Internal: the padding-read
+    # analysis of user steps assumes zero rows.
+    self._pad_first = pad_with_first_row
     self._source = source
     self._per_replica = per_replica  # from_function: the source yields per-replica batches
     self._one_shot = isinstance(source, collections.abc.Iterator)
@@ -444,7 +448,7 @@ class DistributedDataset:
     n = self._num_replicas
     counts = self._counts(rows, k)
     owned = rows != n * k  # padded: a copy; else the source's memory
-    leaves = [pad_rows(x, n * k).reshape((n, k) + x.shape[1:]) for x in parts[0][0]]
+    leaves = [pad_rows(x, n * k, self._pad_first).reshape((n, k) + x.shape[1:]) for x in parts[0][0]]
     if self._multi_process:
       leaves = [take_rows(x, self._local) for x in leaves]
       owned = True
@@ -700,11 +704,12 @@ def device_dtype(x: np.ndarray) -> np.dtype:
 # -- entry points (called by Strategy) ------------------------------------------------------------
 
 
-def distribute_dataset(strategy: StrategyLike, dataset: Any,
-                       options: InputOptions | None) -> DistributedDataset:
-  """`Strategy.experimental_distribute_dataset`."""
+def distribute_dataset(strategy: StrategyLike, dataset: Any, options: InputOptions | None, *,
+                       pad_with_first_row: bool = False) -> DistributedDataset:
+  """`Strategy.experimental_distribute_dataset` (`pad_with_first_row`: see `DistributedDataset`)."""
   what = "experimental_distribute_dataset"
-  return DistributedDataset(strategy, iterable(dataset, what), options, per_replica=False, what=what)
+  return DistributedDataset(strategy, iterable(dataset, what), options, per_replica=False, what=what,
+                            pad_with_first_row=pad_with_first_row)
 
 
 def distribute_datasets_from_function(strategy: StrategyLike, dataset_fn: Callable[[InputContext], Any],

@@ -224,12 +224,13 @@ def per_example(tree: Any, *, batch: Any = None) -> Any:
 # -- padding on the host --------------------------------------------------------------------------
 
 
-def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+def pad_rows(x: np.ndarray, rows: int, first_row: bool = False) -> np.ndarray:
+  """`x` with rows added up to `rows`: zeros, or (`first_row`, when `x` has a row) copies of its first row."""
   if x.shape[0] == rows:
     return x
   out = host_empty((rows,) + x.shape[1:], x.dtype)
   out[:x.shape[0]] = x
-  out[x.shape[0]:] = 0
+  out[x.shape[0]:] = x[0] if first_row and x.shape[0] else 0
   return out
 
 
