@@ -334,3 +334,38 @@ def test_sync_batchnorm_on_a_partial_batch_uses_the_real_examples_only(strategy,
   bn, bn_ref = model.layers[1], reference.layers[1]
   np.testing.assert_allclose(value(bn.moving_mean), value(bn_ref.moving_mean), rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(value(bn.moving_variance), value(bn_ref.moving_variance), rtol=1e-5)
+
+
+@pytest.mark.parametrize("layer", ["LSTM", "GRU", "SimpleRNN"])
+def test_recurrent_layers_in_run_equal_one_device(strategy, layer):
+  """Keras's recurrent layers inside `strategy.run` (through `stateless_call`): the scan's initial states
+  are typed per replica, so they trace (JAX refused the carry before) and the loss and gradients of the
+  global batch equal one-device Keras's."""
+  rng = np.random.default_rng(3)
+  keras.utils.set_random_seed(3)
+  model = keras.Sequential([keras.Input((5, 3)), getattr(keras.layers, layer)(4), keras.layers.Dense(1)])
+  x = rng.normal(size=(GLOBAL, 5, 3)).astype(np.float32)
+  y = rng.normal(size=(GLOBAL, 1)).astype(np.float32)
+  state = strategy.experimental_mirror(tk.state(model))
+
+  def step(state, batch):
+    xb, yb = batch
+
+    def loss_fn(trainable):
+      pred, _, _ = tk.stateless_call(model, trainable, state["non_trainable"], xb)
+      return tpustrat.compute_average_loss(jnp.mean((pred - yb) ** 2, axis=-1), global_batch_size=GLOBAL)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state["trainable"])
+    return tpustrat.get_replica_context().all_reduce("sum", loss), grads
+
+  (batch,) = list(strategy.experimental_distribute_dataset([(x, y)]))
+  loss, grads = strategy.run(step, args=(state, batch))
+
+  def reference(trainable):
+    pred, _ = model.stateless_call(trainable, [value(v) for v in model.non_trainable_variables], x)
+    return jnp.mean((pred - y) ** 2)
+
+  want_loss, want_grads = jax.value_and_grad(reference)([value(v) for v in model.trainable_variables])
+  np.testing.assert_allclose(np.asarray(loss.values[0]), want_loss, rtol=1e-5)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(np.asarray(got.values[0]), want, rtol=1e-5, atol=1e-6 * (np.abs(want).max() + 1))

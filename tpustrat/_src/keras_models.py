@@ -46,35 +46,48 @@ def import_keras() -> Any:
   return keras
 
 
-_RNN_PARAMS = ["step_function", "inputs", "initial_states"]
+# Keras's JAX recurrences (``keras.src.backend``): each takes its initial states in arguments named so.
+_RECURRENCES = ("rnn", "gru", "lstm")
 
 
 @functools.cache
 def _patch_rnn() -> None:
-  """Recurrent layers (LSTM, GRU, SimpleRNN) inside a step: Keras's JAX ``rnn`` runs a `jax.lax.scan` whose
-  carry starts from states that are the same on every replica (zeros) and comes out different on each,
-  which JAX's varying-axis check refuses inside `shard_map` ("scan carry ... manual axis types do not
-  match"). Keras's private ``keras.src.backend.rnn`` (which the layers call) is wrapped once so that,
-  inside a step, the initial states are typed varying over the replicas (the same numbers; the cast's
-  transpose sums a gradient over the replicas, as for any value given whole to every replica). Its first
-  parameters are checked: a Keras where they changed raises here rather than being wrapped blindly."""
+  """Recurrent layers (LSTM, GRU, SimpleRNN) inside a step: Keras's JAX recurrences (``backend.rnn``, and
+  its fused ``backend.gru`` / ``backend.lstm``) run a `jax.lax.scan` whose carry starts from states that
+  are the same on every replica (zeros) and comes out different on each, which JAX's varying-axis check
+  refuses inside `shard_map` ("scan carry ... manual axis types do not match"). Keras's private
+  ``keras.src.backend.rnn``, ``gru`` and ``lstm`` (which the layers call through that module) are wrapped
+  once so that, inside a step, every argument whose name holds ``initial_state`` is typed varying over the
+  replicas (the same numbers; the cast's transpose sums a gradient over the replicas, as for any value
+  given whole to every replica). A Keras where one of them is missing or takes no such argument raises
+  here rather than being wrapped blindly."""
   from keras.src import backend  # type: ignore[import-untyped]  # pylint: disable=import-outside-toplevel
-  rnn = getattr(backend, "rnn", None)
-  params = list(inspect.signature(rnn).parameters)[:3] if callable(rnn) else None
-  if params != _RNN_PARAMS:
-    raise RuntimeError(
-        f"tpustrat.keras wraps Keras's private keras.src.backend.rnn{tuple(_RNN_PARAMS)} (Keras 3.5 to 3.15) so "
-        f"that recurrent layers run inside a step; this Keras has {'no such function' if params is None else params}. "
-        "Use a Keras version this tpustrat was tested with.")
+  for name in _RECURRENCES:
+    function: Any = getattr(backend, name, None)
+    params = list(inspect.signature(function).parameters) if callable(function) else []
+    states = [p for p in params if "initial_state" in p]
+    if not states:
+      raise RuntimeError(
+          f"tpustrat.keras wraps Keras's private keras.src.backend.{name} (Keras 3.5 to 3.15: its initial states "
+          f"typed per replica inside a step); this Keras has {'no such function' if not params else params}. "
+          "Use a Keras version this tpustrat was tested with.")
+    setattr(backend, name, _replica_recurrence(function, inspect.signature(function), tuple(states)))
 
-  @functools.wraps(rnn)
-  def replica_rnn(step_function: Any, inputs: Any, initial_states: Any, *args: Any, **kwargs: Any) -> Any:
+
+def _replica_recurrence(function: Any, signature: inspect.Signature, states: tuple[str, ...]) -> Any:
+  @functools.wraps(function)
+  def call(*args: Any, **kwargs: Any) -> Any:
     ctx = context.active_replica_context()
-    if ctx is not None and context.replica_axis(ctx) is not None:
-      initial_states = jax.tree.map(lambda s: jax_compat.to_varying(s, REPLICA_AXIS), initial_states)
-    return rnn(step_function, inputs, initial_states, *args, **kwargs)
+    if ctx is None or context.replica_axis(ctx) is None:
+      return function(*args, **kwargs)
+    bound = signature.bind(*args, **kwargs)
+    for name in states:
+      if bound.arguments.get(name) is not None:
+        bound.arguments[name] = jax.tree.map(lambda s: jax_compat.to_varying(s, REPLICA_AXIS),
+                                             bound.arguments[name])
+    return function(*bound.args, **bound.kwargs)
 
-  backend.rnn = replica_rnn
+  return call
 
 
 def _check_model(model: Any, what: str) -> Any:
