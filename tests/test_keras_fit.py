@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 import warnings
 
 import jax
@@ -633,3 +634,25 @@ def test_padding_rows_cannot_make_nan_weights(strategy, rng):
   assert_histories(history, reference.fit(tokens, y, batch_size=16, epochs=2, shuffle=False, verbose=0))
   assert all(np.isfinite(w).all() for w in weights(model))
   assert_weights(model, reference)
+
+
+def test_a_slow_input_under_fit_is_warned_input_bound():
+  """fit's steps go through the strategy's step statistics: a generator that takes 25 ms a batch (a slow
+  decoder) makes the loop input-bound, and the strategy says so (`InputBoundWarning`), as for `run`."""
+  strategy = tpustrat.TPUStrategy()  # its own counters and warnings
+  strategy.extended.experimental_input_bound_window = 25
+
+  def slow():
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+      time.sleep(0.025)
+      yield rng.normal(size=(16, 10)).astype(np.float32), rng.integers(0, 3, size=16).astype(np.int32)
+
+  with strategy.scope():
+    model = mlp(seed=21)
+    model.compile(**compile_args())
+  with pytest.warns(tpustrat.InputBoundWarning, match="waited for input"):
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", "Your input ran out of data", UserWarning)  # Keras: a generator's end
+      model.fit(slow(), epochs=1, shuffle=False, verbose=0)
+  assert strategy.experimental_step_stats().steps == 60
