@@ -599,17 +599,25 @@ def test_recurrent_layers_train_equal_to_one_device(strategy, rng, layer):
     keras.utils.set_random_seed(19)
     inputs = keras.Input((5,), dtype="int32")
     h = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(1)(getattr(keras.layers, layer)(3)(h)))
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    return model
+    return keras.Model(inputs, keras.layers.Dense(1)(getattr(keras.layers, layer)(3)(h)))
 
-  with strategy.scope():
-    model = built()
-  history = model.fit(tokens, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-  reference = built()
-  assert_histories(history, reference.fit(tokens, y, batch_size=16, epochs=2, shuffle=False, verbose=0))
-  assert_weights(model, reference)
+  model, reference = fit_both(strategy, built, tokens, y)
   assert_close(model.predict(tokens, verbose=0), reference.predict(tokens, verbose=0))
+
+
+def fit_both(strategy, build, x, y):
+  """The model `build` makes, compiled (SGD, MSE) and fit for 2 epochs of batches of 16 under `strategy`
+  and on one device; asserts their histories and weights agree and returns (ours, the reference)."""
+  with strategy.scope():
+    model = build()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+  history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  reference = build()
+  reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+  assert_histories(history, reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0))
+  assert all(np.isfinite(w).all() for w in weights(model))
+  assert_weights(model, reference)
+  return model, reference
 
 
 def test_padding_rows_cannot_make_nan_weights(strategy, rng):
@@ -623,17 +631,9 @@ def test_padding_rows_cannot_make_nan_weights(strategy, rng):
     keras.utils.set_random_seed(20)
     inputs = keras.Input((4,), dtype="int32")
     h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 4, mask_zero=True)(inputs))
-    model = keras.Model(inputs, keras.layers.Dense(1)(h))
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    return model
+    return keras.Model(inputs, keras.layers.Dense(1)(h))
 
-  with strategy.scope():
-    model = built()
-  history = model.fit(tokens, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-  reference = built()
-  assert_histories(history, reference.fit(tokens, y, batch_size=16, epochs=2, shuffle=False, verbose=0))
-  assert all(np.isfinite(w).all() for w in weights(model))
-  assert_weights(model, reference)
+  fit_both(strategy, built, tokens, y)  # finite weights, equal to one device's
 
 
 def test_a_slow_input_under_fit_is_warned_input_bound():
