@@ -656,3 +656,30 @@ def test_a_slow_input_under_fit_is_warned_input_bound():
       warnings.filterwarnings("ignore", "Your input ran out of data", UserWarning)  # Keras: a generator's end
       model.fit(slow(), epochs=1, shuffle=False, verbose=0)
   assert strategy.experimental_step_stats().steps == 60
+
+
+@pytest.mark.processes
+def test_each_process_reads_only_its_share_of_a_grain_dataset_given_to_fit():
+  """tests/_mp_scripts/keras_fit.py grain (2 x 4): fit and evaluate on batched grain MapDatasets (120
+  training rows in batches of 32, the last of 24; 30 validation rows). Each process reads only its
+  replicas' rows of each batch (replicas 0-3 of 8 hold a batch's first 16 rows, 4 per replica), plus the
+  first example of each dataset, which Keras's loop looks at; the numbers equal one-device Keras fit on
+  the same datasets."""
+  _, results, job = launched_job("keras_fit", "grain")
+  reference = job.build()
+  reference.compile(**job.compile_args())
+  with warnings.catch_warnings():  # Keras's grain adapter has no length: it says so at each epoch's end
+    warnings.filterwarnings("ignore", "Your input ran out of data", UserWarning)
+    want = job.train_grain(reference)
+  k = job.BATCH // 8  # rows per replica, from the first (full) batch
+  for process, got in results.items():
+    assert got["process"] == process
+    assert_histories(got["history"], want["history"])
+    for a, b in zip(got["weights"], want["weights"], strict=True):
+      assert_close(a, b, scale=np.abs(b).max() + 1.0)
+    assert_close(got["evaluate"], want["evaluate"])
+    mine = {start + i for start, rows in ((0, 120), (120, job.ROWS - 120))  # training rows, validation rows
+            for b in range(0, rows, job.BATCH) for i in range(b, min(b + job.BATCH, rows))
+            if (i - b) // (4 * k) == process}
+    firsts = {0, 120}  # each dataset's first example, which Keras's loop looks at in every process
+    assert set(got["reads"]) - firsts == mine - firsts, (process, sorted(set(got["reads"]) ^ mine))

@@ -51,6 +51,7 @@ from tpustrat._src import input as input_lib
 from tpustrat._src import steps as steps_lib
 from tpustrat._src.engine import RunOptions
 from tpustrat._src.input import padding
+from tpustrat._src.input.sources import batched_examples
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.padding_reads import PaddingReadWarning
 from tpustrat._src.values import DistributedValues
@@ -249,6 +250,7 @@ def install() -> None:
               "scope, or build and compile the model again under this one.")
         fit.check_steps(self, name)
         args, kwargs = _global_inputs(name, args, kwargs)
+        args, kwargs = fit.read_per_process(name, args, kwargs)
         fit.depth += 1
         try:
           with fit.keras_distribution_off():
@@ -257,6 +259,7 @@ def install() -> None:
           fit.depth -= 1
           if not fit.depth:  # not the evaluate that fit calls for validation: fit's iterators stay open
             fit.close_iterators()
+            fit.per_process = {}
           if name == "fit" and fit.backup is not None:  # fit returned or raised: stop watching for notices
             fit.backup.end()
             fit.backup = None
@@ -292,6 +295,23 @@ def _global_inputs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
   if name == "fit" and isinstance(given, input_lib.DistributedDataset):
     kwargs["shuffle"] = False  # a dataset keeps its order, as TF's fit keeps a tf.data dataset's
   return args, kwargs
+
+
+def _stand_in(dataset: Any, examples: Any) -> Any:
+  """A Keras ``PyDataset`` as long as `dataset` (a batched grain MapDataset) whose every batch is one
+  example of it (read once): what Keras's loop reads to build and count, never trained on."""
+  keras = keras_models.import_keras()
+  first = examples.stack([examples.examples[0]])
+  count = len(dataset)
+
+  class StandIn(keras.utils.PyDataset):  # type: ignore[name-defined]
+    def __len__(self) -> int:
+      return count
+
+    def __getitem__(self, i: int) -> Any:
+      return first
+
+  return StandIn()
 
 
 def _py_dataset(batches: collections.abc.Sequence[Any]) -> Any:
@@ -364,6 +384,7 @@ class _Fit:
     self.hazards: set[str] = set()
     self.padded = False
     self.depth = 0  # fit / evaluate / predict calls in progress (fit calls evaluate)
+    self.per_process: dict[str, Any] = {}  # kind -> a grain dataset each process reads its share of
     self.skip_batches = 0  # batches of the next training epoch already done before a restart
     self.last_steps = 0  # training steps the last train execution ran
 
@@ -428,6 +449,32 @@ class _Fit:
              if step != "predict_step" else "Override call, or write the step ")
           + "for strategy.run with tpustrat.keras.stateless_call (docs/guides/keras.md, the custom loop).")
 
+  def read_per_process(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """In a job of several processes, a batched grain ``MapDataset`` given to fit / evaluate / predict is
+    read by each process for its own replicas' rows only (the distributed dataset's per-process read):
+    Keras's loop gets a stand-in of the same length (its batches are counted, not read: the steps take the
+    dataset's batches from tpustrat's iterator over it), built from one example for Keras's first look."""
+    if jax.process_count() == 1 or self.depth > 1:
+      return args, kwargs
+    kinds = {"fit": ("train", "test"), "evaluate": ("test",), "predict": ("predict",)}.get(name)
+    if kinds is None:
+      return args, kwargs
+
+    def stand_in(value: Any, kind: str) -> Any:
+      examples = batched_examples(value)
+      if examples is None:
+        return value
+      self.per_process[kind] = value
+      return _stand_in(value, examples)
+
+    if args:
+      args = (stand_in(args[0], kinds[0]), *args[1:])
+    elif "x" in kwargs:
+      kwargs = {**kwargs, "x": stand_in(kwargs["x"], kinds[0])}
+    if len(kinds) > 1 and kwargs.get("validation_data") is not None:
+      kwargs = {**kwargs, "validation_data": stand_in(kwargs["validation_data"], kinds[1])}
+    return args, kwargs
+
   def close_iterators(self) -> None:
     """Closes the distributed iterators over Keras's iterators (and their prefetch threads)."""
     iterators, self.iterators = self.iterators, {}
@@ -457,12 +504,18 @@ class _Fit:
   # One call of a Keras function: up to steps_per_execution batches in one program ---------------------
 
   def _distributed(self, kind: str, iterator: Any) -> Any:
-    """Our distributed iterator over Keras's iterator of global batches (one per Keras epoch iterator)."""
+    """Our distributed iterator over Keras's iterator of global batches (one per Keras epoch iterator), or,
+    for a dataset each process reads its share of (`read_per_process`), over that dataset."""
     known = self.iterators.get(kind)
     if known is not None and known[0] is iterator:
       return known[1]
     if known is not None:
       known[1].close()
+    source = self.per_process.get(kind)
+    if source is not None:  # Keras's iterator holds stand-ins: the batches come from the dataset itself
+      ours = iter(input_lib.distribute_dataset(self.strategy, source, None))
+      self.iterators[kind] = (iterator, ours)
+      return ours
     # Padding rows are copies of the batch's first row: they weigh nothing, and cannot make NaN or Inf
     # (a masked mean over an all-zero row is 0/0) whose gradient, times the zero weight, is still NaN.
     ours = iter(input_lib.distribute_dataset(self.strategy, _GlobalBatches(iterator, self), None,
