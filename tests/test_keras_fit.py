@@ -683,3 +683,29 @@ def test_each_process_reads_only_its_share_of_a_grain_dataset_given_to_fit():
             if (i - b) // (4 * k) == process}
     firsts = {0, 120}  # each dataset's first example, which Keras's loop looks at in every process
     assert set(got["reads"]) - firsts == mine - firsts, (process, sorted(set(got["reads"]) ^ mine))
+
+
+def test_a_profile_marks_fits_steps(strategy, rng, tmp_path):
+  """fit's programs are steps of the strategy's profile: one mark per program, with its step count (two
+  programs of 2 steps for 4 batches at steps_per_execution 2), read back from JAX's trace."""
+  import gzip  # noqa: PLC0415
+  import json  # noqa: PLC0415
+
+  from tpustrat._src import profiler  # noqa: PLC0415
+
+  x, y = classification(64, rng)
+  with strategy.scope():
+    model = mlp(seed=22)
+    model.compile(**compile_args(steps_per_execution=2))
+  model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)  # compiled outside the profile
+  first = profiler.steps_dispatched()
+  with tpustrat.experimental.profile(tmp_path) as directory:
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    strategy.experimental_run_wait()
+  assert profiler.steps_dispatched() == first + 4
+  (trace,) = pathlib.Path(directory).glob("plugins/profile/*/*.trace.json.gz")
+  with gzip.open(trace) as f:
+    events = json.load(f)["traceEvents"]
+  marks = sorted((e for e in events if e.get("ph") == "X" and "step_num" in e.get("args", {})), key=lambda e: e["ts"])
+  assert [(e["name"], int(e["args"]["step_num"]), int(e["args"]["steps"])) for e in marks] == [
+      ("run_steps_keras_train_step", first, 2), ("run_steps_keras_train_step", first + 2, 2)]
