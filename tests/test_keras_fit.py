@@ -709,3 +709,24 @@ def test_a_profile_marks_fits_steps(strategy, rng, tmp_path):
   marks = sorted((e for e in events if e.get("ph") == "X" and "step_num" in e.get("args", {})), key=lambda e: e["ts"])
   assert [(e["name"], int(e["args"]["step_num"]), int(e["args"]["steps"])) for e in marks] == [
       ("run_steps_keras_train_step", first, 2), ("run_steps_keras_train_step", first + 2, 2)]
+
+
+def test_the_step_watchdog_notes_fits_programs(strategy, rng):
+  """fit's programs reach the step watchdog as every dispatch does: 4 batches at steps_per_execution 2
+  are 4 steps noted, in 2 programs, none of them a hang."""
+  from tpustrat._src import watchdog  # noqa: PLC0415
+
+  x, y = classification(64, rng)
+  with strategy.scope():
+    model = mlp(seed=23)
+    model.compile(**compile_args(steps_per_execution=2))
+  fired = []
+  dog = watchdog.Watchdog(60.0, exit_fn=fired.append)
+  previous = watchdog.activate(dog)
+  try:
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    strategy.experimental_run_wait()
+  finally:
+    watchdog.activate(previous)
+    dog.stop()
+  assert dog.steps == 4 and len(dog._recent) == 2 and not fired  # noqa: SLF001
