@@ -300,18 +300,7 @@ def _global_inputs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 def _stand_in(dataset: Any, examples: Any) -> Any:
   """A Keras ``PyDataset`` as long as `dataset` (a batched grain MapDataset) whose every batch is one
   example of it (read once): what Keras's loop reads to build and count, never trained on."""
-  keras = keras_models.import_keras()
-  first = examples.stack([examples.examples[0]])
-  count = len(dataset)
-
-  class StandIn(keras.utils.PyDataset):  # type: ignore[name-defined]
-    def __len__(self) -> int:
-      return count
-
-    def __getitem__(self, i: int) -> Any:
-      return first
-
-  return StandIn()
+  return _py_dataset([examples.stack([examples.examples[0]])] * len(dataset))
 
 
 def _py_dataset(batches: collections.abc.Sequence[Any]) -> Any:
@@ -788,10 +777,6 @@ def _forward_losses(fit: _Fit, model: Any):
     model.__dict__.pop("stateless_call", None)
 
 
-def _fold(model: Any, non_trainable: list[Any]) -> tuple[list[Any], dict[int, Any], dict[int, Any]]:
-  return keras_models.fold_seeds(model, non_trainable)
-
-
 def _settle(model: Any, rows: _Rows, new: list[Any], given: dict[int, Any], folded: dict[int, Any]) -> list[Any]:
   """The non-trainable values after a step, the same on every replica: the seeds advanced (`settle_seeds`);
   every other value that differs between replicas combined by its Keras aggregation, a mean (batch norm's
@@ -921,7 +906,7 @@ def _train_step(fit: _Fit, state: Any, batch: Any) -> Any:
   trainable, non_trainable, optimizer_vars, metrics = (list(s) for s in state)
   x, y, w = _unpack(batch)
   rows = _Rows(x, fit.replicas)
-  non_trainable, given, folded = _fold(model, non_trainable)
+  non_trainable, given, folded = keras_models.fold_seeds(model, non_trainable)
   start = _metrics_start(model, metrics)
 
   def loss_fn(tv: Any) -> Any:
@@ -947,7 +932,7 @@ def _test_step(fit: _Fit, state: Any, batch: Any) -> Any:
   trainable, non_trainable, metrics = (list(s) for s in state)
   x, y, w = _unpack(batch)
   rows = _Rows(x, fit.replicas)
-  folded_nt, given, folded = _fold(model, non_trainable)
+  folded_nt, given, folded = keras_models.fold_seeds(model, non_trainable)
   start = _metrics_start(model, metrics)
   with _replica_losses(fit, model, rows), _forward_losses(fit, model):
     _, aux = model.compute_loss_and_updates(trainable, folded_nt, start, x, y, w, training=False)
