@@ -28,6 +28,7 @@ Reproduce from the repository root (8 emulated CPU devices)::
 
     .venv/bin/python benchmarks/bench_keras_fit.py
     .venv/bin/python benchmarks/bench_keras_fit.py --models convnet --spes 10 --scan-unroll   # the steps unrolled
+    .venv/bin/python benchmarks/bench_keras_fit.py --host --cpu-devices 0 --trials 5   # one device: per-step host cost
     .venv/bin/python benchmarks/bench_keras_fit.py --models mlp --batches 64 --spes 1 --steps 4 --trials 1  # smoke
 """
 
@@ -48,6 +49,9 @@ def add_flags(parser):
   parser.add_argument("--spes", nargs="+", type=int, default=[1, 10], help="steps_per_execution values")
   parser.add_argument("--steps", type=int, default=20, help="global batches per epoch")
   parser.add_argument("--trials", type=int, default=5)
+  parser.add_argument("--host", action="store_true",
+                      help="instead: fit's per-step host cost on ONE device (nothing hides it there): a tiny Dense "
+                           "model, batch 8, 300 steps, MirroredStrategy([device 0]) fit against plain Keras fit")
   parser.add_argument("--scan-unroll", action="store_true",
                       help="tpustrat's fit with RunOptions(scan_unroll=True) (tpustrat.keras.set_run_options): "
                            "the steps of one execution written out, not a loop (XLA:CPU runs convolutions in "
@@ -147,7 +151,40 @@ def keras_partial_batch_raises(name, spe, devices):
   return "runs"
 
 
+def host_cost():
+  """``--host``: microseconds per step of fit under a one-device strategy and of plain Keras fit."""
+  def tiny():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+  steps = 300
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(8 * steps, 4)).astype(np.float32)
+  y = rng.integers(0, 2, size=8 * steps).astype(np.int32)
+  strategy = tpustrat.MirroredStrategy(jax.devices()[:1])
+  with strategy.scope():
+    ours = tiny()
+  theirs = tiny()
+  variants = [Variant("tpustrat", lambda: ours.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)),
+              Variant("keras", lambda: theirs.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False))]
+  for v in variants:
+    v.measure()
+  print(h.machine_line(1))
+  times = h.time_rounds(variants, ARGS.trials, h.permutation_schedule(variants), lambda v: v.measure())
+  med = {k: sorted(t)[len(t) // 2] / steps * 1e6 for k, t in times.items()}
+  ratio = h.spread(h.paired_ratios(times["tpustrat"], times["keras"]))
+  print(f"# one device, per step: tpustrat fit {med['tpustrat']:.0f} us, Keras fit {med['keras']:.0f} us")
+  h.figure("keras fit per-step host time on one device, tpustrat / Keras (tiny model, batch 8)",
+           h.format_spread(ratio, 2, "x"))
+
+
 def main():
+  if ARGS.host:
+    host_cost()
+    return
   strategy = tpustrat.TPUStrategy()
   devices = list(strategy.mesh.devices.flat)
   print(h.machine_line(strategy.num_replicas_in_sync))
