@@ -306,6 +306,43 @@ def test_the_cause_names_the_process_that_hangs():
                                                               "coordinator's address is in use")
 
 
+def test_a_save_a_peer_died_in_is_not_reported_as_a_storage_error():
+  # Issue 43 item 10, 4 processes: process 2 is SIGKILLed during a save; processes 0 and 3 stop the failed
+  # save with 69 (a barrier across the processes failed), and process 0's end takes the coordinator with it,
+  # so process 1, still running, prints JAX's "leader" error and is aborted. The launcher names process 2
+  # (not process 0 as a hung coordinator), and says of the others that the storage refused nothing.
+  def proc(index, returncode, ended, lines=()):
+    p = launch._Proc(index, None, 0.0, returncode=returncode, ended=ended)
+    for line in lines:
+      p.note(line)
+    return p
+
+  leader_lost = ("Terminating process because the JAX distributed service detected fatal errors. absl::Status: "
+                 "UNAVAILABLE: Failed to send RPC to coordination service. Either the leader task was "
+                 "preempted/died/restarted unexpectedly or this task is experiencing network issues.")
+  procs = [proc(0, names.EXIT_CHECKPOINT_PEER_LOST, 2.1), proc(1, -6, 2.4, [leader_lost]), proc(2, -9, 2.0),
+           proc(3, names.EXIT_CHECKPOINT_PEER_LOST, 2.1)]
+  assert launch._culprit(procs, procs[2]) == (procs[2], "")
+  assert launch._cause(procs, procs[2]) == "process 2 was killed by SIGKILL"
+  peer = launch._describe(names.EXIT_CHECKPOINT_PEER_LOST)
+  assert peer == ("exited with status 69 (it failed to save a checkpoint because another process stopped in the "
+                  "middle of the save (a barrier or collective across the processes failed: a peer died, hung or "
+                  "lost its connection); the storage refused nothing, and the previous checkpoints are intact)")
+  text = launch._report(procs, procs[2], 0.0, 20.0)
+  assert text.startswith("process 2 failed first: it was killed by SIGKILL after 2.0 s."), text
+  for i in (0, 3):
+    assert f"process {i} stopped on its own: it {peer} +0.1 s after the failure." in text, text
+  assert "the launcher exits with 137, the status of process 2." in text
+  assert "storage refused a write" not in text
+  assert launch._describe(names.EXIT_CHECKPOINT_FAILED) == (
+      "exited with status 74 (it failed to save a checkpoint: the storage refused a write (disk full, read-only "
+      "file system, I/O error); the previous checkpoints are intact)")
+  # A coordinator that hangs is still named by the others' "leader" errors.
+  hung = [proc(0, -9, 9.0), proc(1, -6, 2.4, [leader_lost])]
+  hung[0].killed = True
+  assert launch._culprit(hung, hung[1]) == (hung[0], "heartbeats")
+
+
 # -- arguments ---------------------------------------------------------------------------------------------------
 
 

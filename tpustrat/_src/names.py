@@ -64,3 +64,10 @@ WATCHDOG_BLAMES = "tpustrat: step watchdog of process {firing}: holding the job 
 # waiting at orbax's barriers for the deadline (124, which would blame a hang). 74 is sysexits.h's EX_IOERR
 # ("an error occurred while doing I/O on some file").
 EXIT_CHECKPOINT_FAILED = 74
+
+# Exit status of a process whose checkpoint save failed because another process of the job stopped in the
+# middle of it (`CheckpointManager`, multi-process jobs): a barrier or collective of the save across the
+# processes failed in JAX's distributed runtime (the peer died, hung or lost its connection), not a write of
+# this process. Every process stops with it at once, as with 74, which stays the storage's. 69 is
+# sysexits.h's EX_UNAVAILABLE ("a service is unavailable").
+EXIT_CHECKPOINT_PEER_LOST = 69

@@ -28,7 +28,12 @@ a crash leaves the previous checkpoints as they were, and `latest_step` never se
 next start removes such a leftover (process 0, with a warning). A write the storage refuses (disk full,
 read-only file system) ends the save at once: `CheckpointSaveError` naming the step, its directory and
 the error in a one-process job; in a multi-process job every process stops with status 74
-(`names.EXIT_CHECKPOINT_FAILED`), for the same reason as a deadline's 124 below.
+(`names.EXIT_CHECKPOINT_FAILED`), for the same reason as a deadline's 124 below. A save that another process
+leaves in the middle (it is killed, say) is told apart by its cause: a barrier or collective of the save
+across the processes fails in JAX's distributed runtime (`jax.errors.JaxRuntimeError`, with no `OSError`
+of the storage behind it), and every process stops with status 69 (`names.EXIT_CHECKPOINT_PEER_LOST`), the
+message saying that the storage is not the cause, whether the step was committed, and the last committed
+step (read from the storage).
 
 Damaged checkpoints. A step whose files were changed, truncated or deleted after the save (a data file
 that no longer decodes, an array whose content no longer matches its checksum, a missing item, among them

@@ -9,8 +9,10 @@ operation runs, a process that finds that key published ends the same way, so th
 process is ended (``os._exit``) rather than raised into: its main thread is then blocked in orbax, in a
 barrier that is a device collective, where no exception reaches it.
 
-A save that fails in the storage (`abort`, from `CheckpointManager`) ends the job the same way, at once and
-with its own status (74, `names.EXIT_CHECKPOINT_FAILED`): the abort key holds the status with the message.
+A save that fails (`abort`, from `CheckpointManager`) ends the job the same way, at once and with its own
+status: 74 (`names.EXIT_CHECKPOINT_FAILED`) when the storage refused a write, 69
+(`names.EXIT_CHECKPOINT_PEER_LOST`) when another process stopped in the middle of the save. The abort key
+holds the status with the message, so that every process ends with the first failure's.
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ class _Deadlines:
       self._ops.clear()
 
 
-_WHAT = {names.EXIT_STEP_TIMEOUT: "timeout", names.EXIT_CHECKPOINT_FAILED: "save failed"}
+_WHAT = {names.EXIT_STEP_TIMEOUT: "timeout", names.EXIT_CHECKPOINT_FAILED: "save failed",
+         names.EXIT_CHECKPOINT_PEER_LOST: "save failed"}
 
 
 def _decode(published: str) -> tuple[str, int]:
@@ -183,10 +186,12 @@ def _publish(store: Store, message: str, status: int, what: str) -> tuple[str, i
 DEADLINES = _Deadlines()
 
 
-def abort(store: Store, message: str, what: str) -> None:
-  """Ends this process, and through the published key the job, after a failed save: status
-  `names.EXIT_CHECKPOINT_FAILED` (or the status of another process's abort published first)."""
-  message, status = _publish(store, message, names.EXIT_CHECKPOINT_FAILED, what)
+def abort(store: Store, message: str, what: str, status: int) -> None:
+  """Ends this process, and through the published key the job, after a failed save: with `status`
+  (`names.EXIT_CHECKPOINT_FAILED` or `names.EXIT_CHECKPOINT_PEER_LOST`), or with the status of another
+  process's abort published first (a process whose write failed publishes before it ends, so the peers
+  whose barriers then fail stop with its status, not with the peer-lost one)."""
+  message, status = _publish(store, message, status, what)
   DEADLINES.clear()
   _exit_process(message, status)
 

@@ -34,7 +34,8 @@ class CheckpointSaveError(RuntimeError):
   error). The message names the step, its directory and the error (the cause); the previous checkpoints
   are intact. Raised in a one-process job; a multi-process job stops with status 74 instead
   (`tpustrat._src.names.EXIT_CHECKPOINT_FAILED`), since the other processes wait for this one inside
-  orbax, where no exception reaches them.
+  orbax, where no exception reaches them, or with status 69 (`names.EXIT_CHECKPOINT_PEER_LOST`) when the
+  save failed because another process stopped in the middle of it.
   """
 
 

@@ -126,7 +126,9 @@ class CheckpointManager:
       of the state legitimately takes longer than the step timeout.
 
   A save the storage refuses (disk full, read-only file system) ends at once: `CheckpointSaveError` with one
-  process, status 74 for every process of a multi-process job (see the module docstring). The first
+  process, status 74 for every process of a multi-process job; a save that another process left in the
+  middle (it died: a barrier or collective of the save failed) ends every process with status 69 instead
+  (see the module docstring). The first
   manager of a directory opened by process 0 removes the temporary directories of saves that never
   committed (``<step>.orbax-checkpoint-tmp``), with a `DamagedCheckpointWarning` naming each.
 
@@ -236,22 +238,67 @@ class CheckpointManager:
                     "stopped while saving it, or its write failed); the committed steps are untouched.",
                     DamagedCheckpointWarning, stacklevel=3)
 
+  def _committed_steps(self) -> list[int]:
+    """The steps committed in the directory, read from the storage (orbax's own list also holds a save
+    still being written)."""
+    return sorted(metadata.step for metadata in self._name_format.find_all(self._directory))
+
   def _save_failed(self, op: Operation, step: int, error: BaseException) -> None:
-    """Ends a save whose writing failed (the storage refused a write): raises `CheckpointSaveError` in a
-    one-process job; in a multi-process job ends the job with status 74 (`deadlines.abort`), since the
-    other processes wait for this one inside orbax, where no exception reaches them."""
+    """Ends a save that failed: raises `CheckpointSaveError` in a one-process job; in a multi-process job
+    ends the job (`deadlines.abort`), since the other processes wait for this one inside orbax, where no
+    exception reaches them: with status 69 (`names.EXIT_CHECKPOINT_PEER_LOST`) when another process
+    stopped in the middle of the save (a barrier or collective across the processes failed:
+    `_peer_failure`), else with 74 (`names.EXIT_CHECKPOINT_FAILED`: the storage refused a write)."""
+    runtime = _peer_failure(error) if self._store.count > 1 else None
+    if runtime is not None:
+      text, status = self._peer_lost(step, error, runtime), names.EXIT_CHECKPOINT_PEER_LOST
+    else:
+      text, status = self._refused(step, error), names.EXIT_CHECKPOINT_FAILED
+    if self._store.count > 1:
+      abort(self._store, f"tpustrat: checkpoint save failed: {text}\nEvery process of the job stops with status "
+                         f"{status}.", op.what, status)
+    raise CheckpointSaveError(f"CheckpointManager.save: {text}") from error
+
+  def _refused(self, step: int, error: BaseException) -> str:
+    """What `_save_failed` says of a save of `step` whose write `error` failed (the storage refused it)."""
     try:
       steps = [s for s in self.all_steps() if s != step]
     except Exception:  # noqa: BLE001  # the listing fails too: say nothing about it
       steps = None
-    text = (f"process {self._store.index} could not write checkpoint {step} at {self.step_path(step)} "
+    return (f"process {self._store.index} could not write checkpoint {step} at {self.step_path(step)} "
             f"({type(error).__name__}: {error}). The previous checkpoints are intact"
             f"{f' (steps {steps})' if steps is not None else ''}; what was written of step {step} stays in its "
             f"temporary directory ({self.step_path(step)}{_TMP_MARK}), which the next start removes.")
-    if self._store.count > 1:
-      abort(self._store, f"tpustrat: checkpoint save failed: {text}\nEvery process of the job stops with status "
-                         f"{names.EXIT_CHECKPOINT_FAILED}.", op.what)
-    raise CheckpointSaveError(f"CheckpointManager.save: {text}") from error
+
+  def _peer_lost(self, step: int, error: BaseException, runtime: BaseException) -> str:
+    """What `_save_failed` says of a save of `step` that failed in a barrier or collective across the
+    processes (`runtime`, JAX's error, raised as or under `error`): another process stopped in the middle
+    of it. Says what the storage holds: whether `step` was committed, and the last committed step."""
+    cause = f"{type(error).__name__}: {error}"
+    if runtime is not error:
+      cause += f"; from {type(runtime).__name__}: {runtime}"
+    try:
+      committed = self._committed_steps()
+    except Exception as e:  # noqa: BLE001  # the listing fails: say so, and nothing else about the steps
+      held = f"The committed steps could not be listed ({type(e).__name__}: {e})."
+    else:
+      before = [s for s in committed if s != step]
+      last = (f"the last committed step is {before[-1]} (committed steps: {before}), intact" if before else
+              "no earlier step is committed")
+      partial = self._step_epath(step).parent / f"{self._step_epath(step).name}{_TMP_MARK}"
+      if step in committed:
+        held = f"Step {step} was committed before the failure; {last}."
+      elif partial.exists():
+        held = (f"Step {step} was not committed (what was written of it stays in {partial}, which the next start "
+                f"removes); {last}.")
+      else:
+        held = f"Step {step} was not committed; {last}."
+    index = self._store.index
+    return (f"another process of the job stopped in the middle of the save of step {step} to {self._directory}: "
+            f"a barrier or collective of the save across the processes failed in JAX's distributed runtime on "
+            f"process {index} ({cause}). The peer died, hung or lost its connection (its own output, or "
+            f"tpustrat.launch's report, names it). No write of process {index} failed: the storage is not the "
+            f"cause. {held}")
 
   def _background_failure(self, op: Operation, step: int, error: BaseException) -> None:
     """A write of `step` failed in orbax's background thread. With several processes the job ends now
@@ -559,6 +606,30 @@ class CheckpointManager:
         self._manager.wait_until_finished()
       except Exception as e:  # noqa: BLE001  # its writing failed in orbax's background thread
         self._save_failed(op, step, e)
+
+
+def _peer_failure(error: BaseException) -> BaseException | None:
+  """The error of JAX's distributed runtime behind a failed save of a multi-process job, or None when the
+  save failed otherwise.
+
+  The save's barriers and collectives across the processes (orbax's ``sync_global_processes``, a device
+  all-gather; its commit thread's barrier in the coordination service) fail when another process dies,
+  hangs or loses its connection in the middle of the save, and JAX raises `jax.errors.JaxRuntimeError`,
+  directly or under orbax's own error (a `TimeoutError` raised from the failed barrier). The storage's
+  errors are never JAX's runtime's: an `OSError` with an errno (Python's file operations), a `ValueError`
+  (tensorstore's writes). The chain (``__cause__``, ``__context__``) is followed; an `OSError` with an errno
+  anywhere in it makes the failure the storage's."""
+  runtime: BaseException | None = None
+  seen: set[int] = set()
+  link: BaseException | None = error
+  while link is not None and id(link) not in seen:
+    seen.add(id(link))
+    if isinstance(link, OSError) and link.errno is not None:
+      return None
+    if runtime is None and isinstance(link, jax.errors.JaxRuntimeError):
+      runtime = link
+    link = link.__cause__ or link.__context__
+  return runtime
 
 
 def _describe_contents(path: Any) -> str:

@@ -20,7 +20,14 @@ _MEANINGS = {
                               "longer than its timeout"),
     names.EXIT_CHECKPOINT_FAILED: ("it failed to save a checkpoint: the storage refused a write (disk full, "
                                    "read-only file system, I/O error); the previous checkpoints are intact"),
+    names.EXIT_CHECKPOINT_PEER_LOST: ("it failed to save a checkpoint because another process stopped in the "
+                                      "middle of the save (a barrier or collective across the processes failed: "
+                                      "a peer died, hung or lost its connection); the storage refused nothing, "
+                                      "and the previous checkpoints are intact"),
 }
+
+# The statuses with which every process of a job stops after a failed checkpoint save.
+_SAVE_FAILED = (names.EXIT_CHECKPOINT_FAILED, names.EXIT_CHECKPOINT_PEER_LOST)
 
 
 def describe(returncode: int) -> str:
@@ -53,6 +60,11 @@ def _ending(p: Proc, reference: float, grace_period: float, after: str = "the fa
   return f"stopped on its own: it {describe(p.code)} {p.end_time - reference:+.1f} s after {after}"
 
 
+def _ended_failed_save(p: Proc) -> bool:
+  """Whether `p` ended on its own after a failed checkpoint save (`CheckpointManager`'s statuses)."""
+  return p.ended is not None and not p.killed and p.returncode in _SAVE_FAILED
+
+
 def first_failure(procs: Sequence[Proc], first: Proc) -> tuple[Proc, str]:
   """The process that failed first, and how it is known: (`first`, the first to exit with an error, "")
   unless JAX's errors name a process that stopped responding to heartbeats before it ("heartbeats"), or
@@ -62,7 +74,10 @@ def first_failure(procs: Sequence[Proc], first: Proc) -> tuple[Proc, str]:
 
   # A process that hangs (or is stopped) does not exit: JAX declares it dead when its heartbeats stop and
   # stops the others, so the first process to *exit* is then a victim. JAX's message names the culprit.
-  hung = sorted({i for p in procs for i in p.unhealthy if later(i)})
+  # Not a process that ended a failed checkpoint save on its own (status 69 or 74, every process of the job
+  # stopping with it): it did not hang, and when it is process 0 the coordinator ends with it, which the
+  # processes still running report as their leader lost.
+  hung = sorted({i for p in procs for i in p.unhealthy if later(i) and not _ended_failed_save(procs[i])})
   if hung:
     return procs[hung[0]], "heartbeats"
   # A live process stuck in a host callback, or behind, keeps its heartbeats: the step watchdog of a process
