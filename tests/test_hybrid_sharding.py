@@ -30,6 +30,7 @@ from conftest import EMBEDDING_LAYOUTS, assert_close, distribute_batch, embeddin
 
 import tpustrat
 from tpustrat import Mirrored, ShardedVariable
+from tpustrat._src import grouped_sums
 from tpustrat.checkpoint import CheckpointManager
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -197,6 +198,115 @@ def test_global_norm_clip_counts_each_block_once(strategy):
   for x, y in distribute(strategy, batches()):
     state = strategy.run(step, args=(state, x, y))
   check_close(state[0], want)
+
+
+GROUPS = pytest.mark.parametrize("groups", [HALVES, INTERLEAVED, PAIRS], ids=["halves", "interleaved", "pairs"])
+BLOCK_STATISTICS = pytest.mark.parametrize("clip, message", [
+    (optax.clip_by_global_norm(0.5), r"`reduce_sum` in optax .*clip_by_global_norm"),
+    (optax.clip_by_block_rms(0.01), r"`reduce_sum` in optax clip_by_block_rms"),
+], ids=["clip-by-global-norm", "clip-by-block-rms"])
+
+
+def read_each(params):
+  """Each sharded leaf read alone (`read_value`: one all-gather per leaf, not `read_values`' packed one)."""
+  return {k: v.read_value() if isinstance(v, tpustrat.LocalShard) else v for k, v in params.items()}
+
+
+@pytest.mark.parametrize("groups", [None, HALVES, INTERLEAVED, PAIRS],
+                         ids=["no-groups", "halves", "interleaved", "pairs"])
+@BLOCK_STATISTICS
+@pytest.mark.parametrize("read", [tpustrat.read_values, read_each], ids=["read-values", "read-value"])
+def test_optax_block_statistics_on_hybrid_blocks_are_refused(strategy, groups, clip, message, read):
+  # Issue 43, item 1: optax's clip on a hybrid value's gradient blocks (reduce-scattered within the group,
+  # then all-reduced across the groups) clipped each replica's block by its own norm: the update's norm was
+  # 1.0 where one-device optax gives 0.5, and clip_by_block_rms was off by 7.7e-3. The update must not run.
+  # Without groups, `read_values`' packed gradient (one reduce-scatter, cut back into the leaves) ran too.
+  tx = optax.chain(clip, optax.sgd(1e-2))
+  params = init_params()
+  (x, y), = distribute(strategy, batches()[:1])
+  g = jax.grad(loss_fn)(jax.tree.map(jnp.asarray, params), *batches()[0])
+  assert float(optax.tree.norm(g)) > 0.5  # the clip is active: one-device optax would scale the update
+  state = strategy.experimental_shard(params, split_all, groups=groups)
+  state = (state, strategy.run(tx.init, args=(state,)))
+
+  def step(state, x, y):
+    p, opt = state
+    grads = jax.grad(lambda q: loss_fn(read(q), x, y))(p)
+    updates, opt = tx.update(grads, opt, p)
+    return optax.apply_updates(p, updates), opt
+
+  with pytest.raises(ValueError, match=r"sharded outputs at .*\['w1'\].* computed from a statistic of this replica's "
+                                       r"block alone \(" + message + r".*tpustrat.clip_by_global_norm"):
+    strategy.run(step, args=(state, x, y))
+  np.testing.assert_array_equal(np.asarray(state[0]["w1"]), params["w1"])
+
+
+@pytest.mark.parametrize("groups", [INTERLEAVED, PAIRS], ids=["interleaved", "pairs"])
+def test_global_norm_clip_equals_one_device_on_groups_of_any_order(strategy, groups):
+  # The fix the refusal names, on the groups `test_global_norm_clip_counts_each_block_once` does not cover.
+  tx = optax.chain(tpustrat.clip_by_global_norm(0.5), optax.sgd(1e-2))
+  want = one_device(optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(1e-2)), init_params(), batches())
+  state = strategy.experimental_shard(init_params(), split_all, groups=groups)
+  state = (state, strategy.run(tx.init, args=(state,)))
+  step = fsdp_step(tx)
+  for x, y in distribute(strategy, batches()):
+    state = strategy.run(step, args=(state, x, y))
+  check_close(state[0], want)
+
+
+def clipped_by_a_grouped_norm(strategy, groups, sum_over):
+  """Three SGD steps on `groups`-hybrid parameters, each gradient clipped to norm 0.5 by a norm summed by
+  hand: each replica's blocks' squares, all-reduced over the replica groups `sum_over`."""
+
+  def step(p, x, y):
+    g = jax.grad(lambda q: loss_fn(tpustrat.read_values(q), x, y))(p)
+    local = sum(jnp.sum(b.real_block() ** 2) for b in jax.tree.leaves(g, is_leaf=lambda v: isinstance(
+        v, tpustrat.LocalShard)))
+    norm = jnp.sqrt(tpustrat.get_replica_context().all_reduce("sum", local, group_assignment=sum_over))
+    scale = jnp.minimum(1.0, 0.5 / norm)
+    return jax.tree.map(lambda w, u: w - 1e-2 * scale * u, p, g)
+
+  params = strategy.experimental_shard(init_params(scalar=False), split_all, groups=groups)
+  for x, y in distribute(strategy, batches()):
+    params = strategy.run(step, args=(params, x, y))
+  return params
+
+
+@pytest.mark.parametrize("impl", ["native", "scatter_gather"])
+@pytest.mark.parametrize("groups", [HALVES, INTERLEAVED], ids=["halves", "interleaved"])
+def test_a_block_statistic_summed_within_the_values_groups_is_right(strategy, monkeypatch, impl, groups):
+  # Summed within the value's own groups, the blocks' squares are the whole gradient's: right, not refused
+  # (whichever mechanism the grouped sum uses).
+  monkeypatch.setattr(grouped_sums, "_GROUPED_SUM_IMPL", impl)
+  want = one_device(optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(1e-2)), init_params(scalar=False),
+                    batches())
+  check_close(clipped_by_a_grouped_norm(strategy, groups, groups), want)
+
+
+@pytest.mark.parametrize("impl", ["native", "scatter_gather"])
+def test_a_block_statistic_summed_across_the_values_groups_is_refused(strategy, monkeypatch, impl):
+  # Across the groups the replicas at one position hold copies of one block: G times that block's norm.
+  monkeypatch.setattr(grouped_sums, "_GROUPED_SUM_IMPL", impl)
+  across = [list(column) for column in zip(*HALVES)]
+  with pytest.raises(ValueError, match=r"computed from a statistic of this replica's block alone \(`reduce_sum`"):
+    clipped_by_a_grouped_norm(strategy, HALVES, across)
+
+
+@GROUPS
+@BLOCK_STATISTICS
+def test_sharded_optimizer_with_groups_refuses_optax_block_statistics(strategy, groups, clip, message):
+  zopt = tpustrat.sharded_optimizer(optax.chain(clip, optax.sgd(1e-2)), split_all, groups=groups)
+  params = strategy.experimental_mirror(init_params())
+  opt = strategy.run(zopt.init, args=(params,))
+  (x, y), = distribute(strategy, batches()[:1])
+
+  def step(params, opt, x, y):
+    updates, opt = zopt.update(jax.grad(loss_fn)(params, x, y), opt, params)
+    return optax.apply_updates(params, updates), opt
+
+  with pytest.raises(ValueError, match=r"sharded_optimizer: tx combines the elements of a split leaf's block "
+                                       r"without summing over the replicas \(" + message):
+    strategy.run(step, args=(params, opt, x, y))
 
 
 def test_accumulate_gradients_on_hybrid_parameters_equals_one_device(strategy):
