@@ -369,3 +369,166 @@ def test_recurrent_layers_in_run_equal_one_device(strategy, layer):
   np.testing.assert_allclose(np.asarray(loss.values[0]), want_loss, rtol=1e-5)
   for got, want in zip(grads, want_grads):
     np.testing.assert_allclose(np.asarray(got.values[0]), want, rtol=1e-5, atol=1e-6 * (np.abs(want).max() + 1))
+
+
+# -- partial batches in a custom loop: batch norm, activity regularizers, metrics -----------------------------
+# Each holds whatever the padding rows hold (copies of the batch's first row, or zeros): only the real rows'
+# results are compared, against one-device Keras on those rows.
+
+PADDINGS = ["first_row", "zeros"]
+
+
+def padded_dataset(strategy, batches, padding):
+  return strategy.experimental_distribute_dataset(batches, options=tpustrat.InputOptions(experimental_padding=padding))
+
+
+def replica_rows(x, k):
+  """Each replica's real rows of global batch `x` as the input pipeline splits it: replica r takes rows
+  [r * k, (r + 1) * k), k the dataset's per-replica rows (the last replicas of a partial batch may hold
+  fewer, or none)."""
+  return [x[r * k:(r + 1) * k] for r in range(N)]
+
+
+@pytest.mark.parametrize("padding, aggregation", [("first_row", "mean"), ("zeros", "none")])
+def test_plain_batchnorm_on_a_partial_batch_uses_each_replicas_real_rows(strategy, rng, padding, aggregation):
+  """Plain BatchNormalization after Dense(use_bias=False), per replica, on 16 then 13 rows (replica 6 holds
+  one real row, replica 7 none): each replica's statistics are its real rows' (TF hands it only those), and
+  a replica without rows updates no moving statistics. With "mean" they are averaged in the step over the
+  replicas that held rows; with "none" each replica keeps its own and `assign` averages them on read.
+  The reference runs one-device Keras (`model.stateless_call`) on each replica's real rows with that
+  replica's moving statistics, sums the losses (over the 13 real rows) and their gradients, and applies
+  Keras's own SGD."""
+  def build():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, use_bias=False),
+                             keras.layers.BatchNormalization(momentum=0.5), keras.layers.Dense(1)])
+
+  batches = [{"x": rng.normal(1.0, 2.0, size=(n, 5)).astype(np.float32), "y": rng.normal(size=(n, 1)).astype(np.float32)}
+             for n in (GLOBAL, 13)]
+  k = GLOBAL // N
+  reference, ref_optimizer = build(), keras.optimizers.SGD(0.1)
+  moving = [[value(v) for v in reference.non_trainable_variables] for _ in range(N)]  # each replica's
+
+  def replicas_on_one_device(trainable, held, n):
+    total, statistics = 0.0, {}
+    for r, x, y in held:  # one replica's real rows at a time
+      pred, statistics[r] = reference.stateless_call(trainable, moving[r], x, training=True)
+      total += jnp.sum((pred - y) ** 2) / n
+    return total, statistics
+
+  want = []
+  for batch in batches:
+    held = [(r, x, y) for r, (x, y) in enumerate(zip(replica_rows(batch["x"], k), replica_rows(batch["y"], k))) if len(x)]
+    (loss, statistics), grads = jax.value_and_grad(replicas_on_one_device, has_aux=True)(
+        [value(v) for v in reference.trainable_variables], held, len(batch["x"]))
+    want.append(float(loss))
+    ref_optimizer.apply(grads, reference.trainable_variables)
+    for r, new in statistics.items():
+      moving[r] = [np.asarray(v) for v in new]
+    if aggregation == "mean":  # averaged over the replicas that held rows, the same on every replica after
+      moving = [[np.mean([moving[r][i] for r in statistics], axis=0) for i in range(len(moving[0]))]] * N
+  for i, variable in enumerate(reference.non_trainable_variables):  # read: the mean over the replicas
+    variable.assign(np.mean([m[i] for m in moving], axis=0))
+
+  model, optimizer = build(), keras.optimizers.SGD(0.1)
+  state = strategy.experimental_mirror(tk.state(model, optimizer))
+
+  def step(state, batch):
+    def loss_fn(trainable):
+      pred, non_trainable, _ = tk.stateless_call(model, trainable, state["non_trainable"], batch["x"], training=True,
+                                                 aggregation=aggregation)
+      return tpustrat.compute_average_loss(jnp.mean((pred - batch["y"]) ** 2, axis=-1)), non_trainable
+
+    (loss, non_trainable), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["trainable"])
+    trainable, opt = optimizer.stateless_apply(state["optimizer"], grads, state["trainable"])
+    return ({"trainable": trainable, "non_trainable": non_trainable, "optimizer": opt},
+            tpustrat.get_replica_context().all_reduce("sum", loss))
+
+  got = []
+  for batch in padded_dataset(strategy, batches, padding):
+    state, loss = strategy.run(step, args=(state, batch))
+    got.append(float(loss))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  kinds = {type(v).__name__ for v in state["non_trainable"]}
+  assert kinds == ({"Mirrored"} if aggregation == "mean" else {"PerReplica"}), kinds
+  tk.assign(model, optimizer, state)
+  for mine, theirs in zip(weights(model), weights(reference)):
+    np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("padding", PADDINGS)
+def test_activity_regularizer_on_a_partial_batch_equals_one_device_keras(strategy, rng, padding):
+  """Keras's L1L2 activity regularizer of a Dense without a bias, on 16 then 15 rows: the regularization
+  loss is the real rows' over their count (Keras divides by the batch's rows), as one-device Keras's
+  `train_on_batch` on the 15 real rows computes it, not each replica's padded rows over k."""
+  def build():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((5,)),
+        keras.layers.Dense(4, use_bias=False, activity_regularizer=keras.regularizers.L1L2(l1=0.05, l2=0.1)),
+        keras.layers.Dense(1)])
+
+  batches = [(rng.normal(size=(n, 5)).astype(np.float32), rng.normal(size=(n, 1)).astype(np.float32))
+             for n in (GLOBAL, 15)]
+  reference = build()
+  reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+  want = [float(reference.train_on_batch(x, y)) for x, y in batches]
+
+  model, optimizer = build(), keras.optimizers.SGD(0.1)
+  regularizer = model.layers[0].activity_regularizer
+  state = strategy.experimental_mirror(tk.state(model, optimizer))
+
+  def step(state, batch):
+    def loss_fn(trainable):
+      pred, _, losses = tk.stateless_call(model, trainable, state["non_trainable"], batch["x"], training=True)
+      per_example = jnp.mean((pred - batch["y"]) ** 2, axis=-1)
+      return tpustrat.compute_average_loss(per_example) + tpustrat.scale_regularization_loss(sum(losses))
+
+    loss, grads = jax.value_and_grad(loss_fn)(state["trainable"])
+    trainable, opt = optimizer.stateless_apply(state["optimizer"], grads, state["trainable"])
+    return dict(state, trainable=trainable, optimizer=opt), tpustrat.get_replica_context().all_reduce("sum", loss)
+
+  got = []
+  for batch in padded_dataset(strategy, [{"x": x, "y": y} for x, y in batches], padding):
+    state, loss = strategy.run(step, args=(state, batch))
+    got.append(float(loss))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  tk.assign(model, optimizer, state)
+  for mine, theirs in zip(weights(model), weights(reference)):
+    np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+  assert model.layers[0].activity_regularizer is regularizer  # the layer's own again (what model.save writes)
+
+
+@pytest.mark.parametrize("padding", PADDINGS)
+def test_keras_metrics_updated_in_run_count_the_real_rows_only(strategy, rng, padding):
+  """Keras metrics updated the Keras-on-JAX way inside `strategy.run` (`metric.stateless_update_state`),
+  on 32 then 29 rows: the padding rows weigh nothing and the replicas' updates are summed (TF's SyncOnRead
+  read), so the variables stay Mirrored and equal one-device Keras metrics updated with the real rows."""
+  def metrics():
+    return [keras.metrics.Mean(), keras.metrics.MeanSquaredError(), keras.metrics.SparseCategoricalAccuracy()]
+
+  batches = [{"x": rng.normal(size=(n, 3)).astype(np.float32), "y": rng.integers(0, 3, size=n).astype(np.int32),
+              "w": rng.uniform(0.5, 2.0, size=n).astype(np.float32)} for n in (2 * GLOBAL, 29)]
+  reference = metrics()
+  for b in batches:  # one device, eagerly, on the real rows
+    reference[0].update_state(np.sum(b["x"] ** 2, axis=-1))
+    reference[1].update_state(np.eye(3, dtype=np.float32)[b["y"]], b["x"])
+    reference[2].update_state(b["y"], b["x"], sample_weight=b["w"])
+
+  with strategy.scope():  # TF's way: the metrics made in the scope (which also has tpustrat wrap Keras's update)
+    ours = metrics()
+
+  def step(variables, batch):
+    mean, mse, accuracy = ours
+    return [mean.stateless_update_state(variables[0], jnp.sum(batch["x"] ** 2, axis=-1)),
+            mse.stateless_update_state(variables[1], jax.nn.one_hot(batch["y"], 3), batch["x"]),
+            accuracy.stateless_update_state(variables[2], batch["y"], batch["x"], sample_weight=batch["w"])]
+
+  variables = strategy.experimental_mirror([[v.value for v in m.variables] for m in ours])
+  for batch in padded_dataset(strategy, batches, padding):
+    variables = strategy.run(step, args=(variables, batch))
+  assert all(isinstance(v, tpustrat.Mirrored) for v in jax.tree.leaves(variables, is_leaf=is_dv))
+  for metric, theirs, mine in zip(ours, reference, variables):
+    for v, want in zip(mine, theirs.variables):  # totals and counts: 61 examples, not 64
+      np.testing.assert_allclose(np.asarray(v), value(want), rtol=1e-5)
+    np.testing.assert_allclose(metric.stateless_result([np.asarray(v) for v in mine]), theirs.result(), rtol=1e-5)

@@ -3,14 +3,18 @@
 `state` takes a model's (and optimizer's) variables out as a pytree, `assign` writes such a pytree back;
 `stateless_call` is ``model.stateless_call`` with TF's rules for a replica's state: per-replica random
 streams for the model's `SeedGenerator`s, and non-trainable variables that differ between replicas
-(`BatchNormalization`'s moving statistics) aggregated as TF aggregates them on read (MEAN). The
-synchronised batch norm, `SyncBatchNormalization`, is built on first use (`sync_batch_normalization_class`)
-because it subclasses a Keras class, and Keras is an optional dependency: nothing here imports Keras until
-it is used.
+(`BatchNormalization`'s moving statistics) aggregated as TF aggregates them on read (MEAN). On a partial
+batch, what TF computes over a replica's real rows is computed over them here too: a plain batch norm's
+statistics, and Keras's L1 / L2 activity regularizers. Keras metrics updated inside a step
+(``metric.stateless_update_state``) count the global batch's real rows, combined over the replicas as
+TF reads its ``SyncOnRead`` metric variables. The synchronised batch norm, `SyncBatchNormalization`, is
+built on first use (`sync_batch_normalization_class`) because it subclasses a Keras class, and Keras is an
+optional dependency: nothing here imports Keras until it is used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Sequence
@@ -43,6 +47,7 @@ def import_keras() -> Any:
         f"tpustrat.keras: Keras runs on the {keras.backend.backend()!r} backend; tpustrat trains Keras models "
         "on JAX. Set the environment variable KERAS_BACKEND=jax before Keras is first imported.")
   _patch_rnn()
+  _patch_metrics()
   return keras
 
 
@@ -216,9 +221,11 @@ def seed_positions(model: Any) -> tuple[int, ...]:
   return tuple(i for i, v in enumerate(model.non_trainable_variables) if id(v) not in weights)
 
 
-def _aggregate(x: Any, aggregation: str, replica: Any) -> Any:
+def _aggregate(x: Any, aggregation: str, replica: Any, has_rows: Any = None) -> Any:
   """A non-trainable value that varies over the replicas, made the same on every replica by the rule of
-  its Keras variable's `aggregation` ("sum": SUM; "only_first_replica": replica 0's; otherwise MEAN)."""
+  its Keras variable's `aggregation` ("sum": SUM; "only_first_replica": replica 0's; otherwise MEAN,
+  over the replicas that held real rows where `has_rows` says which: one that held none of a partial
+  batch has no statistics to add)."""
   if aggregation == "sum":
     return jax.lax.psum(x, REPLICA_AXIS)
   if aggregation == "only_first_replica":
@@ -228,7 +235,11 @@ def _aggregate(x: Any, aggregation: str, replica: Any) -> Any:
         f"tpustrat.keras.stateless_call: a non-trainable variable of dtype {x.dtype} differs between replicas "
         "after the call and cannot be averaged; give its Keras variable aggregation='sum' or "
         "'only_first_replica', or use model.stateless_call and keep it per replica.")
-  return jax.lax.pmean(x.astype(jnp.float32), REPLICA_AXIS).astype(x.dtype)
+  if has_rows is None:
+    return jax.lax.pmean(x.astype(jnp.float32), REPLICA_AXIS).astype(x.dtype)
+  held = has_rows.astype(jnp.float32)
+  total, holders = jax.lax.psum((x.astype(jnp.float32) * held, held), REPLICA_AXIS)
+  return (total / jnp.maximum(holders, 1.0)).astype(x.dtype)
 
 
 def stateless_call(model: Any, trainable_variables: Sequence[Any], non_trainable_variables: Sequence[Any],
@@ -250,6 +261,17 @@ def stateless_call(model: Any, trainable_variables: Sequence[Any], non_trainable
     variable created with ``aggregation="sum"`` or ``"only_first_replica"`` is summed, or takes replica
     0's value. With ``aggregation="none"`` they come back `PerReplica`, and `assign` averages them.
     (For statistics over the global batch instead, use `SyncBatchNormalization`.)
+  * **Partial batches:** TF hands each replica only its real rows; here a partial batch's padding rows
+    are there too, and left out of what is computed over the rows. A plain `BatchNormalization`'s batch
+    statistics are this replica's real rows' (`mask_batch_norm_padding`), and a replica that holds none
+    updates no moving statistics: with ``"mean"`` the mean is over the replicas that held rows, with
+    ``"none"`` such a replica's values come back as given. An activity regularizer that is Keras's `L1`,
+    `L2` or `L1L2` is the real rows' sum, scaled so that the replicas' losses (each divided by the number
+    of replicas, ``scale_regularization_loss``) add up to one-device Keras's on the global batch's real
+    rows (`real_row_activity_regularizers`); another activity regularizer (a function, a subclass) is
+    Keras's own, over this replica's rows, padding included. Which rows are real is found from the
+    model's inputs and the layers' own inputs and outputs, followed through the step to the batch (as
+    `compute_average_loss` finds them).
 
   Outside `strategy.run`, under the default strategy, the model runs as replica 0 of one.
 
@@ -263,9 +285,9 @@ def stateless_call(model: Any, trainable_variables: Sequence[Any], non_trainable
 
   Returns:
     ``(outputs, non_trainable_variables, losses)``: ``losses`` are the model's losses
-    (``model.losses`` inside the call: weight regularization and ``add_loss``), this replica's. Each
-    replica adds them to its loss, and the gradient w.r.t. `Mirrored` weights sums over replicas, so
-    divide them by the number of replicas (TF's ``scale_regularization_loss``).
+    (``model.losses`` inside the call: weight and activity regularization and ``add_loss``), this
+    replica's. Each replica adds them to its loss, and the gradient w.r.t. `Mirrored` weights sums over
+    replicas, so divide them by the number of replicas (TF's ``scale_regularization_loss``).
 
   Raises:
     ValueError: `aggregation` is not one of ``"mean"``, ``"none"``; a list's length does not match the
@@ -285,11 +307,34 @@ def stateless_call(model: Any, trainable_variables: Sequence[Any], non_trainable
     raise RuntimeError("tpustrat.keras.stateless_call was called in cross-replica context (inside "
                        "strategy.scope(), outside strategy.run). Call it inside the function given to "
                        "strategy.run.")
+  mask_batch_norm_padding(model)
+  has_rows = _holds_rows(model, args)
   non_trainable, given, folded = fold_seeds(model, non_trainable)
-  outputs, new, losses = model.stateless_call(list(trainable_variables), non_trainable, *args,
-                                              return_losses=True, **kwargs)
-  new = settle_seeds(model, list(new), given, folded, aggregate=aggregation == "mean")
+  with real_row_activity_regularizers(model):
+    outputs, new, losses = model.stateless_call(list(trainable_variables), non_trainable, *args,
+                                                return_losses=True, **kwargs)
+  new = list(new)
+  if has_rows is not None and aggregation == "none":  # no real rows: no statistics to update
+    new = [jnp.where(has_rows, v, non_trainable[i]) if i not in given and REPLICA_AXIS in jax_compat.varying_axes(v)
+           else v for i, v in enumerate(new)]
+  new = settle_seeds(model, new, given, folded, aggregate=aggregation == "mean", has_rows=has_rows)
   return outputs, new, list(losses)
+
+
+def _holds_rows(model: Any, args: Sequence[Any]) -> Any:
+  """Inside a step, whether this replica holds real rows of the padded batch whose rows the model's
+  (first) input holds (a bool scalar), or None where that input holds no padded batch's rows, or the
+  model has no non-trainable variables but seeds (nothing to leave out of a mean)."""
+  ctx = context.active_replica_context()
+  if ctx is None or context.replica_axis(ctx) is None:
+    return None
+  if len(model.non_trainable_variables) == len(seed_positions(model)):
+    return None
+  leaf = next((x for x in jax.tree.leaves(args) if jnp.ndim(x) > 0), None)
+  if leaf is None:
+    return None
+  real = ctx.padding_count(leaf, f"tpustrat.keras.stateless_call: the inputs of {model.name!r}")
+  return None if real is None else real > 0
 
 
 def fold_seeds(model: Any, non_trainable: list[Any]) -> tuple[list[Any], dict[int, Any], dict[int, Any]]:
@@ -306,10 +351,11 @@ def fold_seeds(model: Any, non_trainable: list[Any]) -> tuple[list[Any], dict[in
 
 
 def settle_seeds(model: Any, new: list[Any], given: dict[int, Any], folded: dict[int, Any],
-                 aggregate: bool = True) -> list[Any]:
+                 aggregate: bool = True, has_rows: Any = None) -> list[Any]:
   """After a call: each seed state is the given one advanced as Keras advanced this replica's (the same
   on every replica), and, with `aggregate`, every other non-trainable value that differs between
-  replicas is combined by its variable's aggregation (see `stateless_call`)."""
+  replicas is combined by its variable's aggregation (see `stateless_call`); `has_rows` (whether this
+  replica held real rows of a padded batch, or None) leaves the replicas that held none out of a mean."""
   ctx = context.active_replica_context()
   in_run = ctx is not None and context.replica_axis(ctx) is not None
   for i in given:  # the shared state, advanced as Keras advanced this replica's
@@ -321,8 +367,205 @@ def settle_seeds(model: Any, new: list[Any], given: dict[int, Any], folded: dict
     replica = context.get_replica_context().replica_id_in_sync_group  # type: ignore[union-attr]
     for i, variable in enumerate(model.non_trainable_variables):
       if i not in given and REPLICA_AXIS in jax_compat.varying_axes(new[i]):
-        new[i] = _aggregate(new[i], variable.aggregation, replica)
+        new[i] = _aggregate(new[i], variable.aggregation, replica, has_rows)
   return new
+
+
+# -- activity regularizers on a padded batch ---------------------------------------------------------------
+
+# Keras's activity regularizers that are a sum over the output's entries with no term for a zero entry:
+# with the padding rows zeroed, the sum is the real rows'.
+_ROW_SUM_REGULARIZERS = ("L1", "L2", "L1L2")
+
+
+@functools.cache
+def _keras_divides_activity_losses() -> bool:
+  """Whether this Keras divides a layer's activity regularization loss by its output's rows (the batch
+  size, as Keras documents and does since keras-team/keras#22021) or adds the sum itself (Keras 3 releases
+  before it): measured once, on a layer of two rows."""
+  keras = import_keras()
+  layer = keras.layers.Identity(activity_regularizer=keras.ops.sum)
+  with jax.ensure_compile_time_eval():
+    layer(np.ones((2, 1), np.float32))
+    value = float(np.asarray(layer.losses[0]))
+  if value not in (1.0, 2.0):
+    raise RuntimeError(f"tpustrat.keras: Keras {keras.__version__} makes the activity regularization loss "
+                       f"{value} of a sum over two rows of ones (expected 2.0, or 1.0 divided by the rows).")
+  return value == 1.0
+
+
+class _RealRowsActivity:
+  """A Keras `L1`, `L2` or `L1L2` activity regularizer inside a step, on a layer output whose rows are a
+  padded batch's: the sum over this replica's real rows only (the padding rows zeroed), scaled so that
+  the replicas' losses, each divided by the number of replicas (``scale_regularization_loss``) and
+  summed, are one-device Keras's on the global batch's real rows: divided by their count ``n`` where
+  Keras divides the loss by the output's rows (Keras then divides by this replica's ``k``, so the
+  regularizer returns its sum times ``N * k / n``), the sum itself (times ``N``) where Keras does not."""
+
+  def __init__(self, regularizer: Any, layer: str) -> None:
+    self.regularizer = regularizer
+    self.layer = layer
+
+  def __call__(self, output: Any) -> Any:
+    ctx = context.active_replica_context()
+    assert ctx is not None  # installed inside a step only (`real_row_activity_regularizers`)
+    if jnp.ndim(output) == 0 or REPLICA_AXIS not in jax_compat.varying_axes(output):
+      return self.regularizer(output)  # not this replica's rows of a batch
+    divides = _keras_divides_activity_losses()
+    real = ctx.padding_count(output, f"the outputs of the layer {self.layer!r} (its activity_regularizer)")
+    if real is None and divides:  # no padding rows: Keras's own value is one device's share
+      return self.regularizer(output)
+    if real is not None:
+      keep = jax.lax.broadcasted_iota(jnp.int32, jnp.shape(output), 0) < real
+      output = jnp.where(keep, output, jnp.zeros((), output.dtype))
+    loss = self.regularizer(output)
+    replicas = ctx.num_replicas_in_sync
+    if not divides:
+      return loss * replicas
+    rows = jnp.shape(output)[0]
+    n = jax.lax.psum(real, REPLICA_AXIS).astype(loss.dtype)
+    return loss * (replicas * rows) / n
+
+
+def _layers(model: Any) -> list[Any]:
+  """The model and every layer inside it (Keras's private ``_flatten_layers``, where it has it)."""
+  flatten = getattr(model, "_flatten_layers", None)
+  return list(flatten(include_self=True)) if callable(flatten) else [model]
+
+
+@contextlib.contextmanager
+def real_row_activity_regularizers(model: Any) -> Any:
+  """While `model` is called inside a step, every layer's activity regularizer that is Keras's `L1`,
+  `L2` or `L1L2` (the type itself: a subclass may compute anything) is a `_RealRowsActivity`: on a
+  partial batch its loss is the real rows', as on one device. Other activity regularizers are Keras's,
+  over each replica's rows, padding included. The layer's own regularizer is back after the call (it is
+  what ``model.save`` writes)."""
+  ctx = context.active_replica_context()
+  if ctx is None or context.replica_axis(ctx) is None:
+    yield
+    return
+  keras = import_keras()
+  exact = tuple(getattr(keras.regularizers, name) for name in _ROW_SUM_REGULARIZERS)
+  swapped = [(layer, regularizer) for layer in _layers(model)
+             if type(regularizer := getattr(layer, "activity_regularizer", None)) in exact]
+  for layer, regularizer in swapped:
+    object.__setattr__(layer, "activity_regularizer", _RealRowsActivity(regularizer, layer.name))
+  try:
+    yield
+  finally:
+    for layer, regularizer in swapped:
+      object.__setattr__(layer, "activity_regularizer", regularizer)
+
+
+# -- Keras metrics updated inside a step ---------------------------------------------------------------------
+
+
+@functools.cache
+def _patch_metrics() -> None:
+  """Keras metrics in a custom loop on JAX are updated with ``metric.stateless_update_state(variables,
+  ...)``, which Keras defines once, on ``keras.metrics.Metric``. Wrapped once so that, inside a step, the
+  update is the global batch's, as TF reads a metric updated in ``strategy.run`` (its variables are
+  ``SyncOnRead``, summed over the replicas): the padding rows of a partial batch weigh nothing
+  (`_padding_weighted`) and each variable is combined over the replicas (`_combine_metric`), so that the
+  variables it returns are the same on every replica and equal one-device Keras's update on the real
+  rows. A Keras whose method takes other arguments raises here rather than being wrapped blindly."""
+  import keras  # pylint: disable=import-outside-toplevel
+
+  base = keras.metrics.Metric
+  function: Any = vars(base).get("stateless_update_state")
+  params = list(inspect.signature(function).parameters) if callable(function) else []
+  if params[:2] != ["self", "metric_variables"]:
+    raise RuntimeError(
+        "tpustrat.keras wraps keras.metrics.Metric.stateless_update_state(metric_variables, *args, **kwargs) "
+        f"(Keras 3.5 to 3.15); Keras {keras.__version__} has {params or 'no such method'}. Use a Keras version "
+        "this tpustrat was tested with.")
+  base.stateless_update_state = _replica_metric_update(function)
+
+
+def _replica_metric_update(function: Any) -> Any:
+  @functools.wraps(function)
+  def update(metric: Any, metric_variables: Any, *args: Any, **kwargs: Any) -> Any:
+    ctx = context.active_replica_context()
+    if ctx is None or context.replica_axis(ctx) is None:
+      return function(metric, metric_variables, *args, **kwargs)
+    given = list(metric_variables)
+    args, kwargs = _padding_weighted(metric, ctx, args, kwargs)
+    return _combine_metric(metric, ctx, given, function(metric, given, *args, **kwargs))
+
+  return update
+
+
+def padding_weight(mask: Any, y_pred: Any, sample_weight: Any) -> Any:
+  """A Keras metric's sample weight with the padding rows at 0: the given weight (or 1) times `mask`
+  (``[k]``, True on this replica's real rows), shaped like the weight, or like the Keras mask of `y_pred`
+  when there is no weight (a per-timestep mask), so that Keras combines the two as on one device."""
+  mask = jnp.asarray(mask).astype(jnp.float32)
+  if sample_weight is None:
+    from keras.src import backend  # pylint: disable=import-outside-toplevel
+    keras_mask = None if y_pred is None else backend.get_keras_mask(y_pred)
+    if keras_mask is None:
+      return mask
+    shaped = mask.reshape(mask.shape + (1,) * (jnp.ndim(keras_mask) - 1))
+    return jnp.broadcast_to(shaped, jnp.shape(keras_mask))
+  weight = jnp.asarray(sample_weight)
+  return weight * mask.reshape(mask.shape + (1,) * (weight.ndim - 1)).astype(jnp.result_type(weight, jnp.float32))
+
+
+def _padding_weighted(metric: Any, ctx: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+  """A metric update's arguments with the padding rows weighted 0 (`padding_weight`), where its first
+  argument (``values``, ``y_true``) holds a padded batch's rows (followed through the step, as
+  `compute_average_loss` follows its losses) and its ``update_state`` takes a ``sample_weight``; else as
+  given (arguments Keras would refuse too are left for Keras to refuse)."""
+  try:
+    signature = inspect.signature(metric.update_state)
+    bound = signature.bind(*args, **kwargs)
+  except (TypeError, ValueError):
+    return args, kwargs
+  names = list(signature.parameters)
+  if "sample_weight" not in names or names[0] == "sample_weight":
+    return args, kwargs
+  leaf = next((x for x in jax.tree.leaves(bound.arguments.get(names[0])) if jnp.ndim(x) > 0), None)
+  if leaf is None:
+    return args, kwargs
+  real = ctx.padding_count(leaf, f"the inputs of the Keras metric {metric.name!r}")
+  if real is None:
+    return args, kwargs
+  mask = jnp.arange(jnp.shape(leaf)[0]) < real
+  bound.arguments["sample_weight"] = padding_weight(mask, bound.arguments.get("y_pred"),
+                                                    bound.arguments.get("sample_weight"))
+  return bound.args, bound.kwargs
+
+
+def _combine_metric(metric: Any, ctx: Any, given: list[Any], new: list[Any]) -> list[Any]:
+  """A metric's variables after this replica's update, made the global batch's (the same on every
+  replica) by each variable's Keras aggregation, TF's ``SyncOnRead`` read: ``"sum"`` (Keras's default
+  for metrics) adds the replicas' increments to the given value; ``"only_first_replica"`` takes replica
+  0's; any other the replicas' mean. An increment that is the same on every replica (an update with a
+  value already reduced over the replicas) is added once per replica, as TF's replicas each add it."""
+  replicas = ctx.num_replicas_in_sync
+  out = []
+  for variable, before, after in zip(metric.variables, given, new):
+    if after is variable:  # Keras hands the variable itself back where the update left it alone
+      out.append(before)
+      continue
+    after = jnp.asarray(after)
+    varying = REPLICA_AXIS in jax_compat.varying_axes(after)
+    if variable.aggregation == "sum":
+      start = jnp.asarray(before, after.dtype)
+      increment = after - start
+      if REPLICA_AXIS in jax_compat.varying_axes(increment):
+        increment = jax.lax.psum(increment, REPLICA_AXIS)
+      else:
+        increment = increment * jnp.asarray(replicas, after.dtype)
+      out.append(start + increment)
+    elif not varying:
+      out.append(after)
+    elif variable.aggregation == "only_first_replica":
+      replica = ctx.replica_id_in_sync_group
+      out.append(jax.lax.psum(jnp.where(replica == 0, after, jnp.zeros_like(after)), REPLICA_AXIS))
+    else:
+      out.append(jax.lax.pmean(after.astype(jnp.float32), REPLICA_AXIS).astype(after.dtype))
+  return out
 
 
 # -- SyncBatchNormalization -------------------------------------------------------------------------------
@@ -372,10 +615,9 @@ def mask_batch_norm_padding(model: Any) -> None:
   base = keras.layers.BatchNormalization
   _check_moments_hook(base, keras.__version__)
   sync = sync_batch_normalization_class()
-  flatten = getattr(model, "_flatten_layers", None)
-  layers = list(flatten(include_self=True)) if callable(flatten) else [model]
-  for layer in layers:
-    if isinstance(layer, base) and not isinstance(layer, sync) and type(layer)._moments is base._moments:  # pylint: disable=protected-access
+  for layer in _layers(model):
+    if (isinstance(layer, base) and not isinstance(layer, sync) and "_moments" not in vars(layer)
+        and type(layer)._moments is base._moments):  # pylint: disable=protected-access
       object.__setattr__(layer, "_moments", functools.partial(_replica_moments, layer))
 
 
