@@ -971,6 +971,7 @@ def test_ids_whose_rows_cannot_be_traced_warn_and_keep_every_row(strategy):
   # One for the ids, one for the output (whose rows are the sorted ids').
   assert any(re.search(r"the ids of feature \"\['f'\]\" .* cannot be traced to one batch: they pass through "
                        r"`sort`.*valid_mask", m) for m in messages), messages
-  # Nothing left out: replica 6's padding row (id 0 after the sort) is looked up, row 0 of the table.
+  # Nothing left out: replica 6's padding row (a copy of the batch's first id, 1, first after the sort) is
+  # looked up.
   table = emb.embedding_tables(state)["t"]
-  np.testing.assert_allclose(np.asarray(acts["f"].values[6]), table[[0, 13]], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(acts["f"].values[6]), table[[ids[0], 13]], rtol=1e-6)

@@ -525,18 +525,26 @@ def test_a_process_reads_only_its_replicas_rows(strategy, local):
     np.testing.assert_array_equal(counts, [len(rows[r]) for r in local])
     for j, r in enumerate(local):
       np.testing.assert_array_equal(ids[j, :len(rows[r])], rows[r])
-      np.testing.assert_array_equal(ids[j, len(rows[r]):], 0)  # padding
+      np.testing.assert_array_equal(ids[j, len(rows[r]):], batch[0])  # padding: the batch's first row
       want_reads += list(rows[r])
+    if local[0] != 0 and any(len(rows[r]) < k for r in local):  # that row read once, for the padding
+      want_reads.append(batch[0])
   assert sorted(reads) == sorted(want_reads) and len(reads) == len(set(reads))
 
 
-def test_a_process_without_rows_in_a_batch_reads_nothing_of_it(strategy):
+def test_a_process_without_rows_in_a_batch_reads_only_its_first_row(strategy):
   reads = []
   # 40 examples: batches of 16, 16, 8; k = 2, so replicas 4-7 hold only padding in the last batch.
   parts = _host_parts(_as_process(strategy, _counting_grain(40, 16, reads), [4, 5, 6, 7]))
   assert [c.tolist() for _, c in parts] == [[2, 2, 2, 2], [2, 2, 2, 2], [0, 0, 0, 0]]
-  assert parts[-1][0].shape == (4, 2) and not parts[-1][0].any()
-  assert len(reads) == 16  # 8 rows of each full batch, none of the last
+  last = _global_batches(40, 16)[-1]
+  assert parts[-1][0].shape == (4, 2) and (parts[-1][0] == last[0]).all()  # padding: the batch's first row
+  assert len(reads) == 17  # 8 rows of each full batch, the last one's first row for the padding
+  # With zero padding nothing of the last batch is read.
+  reads = []
+  parts = _host_parts(_as_process(strategy, _counting_grain(40, 16, reads), [4, 5, 6, 7],
+                                  tpustrat.InputOptions(experimental_padding="zeros")))
+  assert not parts[-1][0].any() and len(reads) == 16
   # A process that holds no replica at all reads one example, once, for the batches' layout.
   reads = []
   parts = _host_parts(_as_process(strategy, _counting_grain(40, 16, reads), []))

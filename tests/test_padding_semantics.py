@@ -57,9 +57,10 @@ def test_axis_0_is_the_users_word_that_rows_are_the_batch(strategy):
   scale = np.abs(real).sum(0)
   np.testing.assert_allclose(strategy.reduce("SUM", out, axis=0), real.sum(0), rtol=1e-6, atol=1e-6 * scale.max())
   np.testing.assert_allclose(strategy.reduce("MEAN", out, axis=0), real.mean(0), rtol=1e-6, atol=1e-6 * scale.max())
-  # axis=None and local results: every row every replica returned (padding rows are zeros here).
+  # axis=None and local results: every row every replica returned (the padding rows are copies of the
+  # batch's first row, InputOptions.experimental_padding).
   padded = np.zeros((16, 3), np.float32)
-  padded[:12] = real
+  padded[:12], padded[12:] = real, real[0]
   np.testing.assert_allclose(strategy.reduce("SUM", out, axis=None), padded.reshape(N, 2, 3).sum(0),
                              rtol=1e-6, atol=1e-6 * np.abs(padded).sum())
   assert [c.shape for c in components(strategy, out)] == [(2, 3)] * N
@@ -278,9 +279,10 @@ def test_a_statistic_with_the_batchs_size_is_whole_along_axis_0(strategy):
     stat = jnp.stack([jnp.sum(v), jnp.max(v)])  # a per-replica [2] statistic, not per-example
     return stat, v.mean(axis=0)[:2]
 
-  stat, firsts = strategy.run(step, args=(batch,))
+  with pytest.warns(tpustrat.PaddingReadWarning, match="sum over the rows"):  # true: it reads padding rows
+    stat, firsts = strategy.run(step, args=(batch,))
   padded = np.zeros((16, 3), np.float32)
-  padded[:12] = x
+  padded[:12], padded[12:] = x, x[0]  # padding: the batch's first row
   comps = padded.reshape(N, 2, 3)
   want = np.concatenate([np.stack([c.sum(), c.max()]) for c in comps])
   np.testing.assert_allclose(strategy.gather(stat, axis=0), want, rtol=1e-6, atol=1e-5)
@@ -417,7 +419,7 @@ def test_rows_are_followed_where_they_go(strategy, name, fn, want):
   out = strategy.run(fn, args=(batch, w))
   got = np.asarray(strategy.gather(out, axis=0))
   padded = np.zeros((16, 3), np.float32)
-  padded[:12] = x
+  padded[:12], padded[12:] = x, x[0]  # padding: the batch's first row
   if name == "running sum along the rows":  # row i of the running sum is example i's: padding skipped
     comps = [np.cumsum(c, axis=0) for c in padded.reshape(N, 2, 3)]
     np.testing.assert_allclose(got, np.concatenate(comps)[:12], rtol=1e-6, atol=1e-6)

@@ -221,10 +221,12 @@ class Plan:
     return exact(self.leaves[t][i], self.dtypes[i])
 
   def padded(self, t: int, i: int) -> np.ndarray:
-    """Leaf i of batch t as the replicas hold it: [n, k, ...], zero rows past the real ones."""
+    """Leaf i of batch t as the replicas hold it: [n, k, ...], past the real rows copies of the first
+    (`InputOptions.experimental_padding`'s default)."""
     x = self.real(t, i)
     out = np.zeros((self.n * self.k,) + x.shape[1:], x.dtype)
     out[:len(x)] = x
+    out[len(x):] = x[0]
     return out.reshape((self.n, self.k) + x.shape[1:])
 
   def mask(self, t: int, ndim: int) -> np.ndarray:

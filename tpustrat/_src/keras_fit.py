@@ -505,10 +505,10 @@ class _Fit:
       ours = iter(input_lib.distribute_dataset(self.strategy, source, None))
       self.iterators[kind] = (iterator, ours)
       return ours
-    # Padding rows are copies of the batch's first row: they weigh nothing, and cannot make NaN or Inf
-    # (a masked mean over an all-zero row is 0/0) whose gradient, times the zero weight, is still NaN.
-    ours = iter(input_lib.distribute_dataset(self.strategy, _GlobalBatches(iterator, self), None,
-                                             pad_with_first_row=True))
+    # Padding rows are copies of the batch's first row (the dataset's default): they weigh nothing, and
+    # cannot make NaN or Inf (a masked mean over an all-zero row is 0/0) whose gradient, times the zero
+    # weight, is still NaN.
+    ours = iter(input_lib.distribute_dataset(self.strategy, _GlobalBatches(iterator, self), None))
     self.iterators[kind] = (iterator, ours)
     return ours
 
@@ -841,18 +841,9 @@ def _metrics_combine(model: Any, rows: _Rows, before: list[Any], after: list[Any
 
 
 def _row_weight(rows: _Rows, y_pred: Any, sample_weight: Any) -> Any:
-  """A compiled metric's sample weight with the padding rows at 0: the given weight (or 1) times the
-  real-row mask, shaped like the weight, or like the Keras mask of the prediction when there is no weight
-  (a per-timestep mask), so that Keras combines the two as it does on one device."""
-  mask = rows.mask
-  if sample_weight is None:
-    keras_mask = _keras_loss_module().backend.get_keras_mask(y_pred)
-    if keras_mask is None:
-      return mask
-    shaped = mask.reshape(mask.shape + (1,) * (jnp.ndim(keras_mask) - 1))
-    return jnp.broadcast_to(shaped, jnp.shape(keras_mask))
-  weight = jnp.asarray(sample_weight)
-  return weight * mask.reshape(mask.shape + (1,) * (weight.ndim - 1)).astype(jnp.result_type(weight, jnp.float32))
+  """A compiled metric's sample weight with the padding rows at 0 (`keras_models.padding_weight`, which
+  `strategy.run`'s metric updates share)."""
+  return keras_models.padding_weight(rows.mask, y_pred, sample_weight)
 
 
 @contextlib.contextmanager

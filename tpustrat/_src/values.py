@@ -274,6 +274,7 @@ class ElementTag(NamedTuple):
 
   paths: tuple[tuple[Any, ...], ...]
   position: int  # of this leaf in `paths`
+  zero_padded: bool = False  # its padding rows are zeros (`InputOptions.experimental_padding="zeros"`)
 
   def element_root(self, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The path of the element this leaf belongs to, given the leaf's own `path` in a larger tree (the

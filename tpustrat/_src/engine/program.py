@@ -114,6 +114,7 @@ def make_program(fn: Callable[..., Any], groups: tuple[int, ...], *, mesh: jax.s
     rebuild: list[tuple[str, Any, int]] = []
     padded: list[int] = []  # positions in `flat` of the real-row counts of padded batches
     padded_paths: list[str] = []
+    padded_zero: list[bool] = []  # of each padded argument: its padding rows are zeros (`ElementTag`)
     for path, node in zip(leaf_paths(outer), top):
       if isinstance(node, PerReplica):
         leaves, inner = jax.tree.flatten(node.tree)
@@ -126,6 +127,7 @@ def make_program(fn: Callable[..., Any], groups: tuple[int, ...], *, mesh: jax.s
           _check_padded(leaves, path)
           padded.append(len(flat) + len(leaves))
           padded_paths.append(path)
+          padded_zero.append(node.batch_tag is not None and node.batch_tag.zero_padded)
           leaves = leaves + [valid]
         rebuild.append(("padded" if valid is not None else "per_replica", inner, len(leaves)))
         flat.extend(leaves)
@@ -175,7 +177,9 @@ def make_program(fn: Callable[..., Any], groups: tuple[int, ...], *, mesh: jax.s
         # alone, `block_statistics`), and evaluated here: `fn` is still traced once.
         step = StepJaxpr(fn, nodes, outer, batch_leaves, sizes, counts, names, make_context)
         step.check_block_statistics()
-        notes["padding_reads"] = step.padding_reads_message()
+        zero = {i for i, b in enumerate(batches)
+                if all(z for arg, z in enumerate(padded_zero) if batch_of_arg[arg] == b)}
+        notes["padding_reads"] = step.padding_reads_message(zero, n)
         out_leaves = step.evaluate()
         out_tree, paths, marked = step.tree, step.paths, step.marked
         rows: list[Rows] | Callable[[], list[Rows]] = step.rows

@@ -146,27 +146,46 @@ class StepJaxpr:
                    for x in jax.tree.leaves(nodes, is_leaf=lambda x: isinstance(x, LocalShard))]
     self._split += [None] * len(counts)
 
-  def padding_reads_message(self) -> str | None:
-    """The `PaddingReadWarning` message naming the outputs that sum a padded batch's rows with padding
-    rows no mask removed (`padding_reads`), and the fix; None where there are none."""
+  def padding_reads_message(self, zero_padded: set[int], replicas: int) -> str | None:
+    """The `PaddingReadWarning` message naming the outputs that read a padded batch's padding rows (a sum
+    over its rows that no mask cleared, a per-replica mean, a reduction over the rows paired with the
+    rows: `padding_reads`), and the fix, and the operations the analysis could not follow before a sum;
+    None where there is nothing to say. `zero_padded`: the batches whose padding rows are zeros
+    (`InputOptions.experimental_padding`); the others' are copies of real rows, or a step's outputs."""
     if not self._batch_labels or not any(r.batches for r in self._batch_labels):
       return None
-    inputs = [Value(rows=r, zero=True) if r.batches else Value() for r in self._batch_labels]
+    inputs = [Value(rows=r, zero=r.batches <= zero_padded) if r.batches else Value() for r in self._batch_labels]
     inputs += [Value(mask=True)] * (len(self._split) - len(self._batch_labels))
-    found = [(p, v.read) for p, v in zip(self.paths, padding_reads(self._jaxpr, inputs)) if v.read is not None]
+    unfollowed: set[str] = set()
+    found = [(p, v.read) for p, v in zip(self.paths, padding_reads(self._jaxpr, inputs, replicas, unfollowed))
+             if v.read is not None]
+    lost = (f" Sums over values whose rows passed through {', '.join(f'`{u}`' for u in sorted(unfollowed))} "
+            "were not checked (the analysis does not follow the rows through them): if they sum a batch's rows, "
+            "mask them the same way.") if unfollowed else ""
     if not found:
-      return None
-    eqn, batches = found[0][1]
+      return f"strategy.run: on a partial batch this step's padding rows were not checked everywhere.{lost}" \
+          if lost else None
+    eqn, batches, how = found[0][1]
+    zeros = ("" if batches <= zero_padded else " A step that masks with a column of the dataset (a mask or a weight "
+             "that is 0 on the padding rows) needs tpustrat.InputOptions(experimental_padding=\"zeros\"): by "
+             "default the padding rows are copies of the batch's first row.")
     where = ", ".join(p for p, _ in found[:3]) + (f" (and {len(found) - 3} more)" if len(found) > 3 else "")
+    what = {
+        "sum": "a sum over the rows of the padded batch {b} that includes its padding rows",
+        "running": "a running sum along the rows of the padded batch {b}, taken past its real rows",
+        "mean": "a mean over the rows of the padded batch {b} whose denominator counts its padding rows (TF's "
+                "per-replica mean divides by the replica's real rows)",
+        "cross": "a reduction over the rows of the padded batch {b} paired with its rows (`z @ z.T`), padding "
+                 "rows included",
+    }[how].format(b=" and ".join(self._names[b] for b in sorted(batches)))
     return (
         f"strategy.run: the output{'s' if len(found) > 1 else ''} at {where} "
-        f"{'are' if len(found) > 1 else 'is'} computed from a sum over the rows of the padded batch "
-        f"{' and '.join(self._names[b] for b in sorted(batches))} that includes its padding rows (`"
-        f"{eqn.primitive.name}` in {caller(eqn)}): on a partial batch the padding examples (the zero rows "
-        "the dataset adds; TF hands a replica only its real rows, so TF code never masks) count as examples "
-        "and are trained on. Scale the per-example loss with tpustrat.compute_average_loss(per_example_loss, "
-        "global_batch_size=...), which leaves them out, or mask it: jnp.where(tpustrat.valid_mask(batch), "
-        "per_example_loss, 0).")
+        f"{'are' if len(found) > 1 else 'is'} computed from {what} (`{eqn.primitive.name}` in {caller(eqn)}): "
+        "on a partial batch the padding examples (the rows the dataset adds; TF hands a replica only its real "
+        "rows, so TF code never masks) count as examples and are trained on. Scale the per-example loss with "
+        "tpustrat.compute_average_loss(per_example_loss, global_batch_size=...), which leaves them out, or "
+        "mask it with jnp.where(tpustrat.valid_mask(batch), per_example_loss, 0) and divide by the global "
+        f"batch size.{lost}{zeros}")
 
   @staticmethod
   def _answer(r: Rows, x: Any, what: str, sizes: list[int], names: tuple[str, ...]) -> tuple[int, ...] | None:

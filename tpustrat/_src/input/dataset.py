@@ -39,7 +39,7 @@ from tpustrat._src import host_memory
 from tpustrat._src.host_memory import host_empty
 from tpustrat._src.input.iterator import DistributedIterator, Feed, Live, ProduceState
 from tpustrat._src.input.options import InputContext, InputOptions, buffer_size
-from tpustrat._src.input.padding import pad_rows, pad_rows_per_replica, stack_padded, take_rows
+from tpustrat._src.input.padding import fill_rows, pad_rows, pad_rows_per_replica, stack_padded, take_rows
 from tpustrat._src.input.sources import (
   ACCEPTED,
   BatchedExamples,
@@ -96,17 +96,15 @@ class DistributedDataset:
   """
 
   def __init__(self, strategy: StrategyLike, source: Any, options: InputOptions | None, *,
-               per_replica: bool, what: str, pad_with_first_row: bool = False) -> None:
+               per_replica: bool, what: str) -> None:
     if options is None:
       options = InputOptions()
     elif not isinstance(options, InputOptions):
       raise TypeError(f"{what}: `options` must be a tpustrat.InputOptions or None, got {options!r:.100}.")
     self._what = what
     self._options = options
-    # Padding rows of a partial global batch: copies of its first row instead of zeros (Keras's fit, whose
-    # steps weigh them 0 and must not see a row that makes NaN: `keras_fit`). Internal: the padding-read
-    # analysis of user steps assumes zero rows.
-    self._pad_first = pad_with_first_row
+    # Padding rows of a partial batch: copies of a real row (the default), or zeros (`InputOptions`).
+    self._pad_first = options.experimental_padding == "first_row"
     self._source = source
     self._per_replica = per_replica  # from_function: the source yields per-replica batches
     self._one_shot = isinstance(source, collections.abc.Iterator)
@@ -300,8 +298,9 @@ class DistributedDataset:
     return LocalRows(index, rows, k, parts)
 
   def _prepare_local(self, part: LocalRows, count_only: bool) -> Prepared | None:
-    """`_prepare` for this process's part of a batch (`_read_local`): ``[N_local, k, ...]`` leaves, zero
-    past each replica's real rows, and the local real-row counts."""
+    """`_prepare` for this process's part of a batch (`_read_local`): ``[N_local, k, ...]`` leaves, padded
+    past each replica's real rows (with the global batch's first row, read here when this process holds
+    it not, or zeros: `InputOptions.experimental_padding`), and the local real-row counts."""
     with self._lock:
       if part.rows > self._batch_rows:
         self._batch_rows = part.rows
@@ -343,6 +342,12 @@ class DistributedDataset:
       leaves = [stack_padded([p[0][i] for p in parts], n_local, k) for i in range(len(first))]
     else:
       leaves = [np.zeros((n_local, k) + x.shape[1:], x.dtype) for x in first]
+    if self._pad_first and part.rows and (counts < k).any():  # padding: the global batch's first row
+      assert self._examples is not None
+      row = (parts[0][0] if self._local[0] == 0 and parts else
+             flatten_batch(self._examples.read(part.index, 0, 1), part.index, what)[0])
+      for x, r in zip(leaves, row):
+        fill_rows(x, counts, r[0])
     return Prepared(treedef, leaves, counts, True)
 
   # -- one step's batch: host arrays -> padded [N, k, ...] -> devices
@@ -443,6 +448,9 @@ class DistributedDataset:
         leaves = stacked[1] if stacked[0] == k else [pad_rows_per_replica(x, k) for x in stacked[1]]
       else:
         leaves = [stack_padded([p[0][i] for p in parts], n_local, k) for i in range(len(parts[0][0]))]
+      if self._pad_first:
+        for x in leaves:
+          fill_rows(x, counts)
       return Prepared(treedef, leaves, counts, True)
     rows = parts[0][2]
     n = self._num_replicas
@@ -503,7 +511,7 @@ class DistributedDataset:
     self._spec = jax.tree.unflatten(treedef, [
         PerReplica.from_stacked(
             jax.ShapeDtypeStruct((n, k) + x.shape[1:], device_dtype(x), sharding=split), valid, tag=tag)
-        for x, tag in zip(leaves, element_tags(treedef))])
+        for x, tag in zip(leaves, element_tags(treedef, not self._pad_first))])
 
   def _produce(self, it: Iterator[Any], state: ProduceState) -> tuple[Any, int | None]:
     """The next chunk: ``(batch, None)``, one element ready for `run`, while the consumer takes one batch
@@ -616,7 +624,7 @@ class DistributedDataset:
       host_counts = None
     # Each leaf is its own PerReplica (like `run`'s outputs), so that the batch keeps the user's pytree.
     return jax.tree.unflatten(treedef, [PerReplica.from_stacked(x, valid, host_real_rows=host_counts, tag=tag)
-                                        for x, tag in zip(arrays, element_tags(treedef))])
+                                        for x, tag in zip(arrays, element_tags(treedef, not self._pad_first))])
 
   def _transfer(self, state: ProduceState, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, a transfer to the devices (or a wait for one). A transfer made while a step runs (on
@@ -704,12 +712,10 @@ def device_dtype(x: np.ndarray) -> np.dtype:
 # -- entry points (called by Strategy) ------------------------------------------------------------
 
 
-def distribute_dataset(strategy: StrategyLike, dataset: Any, options: InputOptions | None, *,
-                       pad_with_first_row: bool = False) -> DistributedDataset:
-  """`Strategy.experimental_distribute_dataset` (`pad_with_first_row`: see `DistributedDataset`)."""
+def distribute_dataset(strategy: StrategyLike, dataset: Any, options: InputOptions | None) -> DistributedDataset:
+  """`Strategy.experimental_distribute_dataset`."""
   what = "experimental_distribute_dataset"
-  return DistributedDataset(strategy, iterable(dataset, what), options, per_replica=False, what=what,
-                            pad_with_first_row=pad_with_first_row)
+  return DistributedDataset(strategy, iterable(dataset, what), options, per_replica=False, what=what)
 
 
 def distribute_datasets_from_function(strategy: StrategyLike, dataset_fn: Callable[[InputContext], Any],
@@ -731,9 +737,9 @@ def distribute_datasets_from_function(strategy: StrategyLike, dataset_fn: Callab
 
 
 @functools.lru_cache(maxsize=64)
-def element_tags(treedef: Any) -> tuple[ElementTag, ...]:
-  """The `ElementTag` of each leaf of a dataset element of structure `treedef`: the leaves of one element
-  are one batch for `run` (`PerReplica.batch_tag`)."""
+def element_tags(treedef: Any, zero_padded: bool) -> tuple[ElementTag, ...]:
+  """The `ElementTag` of each leaf of a dataset element of structure `treedef`, padded with zero rows or
+  not: the leaves of one element are one batch for `run` (`PerReplica.batch_tag`)."""
   dummy = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
   paths = tuple(tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0])
-  return tuple(ElementTag(paths, i) for i in range(len(paths)))
+  return tuple(ElementTag(paths, i, zero_padded) for i in range(len(paths)))

@@ -17,7 +17,7 @@ import dataclasses
 
 from tpustrat._src.validation import check_int
 
-__all__ = ["DEFAULT_BUFFER_SIZE", "InputContext", "InputOptions", "buffer_size"]
+__all__ = ["DEFAULT_BUFFER_SIZE", "PADDINGS", "InputContext", "InputOptions", "buffer_size"]
 
 # Batches read ahead by default, per platform (`InputOptions.experimental_per_replica_buffer_size=None`).
 # XLA:CPU: none. Its host-to-device "transfer" is a memory copy on the same cores as the steps' compute,
@@ -26,6 +26,7 @@ __all__ = ["DEFAULT_BUFFER_SIZE", "InputContext", "InputOptions", "buffer_size"]
 # as in TF: the copy runs on the device's DMA engines while the previous step computes.
 DEFAULT_BUFFER_SIZE = {"cpu": 0}
 _ACCELERATOR_BUFFER_SIZE = 1
+PADDINGS = ("first_row", "zeros")  # `InputOptions.experimental_padding`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +55,19 @@ class InputOptions:
       iterator stops there). Pipelines that batch different numbers of rows (7 replicas of 2 rows and
       one of 1, from the first step on) lose nothing: the step is padded to the largest. Default False:
       every example is used.
+    experimental_padding: what the padding rows of a partial batch hold (every step sees them; the
+      library's `valid_mask`, `compute_average_loss`, `per_example` reductions and Keras's `fit` weigh them
+      0). ``"first_row"`` (default): copies of a real row (the global batch's first row; with
+      `experimental_distribute_datasets_from_function`, each replica's own first row, else the first row
+      of another local replica), so that a step that is finite on real rows is finite on padding too: a
+      per-example loss that would be NaN on an all-zero row (row-normalised features, a fully masked
+      sequence averaged) cannot make NaN gradients through a zero weight. ``"zeros"``: zero rows, for
+      steps that read the dataset's own mask or weight column (``jnp.where(batch["mask"], loss, 0)``)
+      and rely on it being 0 on padding. TF hands each replica only its real rows, so TF code never
+      needs either: `PaddingReadWarning` names a step that sums padding rows either way.
 
-  All three are checked when the options are made: the two flags must be bools (TypeError) and the
-  buffer size None or an int (TypeError) >= 0 (ValueError).
+  All four are checked when the options are made: the two flags must be bools (TypeError), the buffer
+  size None or an int (TypeError) >= 0 (ValueError), and the padding one of the two names (ValueError).
 
   >>> InputOptions(experimental_per_replica_buffer_size=2).experimental_fetch_to_device
   True
@@ -67,6 +78,7 @@ class InputOptions:
   experimental_fetch_to_device: bool = True
   experimental_per_replica_buffer_size: int | None = None
   drop_remainder: bool = False
+  experimental_padding: str = "first_row"
 
   def __post_init__(self) -> None:
     for name in ("experimental_fetch_to_device", "drop_remainder"):
@@ -75,6 +87,9 @@ class InputOptions:
         raise TypeError(f"InputOptions.{name} must be a bool, got {type(value).__name__} {value!r}.")
     check_int(self.experimental_per_replica_buffer_size, "InputOptions", "experimental_per_replica_buffer_size",
               minimum=0, allow_none=True)
+    if self.experimental_padding not in PADDINGS:
+      raise ValueError(f"InputOptions.experimental_padding must be one of {', '.join(map(repr, PADDINGS))}, got "
+                       f"{self.experimental_padding!r}.")
 
 
 def buffer_size(options: InputOptions, platform: str) -> int:

@@ -24,7 +24,7 @@ from tpustrat._src.host_memory import host_empty
 from tpustrat._src.jax_compat import varying_axes
 
 __all__ = [
-    "batch_of", "num_valid_examples", "pad_rows", "pad_rows_per_replica", "per_example", "stack_padded", "take_rows",
+    "batch_of", "fill_rows", "num_valid_examples", "pad_rows", "pad_rows_per_replica", "per_example", "stack_padded", "take_rows",
     "valid_mask",
 ]
 
@@ -224,7 +224,7 @@ def per_example(tree: Any, *, batch: Any = None) -> Any:
 # -- padding on the host --------------------------------------------------------------------------
 
 
-def pad_rows(x: np.ndarray, rows: int, first_row: bool = False) -> np.ndarray:
+def pad_rows(x: np.ndarray, rows: int, first_row: bool) -> np.ndarray:
   """`x` with rows added up to `rows`: zeros, or (`first_row`, when `x` has a row) copies of its first row."""
   if x.shape[0] == rows:
     return x
@@ -240,6 +240,23 @@ def pad_rows_per_replica(x: np.ndarray, k: int) -> np.ndarray:
   out[:, :x.shape[1]] = x
   out[:, x.shape[1]:] = 0
   return out
+
+
+def fill_rows(x: np.ndarray, counts: np.ndarray, row: np.ndarray | None = None) -> np.ndarray:
+  """Sets, in place, the padding rows of ``[n, k, ...]`` per-replica parts (replica `j` has ``counts[j]`` real
+  rows) to a real row (`InputOptions.experimental_padding`): `row` (a global batch's first row) for every
+  replica; or, without it (per-replica batches), replica `j`'s own first row, and for a replica without
+  rows the first row of the first replica that has one (rows stay zero when none has)."""
+  own = row is None
+  if own:
+    donor = next((j for j, c in enumerate(counts) if c > 0), None)
+    if donor is None:
+      return x
+    row = x[donor, 0]
+  for j, c in enumerate(counts):
+    if c < x.shape[1]:
+      x[j, c:] = x[j, 0] if own and c > 0 else row
+  return x
 
 
 def take_rows(x: np.ndarray, rows: list[int]) -> np.ndarray:
