@@ -5,8 +5,8 @@
 position under one step, and restores them onto any strategy layout, checking the content. A damaged
 step raises `DamagedCheckpointError` (``restore(step)``) or is skipped with a `DamagedCheckpointWarning`
 (``restore()``, the newest intact step). A save the storage refuses raises `CheckpointSaveError` (one
-process) or stops the job with status 74 (several). Every blocking operation is bounded by the manager's
-timeout.
+process) or stops the job with status 74 (several); a save a peer process died in stops it with 69.
+Every blocking operation is bounded by the manager's timeout.
 See `tpustrat._src.checkpoint`.
 """
 
