@@ -56,20 +56,20 @@ def loss_fn(p, batch):
   return jnp.sum(jnp.where(tpustrat.valid_mask(batch["x"]), err, 0.0)) / GLOBAL
 
 
-def reference(params, data):
+def reference(params, data, denominator=GLOBAL):
   """Plain JAX on one device, no tpustrat: loss and gradients on the whole batch of real rows."""
   def loss(p):
     h = jnp.tanh(data["x"] @ p["w1"] + p["b1"])
-    return jnp.sum((h @ p["w2"] + p["b2"] - data["y"]) ** 2) / GLOBAL
+    return jnp.sum((h @ p["w2"] + p["b2"] - data["y"]) ** 2) / denominator
   with jax.default_device(jax.devices()[0]):
     return jax.jit(jax.value_and_grad(loss))(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params))
 
 
-def scales(params, data):
+def scales(params, data, denominator=GLOBAL):
   """What each gradient entry adds up (for `assert_close`'s atol): sum over examples of |its gradient|."""
   def example_loss(p, x, y):
     h = jnp.tanh(x @ p["w1"] + p["b1"])
-    return jnp.sum((h @ p["w2"] + p["b2"] - y) ** 2) / GLOBAL
+    return jnp.sum((h @ p["w2"] + p["b2"] - y) ** 2) / denominator
   p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
   per_example = jax.vmap(jax.grad(example_loss), in_axes=(None, 0, 0))(p, data["x"], data["y"])
   return {name: np.abs(np.asarray(g)).sum(0) for name, g in per_example.items()}
@@ -86,8 +86,8 @@ def local(value, strategy):
   return np.asarray(strategy.experimental_local_results(value)[0])
 
 
-def check_grads(strategy, grads, expected, params, data, rtol=1e-5):
-  scale = scales(params, data)
+def check_grads(strategy, grads, expected, params, data, rtol=1e-5, denominator=GLOBAL):
+  scale = scales(params, data, denominator)
   for name in expected:
     assert_close(local(grads[name], strategy), expected[name], rtol=rtol, scale=scale[name], err_msg=name)
 
@@ -148,6 +148,69 @@ def test_padding_rows_of_a_partial_batch_count_for_nothing(strategy, k):
   expected = {"w2": h.T @ d_out, "b2": d_out.sum(0), "w1": x.T @ d_h, "b1": d_h.sum(0)}
   assert_close(strategy.reduce("SUM", value, axis=None), np.sum(err ** 2) / GLOBAL, rtol=1e-5)
   check_grads(strategy, grads, expected, params, tail)
+
+
+def average_loss_step(k, global_batch_size):
+  """The step of TF's tutorials: `compute_average_loss` of the per-example losses, accumulated over k."""
+  def step(params, batch):
+    def loss(p, b):
+      per_example = jnp.sum((mlp(p, b["x"]) - b["y"]) ** 2, axis=-1)
+      return tpustrat.compute_average_loss(per_example, global_batch_size=global_batch_size)
+    return tpustrat.accumulate_gradients(loss, params, batch, gradient_accumulation_steps=k)
+  return step
+
+
+@pytest.mark.parametrize("global_batch_size", [None, GLOBAL], ids=["default", "global_batch_size"])
+@pytest.mark.parametrize("rows", [GLOBAL, 13, 1], ids=["full", "13_of_32", "1_of_32"])
+@pytest.mark.parametrize("k", [2, 4])
+def test_compute_average_loss_in_micro_batches_is_the_whole_global_batchs(strategy, k, rows, global_batch_size):
+  # Issue 43, item 2: the default denominator was each micro-batch's own (its rows, or real rows, over
+  # the replicas), so loss and gradients were about k times the batch's. It is the whole global batch's,
+  # as TF's compute_average_loss on the big batch: its GLOBAL examples, or its real ones on a partial
+  # batch (the second batch of the dataset: 4 rows per replica, 13 real = [4, 4, 4, 1, 0, 0, 0, 0], or 1
+  # real = [1, 0, ...]). The reference: one device, the real rows only, their mean (or sum / GLOBAL).
+  params, data = init_params(), make_data(rows, seed=3)
+  it = iter(strategy.experimental_distribute_dataset([make_data(GLOBAL, seed=2), data]))
+  next(it)
+  batch = next(it)
+  assert sum(int(c) for c in batch["x"].host_real_rows()) == rows
+  loss, grads = strategy.run(average_loss_step(k, global_batch_size), args=(params, batch))
+  denominator = rows if global_batch_size is None else GLOBAL
+  ref_loss, ref_grads = reference(params, data, denominator)
+  assert_close(strategy.reduce("SUM", loss, axis=None), ref_loss, rtol=1e-5)
+  check_grads(strategy, grads, ref_grads, params, data, denominator=denominator)
+
+
+def test_nested_accumulations_keep_the_whole_global_batchs_denominator(strategy):
+  # An accumulation inside another's loss: the inner micro-batches are parts of the outer's, which are
+  # parts of the step's batch (k = 2 x 2), on a plain per-replica batch (no padding: GLOBAL examples) and
+  # on a partial one (its 13 real examples).
+  params, inner = init_params(), average_loss_step(2, None)
+
+  def step(p, b):
+    return tpustrat.accumulate_gradients(lambda p, b: inner(p, b)[0], p, b, gradient_accumulation_steps=2)
+
+  for rows in (GLOBAL, 13):
+    data = make_data(rows, seed=4)
+    if rows == GLOBAL:  # a PerReplica of arrays, not a dataset's: no real-row counts
+      batch = PerReplica([jax.tree.map(lambda a, r=r: a[r * 4:(r + 1) * 4], data) for r in range(N)])
+    else:
+      it = iter(strategy.experimental_distribute_dataset([make_data(GLOBAL, seed=2), data]))
+      next(it)
+      batch = next(it)
+    loss, grads = strategy.run(step, args=(params, batch))
+    ref_loss, ref_grads = reference(params, data, rows)
+    assert_close(strategy.reduce("SUM", loss, axis=None), ref_loss, rtol=1e-5, err_msg=str(rows))
+    check_grads(strategy, grads, ref_grads, params, data, denominator=rows)
+
+
+def test_without_a_strategy_the_default_denominator_is_the_whole_batchs():
+  params, data = init_params(), make_data(GLOBAL)
+  ref_loss, ref = reference(params, data)
+  loss, grads = average_loss_step(4, None)(params, data)
+  assert_close(loss, ref_loss, rtol=1e-5)
+  for name in params:
+    assert_close(grads[name], ref[name], rtol=1e-5, scale=scales(params, data)[name], err_msg=name)
 
 
 def test_adam_through_run_steps_and_run_inside_jit_and_scan_equals_one_device_optax(strategy):
@@ -323,6 +386,18 @@ def test_k4_step_all_reduces_as_often_as_the_k1_step_and_never_in_its_loop(strat
     assert in_loops == 0, name
   assert counts["k=4"] == counts["k=1"] >= 1, counts
   assert counts["k=4"] <= counts["plain"], counts
+
+
+def test_the_default_denominator_is_summed_once_outside_the_loop(strategy):
+  # compute_average_loss's default denominator on a padded batch: its real examples summed over the
+  # replicas (a scalar all-reduce) once, before the micro-batches' loop: as many all-reduces as with k = 1.
+  params, batch = init_params(), next(batches(strategy, make_data(GLOBAL)))
+  counts = {}
+  for k in (1, 4):
+    (all_reduces, _, _), in_loops = collectives(compiled_hlo(strategy, average_loss_step(k, None), params, batch))
+    assert in_loops == 0, k
+    counts[k] = all_reduces
+  assert counts[4] == counts[1] >= 1, counts
 
 
 def test_k4_step_reduce_scatters_sharded_gradients_as_often_as_the_k1_step(strategy):

@@ -144,8 +144,9 @@ def test_a_loss_whose_rows_cannot_be_followed_is_taken_whole_with_a_warning(stra
     total = strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None)
   assert any("compute_average_loss: per_example_loss" in str(w.message) and "`sort`" in str(w.message)
              for w in caught), [str(w.message) for w in caught]
-  padded = np.concatenate([x, np.zeros((3, 3), np.float32)]), np.concatenate([y, np.zeros(3, np.float32)])
-  want = ((padded[0].astype(np.float64) @ W0 + B0 - padded[1]) ** 2).sum() / GLOBAL_BATCH_SIZE  # padding counted
+  # padding counted: its rows are copies of the batch's first row (InputOptions.experimental_padding)
+  padded = np.concatenate([x, np.repeat(x[:1], 3, 0)]), np.concatenate([y, np.repeat(y[:1], 3)])
+  want = ((padded[0].astype(np.float64) @ W0 + B0 - padded[1]) ** 2).sum() / GLOBAL_BATCH_SIZE
   assert_close(float(total), want, rtol=1e-5, scale=want)
 
 
@@ -187,12 +188,12 @@ def test_a_sum_over_padding_rows_warns_once_at_the_first_partial_batch(strategy)
   with pytest.warns(tpustrat.PaddingReadWarning) as caught:
     loss, grads = strategy.run(step, args=(params, next(batches)))
   message = str(caught[0].message)
-  # The loss and the bias's gradient read the padding (the padding examples' loss is B0^2, not 0); the
-  # weight's gradient does not (x is zero there).
-  assert "outputs at [0], [1]['b'] are computed from a sum over the rows" in message
+  # The loss and both gradients read the padding (its rows are copies of the batch's first row, whose loss
+  # and gradient are not 0).
+  assert "outputs at [0], [1]['b'], [1]['w'] are computed from a sum over the rows" in message
   assert "`reduce_sum` in test_losses.py" in message and "compute_average_loss" in message
   err = x[16:].astype(np.float64) @ W0 + B0 - y[16:]
-  padded = (err ** 2).sum() + 3 * B0 ** 2  # what the unmasked step computes: 3 padding rows
+  padded = (err ** 2).sum() + 3 * err[0] ** 2  # what the unmasked step computes: 3 padding rows
   assert_close(float(strategy.reduce("sum", loss, axis=None)), padded / GLOBAL_BATCH_SIZE, rtol=1e-5, scale=padded)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
@@ -259,6 +260,72 @@ def test_padding_weighs_nothing_in_accumulated_micro_batches(strategy):
   assert_close(float(strategy.reduce("sum", loss, axis=None)), want_loss, rtol=1e-5, scale=want_loss)
   assert_close(np.asarray(grads["w"]), want_w, rtol=1e-5, scale=np.abs(want_w).max())
   assert_close(float(grads["b"]), want_b, rtol=1e-5, scale=abs(want_b) + 1)
+
+
+def _own_loop_step(k, global_batch_size, masked):
+  """compute_average_loss inside the user's own lax.scan over k micro-batches of the replica's rows (not
+  accumulate_gradients), differentiated through the loop; `masked`: the micro-batch's rows of valid_mask,
+  computed outside the loop and scanned over beside them, as sample_weight."""
+  def step(p, batch):
+    features, labels = batch
+    parts = (features.reshape((k, -1) + features.shape[1:]), labels.reshape(k, -1),
+             tpustrat.valid_mask(features).reshape(k, -1))
+
+    def loss(p):
+      def body(total, part):
+        x, y, valid = part
+        per_example = _per_example_loss(p["w"], p["b"], x, y)
+        return total + tpustrat.compute_average_loss(per_example, sample_weight=valid if masked else None,
+                                                     global_batch_size=global_batch_size), None
+      return jax.lax.scan(body, tpustrat.local_copy(jnp.float32(0)), parts)[0]
+
+    return jax.value_and_grad(loss)(p)
+  return step
+
+
+def _second_batch(strategy, global_rows, x, y):
+  """(x, y) as the second batch of a dataset whose first is full (`global_rows` rows): its replicas hold
+  `global_rows / N` rows each, the real ones first."""
+  full = _data(global_rows, seed=9)
+  batches = iter(strategy.experimental_distribute_dataset([full, (x, y)]))
+  next(batches)
+  return next(batches)
+
+
+@pytest.mark.parametrize("global_rows, k, rows", [(16, 2, 13), (32, 2, 13), (32, 4, 13), (32, 2, 1)])
+def test_your_own_loop_over_micro_batches_is_warned_on_a_partial_batch_and_exact_masked(strategy, global_rows, k,
+                                                                                       rows):
+  # Issue 43, item 3: inside the loop, which micro-batch a per-example loss is (the loop counter's) is not
+  # a value of its trace, so compute_average_loss cannot leave out its padding rows: with 13 rows of 16
+  # and k = 2 the loss was 6.8972 against 6.7097 on the real rows, silently. The rows are now followed
+  # into the loop (the batch reshaped [k, rows / k] and scanned over), so the sum over a micro-batch's
+  # padding rows is a PaddingReadWarning; masked with valid_mask's rows, the loop is exact and silent.
+  x, y = _data(rows, seed=7)
+  batch = _second_batch(strategy, global_rows, x, y)
+  params = strategy.experimental_mirror({"w": W0, "b": B0})
+  with pytest.warns(tpustrat.PaddingReadWarning, match="computed from a sum over the rows of the padded batch"):
+    strategy.run(_own_loop_step(k, global_rows, masked=False), args=(params, batch))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    loss, grads = strategy.run(_own_loop_step(k, global_rows, masked=True), args=(params, batch))
+  want_loss, want_w, want_b = _numpy_loss_and_grads(x, y, global_rows)
+  assert_close(float(strategy.reduce("sum", loss, axis=None)), want_loss, rtol=1e-5, scale=want_loss)
+  assert_close(np.asarray(grads["w"]), want_w, rtol=1e-5, scale=np.abs(want_w).max())
+  assert_close(float(grads["b"]), want_b, rtol=1e-5, scale=abs(want_b) + 1)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_the_default_denominator_in_your_own_loop_over_micro_batches_is_warned(strategy, k):
+  # TF's rule on a micro-batch's own rows is k times too small for the batch, on every batch (full here):
+  # said when the step is traced, naming the fix.
+  x, y = _data(32, seed=8)
+  batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))  # 4 rows per replica
+  params = strategy.experimental_mirror({"w": W0, "b": B0})
+  with pytest.warns(tpustrat.BatchRowsWarning) as caught:
+    strategy.run(_own_loop_step(k, None, masked=False), args=(params, batch))
+  message = next(str(w.message) for w in caught if issubclass(w.category, tpustrat.BatchRowsWarning))
+  assert f"has {4 // k} row" in message and f"the default denominator is {4 // k * N}" in message, message
+  assert f"one of the {k} micro-batches" in message and "tpustrat.accumulate_gradients" in message, message
 
 
 def test_experimental_run_steps_warns_at_its_first_group_with_a_partial_batch(strategy):

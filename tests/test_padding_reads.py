@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_close
 
 import tpustrat
-from conftest import assert_close
 
 N, GLOBAL = 8, 16
 ROWS = 15

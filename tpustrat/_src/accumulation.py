@@ -22,6 +22,11 @@ shapes):
 Padding: while the loss runs on a micro-batch, the micro-batch's arrays are the padded batch's arrays for
 `valid_mask` / `num_valid_examples` (the batch's real rows that fall in that micro-batch; padding is at
 the end of each replica's rows, so it lands in the last micro-batches).
+
+The micro-batches are parts of one global batch: while the loss runs on one, `compute_average_loss`'s
+default denominator is the whole global batch's (`losses.micro_batches`; its real examples, summed over
+the replicas once before the loop), as TF's on the big batch, so the micro-batches' losses add up to the
+big batch's mean.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from jax import lax
 from tpustrat._src import context as context_lib
 from tpustrat._src.input.padding import batch_of
 from tpustrat._src.jax_compat import to_varying, varying_axes
+from tpustrat._src.losses import global_examples, micro_batches
 from tpustrat._src.reduce_op import ReduceOp
 from tpustrat._src.sharded_variable import LocalShard
 from tpustrat._src.validation import check_int, tree_path
@@ -70,7 +76,9 @@ def accumulate_gradients(loss_fn: Callable[..., Any], params: Any, batch: Any, *
 
   Same numbers as the one-big-batch step, ``jax.value_and_grad(loss_fn)(params, batch)`` (f32: rtol 1e-5,
   tested on 1, 2, 4 and 8 replicas with k = 1, 2, 4), provided that the loss is a sum over the batch's
-  examples with a normaliser that does not depend on the batch it is given: TF's
+  examples with a normaliser that does not depend on the micro-batch it is given: TF's
+  ``compute_average_loss(per_example_loss)``, whose default denominator here is the whole global batch's
+  (its examples, or its real ones on a partial batch: the micro-batches are told they are parts of it), or
   ``compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH)``, i.e.
   ``jnp.sum(per_example_loss) / GLOBAL_BATCH`` with a constant. Such a loss is linear in the examples, so
   the big batch's loss and gradients are the sums of the micro-batches'. (A loss divided by its own batch's
@@ -84,7 +92,8 @@ def accumulate_gradients(loss_fn: Callable[..., Any], params: Any, batch: Any, *
       ``rows / k`` rows per leaf. Padding: `tpustrat.valid_mask(micro_batch)` /
       `num_valid_examples(micro_batch)` (or without an argument, as in the big-batch step) give the rows of
       the micro-batch that are real, so a loss that masks with them on the whole batch masks the same rows
-      here and padding rows count for nothing.
+      here and padding rows count for nothing; `tpustrat.compute_average_loss` leaves them out too, and its
+      default denominator is the whole global batch's.
     params: the pytree to differentiate: `Mirrored` parameters as the step receives them (arrays the same
       on every replica), the `LocalShard` blocks of `ShardedVariable` values, or per-replica values.
     batch: this replica's batch: a pytree whose every leaf has the batch on axis 0, with a number of rows
@@ -193,6 +202,9 @@ def accumulate_gradients(loss_fn: Callable[..., Any], params: Any, batch: Any, *
     local = jax.tree.leaves(local)
   else:
     padded = _padded_batches(ctx, flat_batch)
+    # The real examples of each padded global batch the micro-batches are parts of, summed over the replicas
+    # here, outside the loop: `compute_average_loss`'s default denominator inside it.
+    totals = {j: global_examples(ctx, ctx.real_rows[j][1]) for j in sorted({j for j in padded if j is not None})}
     micro = [jnp.reshape(x, (k, jnp.shape(x)[0] // k) + tuple(jnp.shape(x)[1:])) for x in flat_batch]
     param_leaves = jax.tree.leaves(diff_params)
     acc0 = [_zeros_like_accumulator(p, axis) for p in param_leaves]
@@ -200,7 +212,7 @@ def accumulate_gradients(loss_fn: Callable[..., Any], params: Any, batch: Any, *
     def body(acc, xs):
       i, micro_leaves = xs
       micro_batch = jax.tree.unflatten(batch_tree, micro_leaves)
-      with _micro_batch_rows(ctx, padded, micro_leaves, i, k):
+      with _micro_batch_rows(ctx, padded, totals, micro_leaves, i, k):
         out, g = value_and_grad(diff_params, micro_batch)
       acc = [a + gi.astype(a.dtype) for a, gi in zip(acc, jax.tree.leaves(g))]
       return acc, out
@@ -322,23 +334,25 @@ def _padded_batches(ctx: Any, leaves: list[Any]) -> list[int | None]:
 
 
 @contextlib.contextmanager
-def _micro_batch_rows(ctx: Any, padded: list[int | None], micro_leaves: list[Any], i: Any,
+def _micro_batch_rows(ctx: Any, padded: list[int | None], totals: dict[int, Any], micro_leaves: list[Any], i: Any,
                       k: int) -> Iterator[None]:
   """While the loss runs on micro-batch `i`, its arrays are the padded batches' arrays for `valid_mask` and
   `num_valid_examples`: each padded batch of ``size`` rows and ``count`` real ones (on this replica)
-  becomes one of ``size / k`` rows and ``clip(count - i * size / k, 0, size / k)`` real ones."""
+  becomes one of ``size / k`` rows and ``clip(count - i * size / k, 0, size / k)`` real ones; and its
+  per-example losses are one of `k` parts of the global batch for `compute_average_loss` (`micro_batches`:
+  the default denominator is the whole batch's, `totals[j]` real examples for padded batch `j`)."""
   saved_rows, saved_marks = ctx.real_rows, len(ctx.per_example_marks)
-  if any(j is not None for j in padded):
-    rows = list(saved_rows)
-    for j in sorted({j for j in padded if j is not None}):
-      size, count = saved_rows[j]
-      m = size // k
-      rows[j] = (m, jnp.clip(count - i * m, 0, m).astype(jnp.int32))
-    ctx.real_rows = tuple(rows)
-    for j in {j for j in padded if j is not None}:
-      ctx.note_batch_leaves([x for x, b in zip(micro_leaves, padded) if b == j], j)
+  rows = list(saved_rows)
+  for j in totals:
+    size, count = saved_rows[j]
+    m = size // k
+    rows[j] = (m, jnp.clip(count - i * m, 0, m).astype(jnp.int32))
+  ctx.real_rows = tuple(rows)
+  for j in totals:
+    ctx.note_batch_leaves([x for x, b in zip(micro_leaves, padded) if b == j], j)
   try:
-    yield
+    with micro_batches(ctx, k, [(rows[j][1], totals[j]) for j in totals]):
+      yield
   finally:
     ctx.real_rows = saved_rows
   if len(ctx.per_example_marks) != saved_marks:

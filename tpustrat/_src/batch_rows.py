@@ -12,6 +12,11 @@ Each value gets a `Rows`:
   followed wherever an operation moves them whole: elementwise arithmetic, transposes, reshapes that keep
   the axis, reductions and contractions over other axes, the batch dimensions of matmuls, convolutions
   and gathers, pooling windows over other axes, calls, ``lax.cond`` and ``lax.scan`` carries;
+* ``Rows.of({b}, axis, part=True)``: axis `axis` holds a part of batch ``b``'s rows, consecutive ones
+  (a micro-batch): the rows reshaped into ``[k, rows / k, ...]`` (on the second of the two axes), and,
+  in the body of a ``lax.scan`` over the first, one micro-batch. Which part is not known (inside the loop
+  it is the step counter's), so a part is never taken for the batch's rows: a sum over it is still a sum
+  over the batch's rows, padding included unless masked;
 * ``Rows.NONE``: no batch's rows (never came from a batch, or were summed away: a reduction over the rows,
   a contraction over them, a collective mixing replicas);
 * ``Rows.unknown(primitive)``: rows went through an operation that moves, reorders or merges them in a
@@ -33,13 +38,9 @@ import jax
 from jax import lax
 
 from tpustrat._src import jax_compat as compat
+from tpustrat._src.losses import BatchRowsWarning
 
 __all__ = ["BatchRowsWarning", "Rows", "equation_rows", "leading_rows", "same_rows"]
-
-
-class BatchRowsWarning(UserWarning):
-  """An output of `strategy.run` has a padded batch's per-replica size on axis 0, but its rows could not
-  be traced to one batch: mark it with `tpustrat.per_example` to say whose rows it holds."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,21 +51,23 @@ class Rows:
   axis: int = 0
   unknown_via: str | None = None  # the primitive that lost track of them
   item: bool = False  # one row's data (inside a scan over the rows): no rows axis of its own
+  part: bool = False  # some of the rows (a micro-batch of them), not all
 
   NONE: ClassVar[Rows]  # no batch's rows (set below)
 
   @staticmethod
-  def of(batches: Any, axis: int = 0) -> Rows:
-    return Rows(frozenset(batches), axis)
+  def of(batches: Any, axis: int = 0, part: bool = False) -> Rows:
+    return Rows(frozenset(batches), axis, part=part)
 
   @staticmethod
   def unknown(via: str) -> Rows:
     return Rows(frozenset(), 0, via)
 
   @staticmethod
-  def one_row(batches: Any) -> Rows:
-    """Inside a loop over the rows of `batches`: one row's values, whatever their shape."""
-    return Rows(frozenset(batches), 0, None, True)
+  def one_row(batches: Any, part: bool = False) -> Rows:
+    """Inside a loop over the rows of `batches` (or over a `part` of them): one row's values, whatever their
+    shape."""
+    return Rows(frozenset(batches), 0, None, True, part)
 
   @property
   def is_unknown(self) -> bool:
@@ -78,7 +81,7 @@ class Rows:
     """These rows moved to `axis` (None: gone from the value, summed away)."""
     if not self.batches:
       return self
-    return Rows.NONE if axis is None else Rows(self.batches, axis)
+    return Rows.NONE if axis is None else Rows(self.batches, axis, part=self.part)
 
   def join(self, other: Rows, via: str) -> Rows:
     """Rows of a value computed position by position from both (elementwise, say)."""
@@ -90,9 +93,9 @@ class Rows:
       return self
     if not self.batches:
       return other
-    if self.axis != other.axis:
+    if self.axis != other.axis or self.part != other.part:
       return Rows.unknown(via)
-    return Rows(self.batches | other.batches, self.axis)
+    return Rows(self.batches | other.batches, self.axis, part=self.part)
 
 
 Rows.NONE = Rows()
@@ -284,7 +287,8 @@ def _broadcast_in_dim(eqn: Any, ins: list[Rows]) -> Rows:
 
 def _reshape(eqn: Any, ins: list[Rows]) -> Rows:
   """Row-major reshape: the rows' axis survives where the sizes before it multiply to the same and the
-  axis keeps its size."""
+  axis keeps its size; split into two axes ``[k, rows / k]`` (micro-batches), the second holds a part of
+  the rows."""
   r = ins[0]
   if eqn.params.get("dimensions") is not None:
     return Rows.unknown("reshape")
@@ -293,7 +297,10 @@ def _reshape(eqn: Any, ins: list[Rows]) -> Rows:
   for j in range(len(out)):
     if math.prod(out[:j]) == before and out[j] == op[r.axis]:
       return r.at(j, "reshape")
-  return Rows.unknown("reshape")  # merged with, or split into, other axes
+  for j in range(len(out) - 1):
+    if not r.part and math.prod(out[:j]) == before and out[j] * out[j + 1] == op[r.axis]:
+      return Rows.of(r.batches, j + 1, part=True)
+  return Rows.unknown("reshape")  # merged with other axes, or split into more than two
 
 
 def _squeeze(eqn: Any, ins: list[Rows]) -> Rows:
@@ -528,8 +535,8 @@ def _scan(eqn: Any, ins: list[Rows]) -> list[Rows]:
     if r.item:
       sliced.append(Rows.unknown("scan"))  # a loop inside a loop over rows, over one row's values
     elif r.batches and r.axis == 0:
-      sliced.append(Rows.one_row(r.batches))  # a loop over the rows themselves (lax.map per example)
-    else:
+      sliced.append(Rows.one_row(r.batches, r.part))  # a loop over the rows themselves (lax.map per example)
+    else:  # a loop over another axis: each step holds the rows (over ``[k, rows / k]``: a part of them)
       sliced.append(r.at(r.axis - 1, "scan") if r.batches else r)
   for _ in range(len(carry) + 2):  # each pass can only widen a carry's rows: a fixed point is near
     outs = leading_rows(body, [*consts, *carry, *sliced])
@@ -544,5 +551,5 @@ def _scan(eqn: Any, ins: list[Rows]) -> list[Rows]:
   else:
     return [Rows.unknown("scan")] * len(eqn.outvars)
   # Stacked outputs: one row's values stacked over the rows are rows on axis 0 again.
-  ys = [Rows.of(y.batches, 0) if y.item else y.at(y.axis + 1, "scan") if y.batches else y for y in outs[nk:]]
+  ys = [Rows.of(y.batches, 0, y.part) if y.item else y.at(y.axis + 1, "scan") if y.batches else y for y in outs[nk:]]
   return [*carry, *ys]

@@ -200,6 +200,11 @@ _SAME_CONSTANT = frozenset({"pvary", "pcast", "convert_element_type", "copy", "c
 
 
 _CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+# Operations that lose a batch's rows which the warning names when a sum follows them: those that merge or
+# move rows as a step's own code does (a reshape merging them with another axis, a loop, an exchange
+# between replicas). A gather or scatter is left unnamed: JAX's gradients of label lookups
+# (``take_along_axis``) are made of them, and naming them would warn every classifier.
+_NOTED = frozenset({"reshape", "while", "all_to_all", "ppermute", "rev"})
 
 
 def _on_rows(x: Value, axis: Any) -> bool:
@@ -318,7 +323,7 @@ def _sums_padding(eqn: Any, ins: list[Value], replicas: int, unfollowed: set[str
     if name != "reduce_sum":
       return None
     if x.rows.is_unknown and not (x.zero or x.mask):
-      if unfollowed is not None and x.rows.unknown_via:
+      if unfollowed is not None and x.rows.unknown_via in _NOTED:
         unfollowed.add(x.rows.unknown_via)
       return None
     if x.rows.batches and not x.rows.item and x.rows.axis in axes and not (x.zero or x.mask):
