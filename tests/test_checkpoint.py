@@ -1148,3 +1148,155 @@ def test_the_timeout_is_the_step_timeout_unless_given(strategy, tmp_path, monkey
     with pytest.raises(ValueError, match=r"^CheckpointManager: timeout must be a positive number of seconds in "
                                          rf"\[1, 2147483647\], got {re.escape(repr(bad))}\.$"):
       CheckpointManager(tmp_path, strategy, timeout=bad)
+
+
+# -- saving a step that is on disk already (issue 44 item 5) -------------------------------------------
+
+
+def _two_steps(strategy, directory, values, enable_async=True):
+  """A manager with checkpoints 1 and 2 of ``{"w": values[i]}``, each with the iterator's position (1 and 2
+  batches taken); returns it, the dataset and the iterator (2 batches taken)."""
+  dist = strategy.experimental_distribute_dataset([np.full(8, i, np.float32) for i in range(6)])
+  it = iter(dist)
+  manager = CheckpointManager(directory, strategy, enable_async_checkpointing=enable_async)
+  for step in (1, 2):
+    next(it)
+    manager.save(step, {"w": jnp.asarray(values[step - 1])}, iterator=it)
+  manager.wait_until_finished()
+  return manager, dist, it
+
+
+def _restored(strategy, directory, dist, step=None):
+  """``w`` of checkpoint `step` (default: the newest) read by a fresh manager, and the first element of the
+  batch its iterator position gives next."""
+  with CheckpointManager(directory, strategy) as manager:
+    resumed = iter(dist)
+    state = manager.restore(step, target={"w": jnp.zeros(4, jnp.float32)}, iterator=resumed)
+    return np.asarray(state["w"]), float(strategy.experimental_local_results(next(resumed))[0][0])
+
+
+@pytest.mark.parametrize("enable_async", [True, False])
+def test_saving_the_newest_step_again_replaces_it(strategy, tmp_path, enable_async):
+  # A resumed job saving the step it resumed from, or a finished job started again: orbax's manager
+  # returned False and kept the old step; TF's CheckpointManager.save(checkpoint_number=2) overwrites.
+  values = [np.arange(4, dtype=np.float32) + 10 * i for i in range(3)]
+  manager, dist, it = _two_steps(strategy, tmp_path, values, enable_async)
+  with manager:
+    next(it)  # the replacement holds another state and another position (3 batches taken)
+    assert manager.save(2, {"w": jnp.asarray(values[2])}, iterator=it) is True
+    # The previous checkpoint waits aside until the new one is committed, then goes.
+    assert (tmp_path / "2.replaced").is_dir()
+    manager.wait_until_finished()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+    assert manager.all_steps() == [1, 2]
+  w, next_batch = _restored(strategy, tmp_path, dist)
+  np.testing.assert_array_equal(w, values[2])
+  assert next_batch == 3.0
+  w, next_batch = _restored(strategy, tmp_path, dist, step=1)  # the other step is untouched
+  np.testing.assert_array_equal(w, values[0])
+  assert next_batch == 1.0
+
+
+def test_saving_a_step_older_than_the_newest_raises_and_writes_nothing(strategy, tmp_path):
+  # A job whose step count restarted at 0 after a restore: its saves were skipped without a word.
+  values = [np.arange(4, dtype=np.float32) + 10 * i for i in range(3)]
+  manager, dist, _ = _two_steps(strategy, tmp_path, values)
+  with manager:
+    for step, held in ((1, "checkpoint 1 exists"), (0, "there is no checkpoint 0")):
+      for force in (False, True):
+        with pytest.raises(ValueError, match=(
+            rf"^CheckpointManager\.save: step {step} is older than the newest checkpoint, step 2, in "
+            rf"{re.escape(str(tmp_path))} \(steps \[1, 2\]; {held}\)\. Nothing was written: restore\(\) takes "
+            r"the newest step.* continues its step count from the restored step")):
+          manager.save(step, {"w": jnp.asarray(values[2])}, force=force)
+    manager.wait_until_finished()
+    assert manager.all_steps() == [1, 2]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+  for step in (1, 2):
+    w, next_batch = _restored(strategy, tmp_path, dist, step=step)
+    np.testing.assert_array_equal(w, values[step - 1])
+    assert next_batch == float(step)
+
+
+@pytest.mark.parametrize("enable_async", [True, False])
+def test_a_replacement_that_fails_puts_the_previous_checkpoint_back(strategy, tmp_path, monkeypatch,
+                                                                    enable_async):
+  values = [np.arange(4, dtype=np.float32) + 10 * i for i in range(3)]
+  manager, dist, it = _two_steps(strategy, tmp_path, values, enable_async)
+  handler = handlers.api().IteratorHandler
+  original = handler.save
+
+  def save_then_fail(self, directory, args=None):
+    original(self, directory, args)
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(handler, "save", save_then_fail)
+  next(it)
+  with pytest.raises(checkpoint_lib.CheckpointSaveError,
+                     match=r"could not write checkpoint 2 .* No space left on device.* The previous checkpoint 2, "
+                           r"which this save was replacing, is back in place, intact\.$"):
+    manager.save(2, {"w": jnp.asarray(values[2])}, iterator=it)
+    manager.wait_until_finished()
+  monkeypatch.undo()
+  assert manager.all_steps() == [1, 2]
+  manager.close()
+  assert (tmp_path / "2").is_dir() and not (tmp_path / "2.replaced").exists()
+  with pytest.warns(tpustrat.checkpoint.DamagedCheckpointWarning, match="removed the unfinished save of step 2"):
+    w, next_batch = _restored(strategy, tmp_path, dist)
+  np.testing.assert_array_equal(w, values[1])
+  assert next_batch == 2.0
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_the_next_start_settles_a_replacement_that_a_stopped_process_left(strategy, tmp_path, committed):
+  # A process stopped between setting step 2's previous checkpoint aside and removing it: the replacement
+  # had been committed (the previous checkpoint goes), or it had not (the previous checkpoint comes back).
+  values = [np.arange(4, dtype=np.float32) + 10 * i for i in range(3)]
+  directory, other = tmp_path / "run", tmp_path / "other"
+  manager, dist, _ = _two_steps(strategy, directory, values)
+  manager.close()
+  with CheckpointManager(other, strategy) as elsewhere:  # a checkpoint 2 of other content
+    elsewhere.save(2, {"w": jnp.asarray(values[2])}, iterator=iter(dist))
+  if committed:  # "2" is the replacement, "2.replaced" the previous checkpoint (values[2] here)
+    shutil.copytree(other / "2", directory / "2.replaced")
+    want = values[1]
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")  # nothing to say: the job's own save had been committed
+      CheckpointManager(directory, strategy).close()
+  else:  # the replacement never committed: its temporary directory, and the previous checkpoint aside
+    (directory / "2").rename(directory / "2.replaced")
+    shutil.copytree(other / "2", directory / "2.orbax-checkpoint-tmp-1")
+    want = values[1]
+    with pytest.warns(tpustrat.checkpoint.DamagedCheckpointWarning) as caught:
+      CheckpointManager(directory, strategy).close()
+    said = [str(w.message) for w in caught]
+    assert any("removed the unfinished save of step 2" in m for m in said), said
+    assert any(m.startswith("CheckpointManager: the save that was replacing step 2 never committed (a process "
+                            "stopped while writing it); the previous checkpoint 2 was put back in place from "
+                            f"{directory / '2.replaced'}.") for m in said), said
+  assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]
+  w, next_batch = _restored(strategy, directory, dist)
+  np.testing.assert_array_equal(w, want)
+  assert next_batch == 2.0
+
+
+@pytest.mark.processes
+def test_every_process_replaces_the_newest_step_and_refuses_an_older_one(tmp_path):
+  """2 processes x 4 devices: the replacement of step 2 is set aside by process 0 and forgotten by both
+  before orbax's save; the save of step 1 raises on both, before any collective. Both processes save;
+  `strategy.extended.should_checkpoint` (TF's chief rule) is True on process 0 only."""
+  ckpt = tmp_path / "ckpt"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPUSTRAT_")}
+  done = subprocess.run([sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "4",
+                         str(SCRIPTS / "replace_mp.py"), str(ckpt)],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = launched_results(done.stdout)
+  for p in (0, 1):
+    assert results[p].pop("should") == [[p == 0, p == 0]] * 2  # TPUStrategy, MultiWorkerMirroredStrategy
+    error = results[p].pop("error")
+    assert error.startswith(f"CheckpointManager.save: step 1 is older than the newest checkpoint, step 2, in {ckpt} "
+                            "(steps [1, 2]; checkpoint 1 exists)."), error
+  assert results[0] == results[1] == {"replaced": True, "aside_while_writing": True, "steps": [1, 2], "w": 3.0,
+                                      "next_batch": 3.0}
+  assert sorted(p.name for p in ckpt.iterdir()) == ["1", "2"]

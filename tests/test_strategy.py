@@ -212,3 +212,23 @@ def test_multi_worker_mirrored_strategy_reads_tf_config_as_tf_does(monkeypatch):
   with pytest.raises(ValueError, match=r"both TF_CONFIG \(a cluster of 2 training tasks\) and "
                                        r"TPUSTRAT_NUM_PROCESSES=2"):
     tpustrat.MultiWorkerMirroredStrategy()
+
+
+# -- which process writes: extended.should_checkpoint, should_save_summary (TF's chief rule) ----------
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_only_the_chief_should_checkpoint_and_save_summaries(strategy, monkeypatch, process):
+  # TF's Model Garden loop reads both; they raised AttributeError. TF: True for MirroredStrategy, TPUStrategy
+  # and the default strategy; on the chief only (process 0 here) for MultiWorkerMirroredStrategy, the rule of
+  # every strategy that spans processes here, where every process runs the loop.
+  kinds = {"TPUStrategy": strategy, "MultiWorkerMirroredStrategy": tpustrat.MultiWorkerMirroredStrategy(),
+           "default": tpustrat.get_strategy()}
+  if process == 0:  # a MirroredStrategy exists in one-process jobs only
+    kinds["MirroredStrategy"] = tpustrat.MirroredStrategy()
+  # As process `process` of a job whose replicas start on process 0's devices (this session's).
+  monkeypatch.setattr(jax, "process_index", lambda *a, **k: process)
+  for name, s in kinds.items():
+    chief = name == "default" or process == 0
+    ext = s.extended
+    assert (ext.should_checkpoint, ext.should_save_summary, ext.experimental_should_init) == (chief, chief, True), name

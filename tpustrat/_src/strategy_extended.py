@@ -2,7 +2,8 @@
 `tf.distribute.StrategyExtended`).
 
 The devices and the logical cores of the replicas, the bound on steps in flight and the input-bound check
-(settings of the strategy's engine and step counters), the cross-device ops (`CrossDeviceExtendedMixin`:
+(settings of the strategy's engine and step counters), which process writes checkpoints and summaries
+(`should_checkpoint`, `should_save_summary`), the cross-device ops (`CrossDeviceExtendedMixin`:
 `reduce_to`, `batch_reduce_to`, ...), and the collectives a `ReplicaContext` delegates to
 (`replica_all_reduce`, `replica_all_gather`).
 """
@@ -120,6 +121,54 @@ class StrategyExtended(CrossDeviceExtendedMixin):
     counters = self._step_counters
     counters.window = check_int(value, "strategy.extended", "experimental_input_bound_window", minimum=1)
     counters.reset_window()
+
+  # -- which process writes (TF's chief rule) ----------------------------------------------------------
+
+  @property
+  def should_checkpoint(self) -> bool:
+    """Whether this process should write checkpoints (TF's `StrategyExtended.should_checkpoint`).
+
+    TF's rule: True for `MirroredStrategy`, `TPUStrategy` and the default strategy (one client drives
+    every device), True only on the chief for `MultiWorkerMirroredStrategy` (each worker runs the loop).
+    Here every process of a job runs the training loop, `TPUStrategy`'s included, so the multi-worker
+    rule holds for every strategy that spans processes: True on the first process holding a replica,
+    process 0 (TF's chief: `TFConfigClusterResolver` makes the chief process 0), False on the others.
+    True in a one-process job, and always for the default strategy (no distribution: TF's True).
+
+    It does not decide who calls `tpustrat.checkpoint.CheckpointManager.save`: every process calls it,
+    on the same directory, since each writes its part of the arrays (the manager has process 0 write what
+    is written once). TF code that saves into a temporary directory on the other workers (Model Garden's
+    `_save_checkpoint`) becomes one ``manager.save(step, state)`` on every process. Guard with it what
+    one process writes by itself: an exported model, a file of results.
+    """
+    return self._first_process()
+
+  @property
+  def should_save_summary(self) -> bool:
+    """Whether this process should write summaries (TF's `StrategyExtended.should_save_summary`): the rule
+    of `should_checkpoint`, True on process 0 only in a job of several processes.
+
+    Compute the values on every process (`strategy.reduce` and the step are programs every process runs),
+    and write them only where this is True: TF's other workers write into a temporary directory because
+    reading a variable synchronises them; here the write itself is a host-side call with no collective.
+    """
+    return self._first_process()
+
+  @property
+  def experimental_should_init(self) -> bool:
+    """Whether this process should initialise the variables (TF's
+    `StrategyExtended.experimental_should_init`): True on every process, as in TF's `MirroredStrategy`,
+    `TPUStrategy` and `MultiWorkerMirroredStrategy`: each process builds the initial state, its part of
+    the global arrays."""
+    return True
+
+  def _first_process(self) -> bool:
+    """Whether this process is the first process holding one of the strategy's replicas (process 0 for a
+    strategy over every process; this process for one over its own devices); True for the default strategy
+    (`engine` None), whose `run` is per process."""
+    if self._engine is None:
+      return True
+    return jax.process_index() == min(d.process_index for d in self._devices)
 
   # -- the collectives of `ReplicaContext` (TF's `extended._replica_ctx_all_reduce`, ...) ----------------
 

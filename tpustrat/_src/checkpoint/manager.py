@@ -43,6 +43,7 @@ from tpustrat._src.input.encoding import bytes_to_text, text_to_bytes
 __all__ = ["CheckpointManager"]
 
 _TMP_MARK = ".orbax-checkpoint-tmp"  # in the name of the directory orbax writes a step into before its commit
+_REPLACED_MARK = ".replaced"  # in the name a replaced step's previous checkpoint has until the new one commits
 
 _INSTANCES: collections.Counter[str] = collections.Counter()  # managers per directory in this process
 _OPEN: collections.Counter[str] = collections.Counter()  # of them, those not closed yet
@@ -125,6 +126,15 @@ class CheckpointManager:
       ``TPUClusterResolver(step_timeout=...)``), read at each operation, else 1200 s. Give it when a save
       of the state legitimately takes longer than the step timeout.
 
+  Steps only grow. A `save` of the newest step replaces it, as TF's ``CheckpointManager.save(
+  checkpoint_number=...)`` overwrites (a resumed job saving the step it resumed from; a finished job
+  started again, whose final save repeats the last one): the previous checkpoint is set aside to
+  ``<step>.replaced`` and removed only once the new one is committed; a save that fails puts it back, and
+  so does the next start after a process stopped in the middle of it. A save of a step older than the
+  newest raises a `ValueError` naming both: `restore` would never take it, and a job whose step count
+  restarted at 0 after a restore would otherwise train on without a checkpoint. orbax's own manager skips
+  both without a word.
+
   A save the storage refuses (disk full, read-only file system) ends at once: `CheckpointSaveError` with one
   process, status 74 for every process of a multi-process job; a save that another process left in the
   middle (it died: a barrier or collective of the save failed) ends every process with status 69 instead
@@ -173,7 +183,8 @@ class CheckpointManager:
       _OPEN[path] += 1
       alone = _OPEN[path] == 1
     self._closed = False
-    if alone and self._store.index == 0 and not options.read_only:
+    self._read_only = bool(options.read_only)
+    if alone and self._store.index == 0 and not self._read_only:
       self._remove_unfinished_saves()
     self._manager = ocp.CheckpointManager(
         path, options=options,
@@ -183,6 +194,8 @@ class CheckpointManager:
     self._ops = Operations(self, self._store, f"{KEY}/{hashlib.sha1(path.encode()).hexdigest()[:12]}-{instance}",
                            path, checked_timeout)
     self._pending: tuple[int, int] | None = None  # (seq, step) of a save whose writing may still run
+    # (step, where its previous checkpoint waits) while a save replaces the newest step, until it commits
+    self._replacing: tuple[int, Any] | None = None
     self._last_restored_step: int | None = None
 
   @property
@@ -218,15 +231,15 @@ class CheckpointManager:
   def _remove_unfinished_saves(self) -> None:
     """Removes the temporary directories of saves that never committed (``<step>.orbax-checkpoint-tmp``, left
     by a process killed or failed while saving), with a warning naming each: they hold partial data, and
-    space. Process 0 only, and only when no other manager of the directory is open in this process (it
-    may be writing); a directory is written by one job at a time (another job's save in flight would be
-    removed)."""
+    space. Then settles the replacements such a save left (`_settle_replacement`). Process 0 only, and
+    only when no other manager of the directory is open in this process (it may be writing); a directory
+    is written by one job at a time (another job's save in flight would be removed)."""
     directory = self._step_epath(0).parent
     try:
-      leftovers = sorted((p for p in directory.iterdir() if _TMP_MARK in p.name), key=lambda p: p.name)
+      entries = sorted(directory.iterdir(), key=lambda p: p.name)
     except FileNotFoundError:
       return
-    for leftover in leftovers:
+    for leftover in (p for p in entries if _TMP_MARK in p.name):
       name = leftover.name.split(_TMP_MARK)[0]
       try:
         leftover.rmtree()
@@ -237,6 +250,34 @@ class CheckpointManager:
       warnings.warn(f"CheckpointManager: removed the unfinished save of step {name} at {leftover} (a process "
                     "stopped while saving it, or its write failed); the committed steps are untouched.",
                     DamagedCheckpointWarning, stacklevel=3)
+    asides = [p for p in entries if _REPLACED_MARK in p.name]
+    if asides:
+      committed = {metadata.path.name for metadata in self._name_format.find_all(self._directory)}
+      for aside in asides:
+        self._settle_replacement(aside, committed)
+
+  def _settle_replacement(self, aside: Any, committed: set[str]) -> None:
+    """`aside` (``<step>.replaced``) is the previous checkpoint of a step whose replacement (`save` of the
+    newest step) was not seen through by its job: removed when the replacement was committed (the job
+    stopped before removing it), else put back in place, with a warning, since the replacement never
+    committed. `committed`: the names of the committed steps."""
+    name = aside.name.split(_REPLACED_MARK)[0]
+    target = aside.parent / name
+    try:
+      if name in committed:
+        aside.rmtree()
+        return
+      if target.exists():  # not a committed step: the storage holds something orbax does not list there
+        raise FileExistsError(f"{target} exists, but is not a committed checkpoint")
+      aside.rename(target)
+    except Exception as e:  # noqa: BLE001  # read-only storage, or something in the way: it stays, and is named
+      warnings.warn(f"CheckpointManager: the previous checkpoint of step {name}, set aside at {aside} while a save "
+                    f"was replacing it, could not be {'removed' if name in committed else 'put back'} "
+                    f"({type(e).__name__}: {e}).", DamagedCheckpointWarning, stacklevel=4)
+      return
+    warnings.warn(f"CheckpointManager: the save that was replacing step {name} never committed (a process stopped "
+                  f"while writing it); the previous checkpoint {name} was put back in place from {aside}.",
+                  DamagedCheckpointWarning, stacklevel=4)
 
   def _committed_steps(self) -> list[int]:
     """The steps committed in the directory, read from the storage (orbax's own list also holds a save
@@ -250,10 +291,11 @@ class CheckpointManager:
     stopped in the middle of the save (a barrier or collective across the processes failed:
     `_peer_failure`), else with 74 (`names.EXIT_CHECKPOINT_FAILED`: the storage refused a write)."""
     runtime = _peer_failure(error) if self._store.count > 1 else None
+    replaced = self._undo_replacement(step)
     if runtime is not None:
-      text, status = self._peer_lost(step, error, runtime), names.EXIT_CHECKPOINT_PEER_LOST
+      text, status = self._peer_lost(step, error, runtime) + replaced, names.EXIT_CHECKPOINT_PEER_LOST
     else:
-      text, status = self._refused(step, error), names.EXIT_CHECKPOINT_FAILED
+      text, status = self._refused(step, error) + replaced, names.EXIT_CHECKPOINT_FAILED
     if self._store.count > 1:
       abort(self._store, f"tpustrat: checkpoint save failed: {text}\nEvery process of the job stops with status "
                          f"{status}.", op.what, status)
@@ -319,12 +361,29 @@ class CheckpointManager:
         taken now, so training may go on while an asynchronous save writes.
       force: save even if `step` is not a multiple of `save_interval_steps`.
 
+    A `step` equal to the newest checkpoint's replaces it (TF's ``CheckpointManager.save(checkpoint_number=
+    ...)`` overwrites), whatever `save_interval_steps` says: the new checkpoint is written while the
+    previous one waits at ``<step>.replaced``, which is removed once the new one is committed (at the
+    next `save`, `wait_until_finished`, `restore` or `close`). Until then a failed save puts the previous
+    one back, and so does the next start after a process stopped in the middle of it.
+
     Returns:
       Whether a checkpoint was saved (False when orbax's policy skips `step`).
+
+    Raises:
+      ValueError: `step` is older than the newest checkpoint (nothing is written; the message names both):
+        `restore` takes the newest step, so it would never restore this one. A job resumed from a
+        checkpoint continues its step count from the restored step.
+      CheckpointSaveError: the storage refused a write (one process; see the class docstring), or the
+        newest checkpoint could not be set aside to be replaced (every process; nothing was written).
     """
     orbax = api()
     step = int(step)
-    if not force and not self._manager.should_save(step):
+    latest = None if self._read_only else self._manager.latest_step()
+    if latest is not None and step < latest:
+      raise ValueError(self._older_than_newest(step, latest))
+    replace = latest is not None and step == latest
+    if not replace and not force and not self._manager.should_save(step):
       return False
     self._wait_pending()  # orbax waits for the previous save too; here within the deadline
     with self._ops.operation(f"save of step {step}") as op:
@@ -337,13 +396,15 @@ class CheckpointManager:
       self._ops.progress(op, f"computing the checksums of step {step}")
       items[CHECKSUMS] = orbax.ChecksumSave({"algorithm": checksums.ALGORITHM,
                                               "arrays": checksums.compute(checksums.flat_arrays(unwrapped))})
+      if replace:  # only now: a state or iterator that cannot be saved leaves the checkpoint in place
+        self._replacing = (step, self._set_aside_to_replace(op, step))
       tracker = SaveTracker(set(items), lambda: self._ops.mark_done(op.done_key, "written"),
                             lambda item, error: self._background_failure(op, step, error))
       self._ops.progress(op, f"in orbax's save of step {step} (writing its part, or waiting at orbax's barriers)")
       for handler in (self._state_handler, self._iterator_handler, self._checksum_handler):
         handler.tracker = tracker
       try:
-        saved = self._manager.save(step, args=orbax.ocp.args.Composite(**items), force=force)
+        saved = self._manager.save(step, args=orbax.ocp.args.Composite(**items), force=force or replace)
       except orbax.ocp.checkpoint_manager.StepAlreadyExistsError:
         raise
       except Exception as e:  # noqa: BLE001  # the storage refused a write: the save ends now
@@ -454,7 +515,8 @@ class CheckpointManager:
     return sorted(self._manager.all_steps())
 
   def should_save(self, step: int) -> bool:
-    """Whether `save(step, ...)` would write a checkpoint (orbax's interval policy)."""
+    """Whether `step` is due under orbax's interval policy: False also for a step at or below the newest
+    checkpoint, which `save` replaces (the newest) or refuses (an older one) instead."""
     return self._manager.should_save(step)
 
   def wait_until_finished(self) -> None:
@@ -558,13 +620,14 @@ class CheckpointManager:
       restored[STATE] = plan.finish(restored[STATE])
     return restored, None
 
-  def _damaged_path(self, step: int) -> Any:
-    """Where a damaged `step` is moved: ``<step>.damaged``, or ``<step>.damaged-<k>`` when that is taken."""
+  def _aside_path(self, step: int, mark: str) -> Any:
+    """Where `step` is moved aside: ``<step><mark>``, or ``<step><mark>-<k>`` when that is taken (a damaged
+    step: ``.damaged``; the previous checkpoint of a step being replaced: ``.replaced``)."""
     source = self._step_epath(step)
-    path, k = source.parent / f"{source.name}.damaged", 1
+    path, k = source.parent / f"{source.name}{mark}", 1
     while path.exists():
       k += 1
-      path = source.parent / f"{source.name}.damaged-{k}"
+      path = source.parent / f"{source.name}{mark}-{k}"
     return path
 
   def _set_aside(self, op: Operation, steps: list[int]) -> dict[int, tuple[str | None, str | None]]:
@@ -576,7 +639,7 @@ class CheckpointManager:
     if store.index == 0:
       outcome: dict[str, list[str | None]] = {}
       for s in steps:
-        source, dest = self._step_epath(s), self._damaged_path(s)
+        source, dest = self._step_epath(s), self._aside_path(s, ".damaged")
         try:
           source.rename(dest)
           outcome[str(s)] = [os.fspath(dest), None]
@@ -590,6 +653,86 @@ class CheckpointManager:
         time.sleep(POLL_SECONDS)
     self._manager.reload()
     return {int(s): (dest, failure) for s, (dest, failure) in json.loads(text).items()}
+
+  # -- replacing the newest step ---------------------------------------------------------------------
+
+  def _older_than_newest(self, step: int, latest: int) -> str:
+    """The message of a `save` of `step`, older than the newest checkpoint `latest`."""
+    steps = self.all_steps()
+    held = f"checkpoint {step} exists" if step in steps else f"there is no checkpoint {step}"
+    return (f"CheckpointManager.save: step {step} is older than the newest checkpoint, step {latest}, in "
+            f"{self._directory} (steps {steps}; {held}). Nothing was written: restore() takes the newest step, "
+            f"so a checkpoint {step} saved now would never be restored. A job resumed from a checkpoint "
+            "continues its step count from the restored step (manager.last_restored_step, or the step counter "
+            "of the restored state), not from 0. To train again from an older step, delete the newer "
+            "checkpoints first (manager.orbax_manager.delete(step), on every process), or save into another "
+            f"directory; saving step {latest} again replaces it.")
+
+  def _set_aside_to_replace(self, op: Operation, step: int) -> Any:
+    """Before a save of the newest `step`: process 0 renames its checkpoint to ``<step>.replaced`` and
+    publishes the outcome; every process then forgets the step (orbax refuses to save a step it lists).
+    Returns where the previous checkpoint waits. Every process raises `CheckpointSaveError` when the
+    rename failed, before any of them has entered orbax's save."""
+    store = self._store
+    key = f"{self._ops.prefix}/replace/{op.seq}"
+    self._ops.progress(op, f"setting the previous checkpoint {step} aside")
+    text: str | None
+    if store.index == 0:
+      source, dest = self._step_epath(step), self._aside_path(step, _REPLACED_MARK)
+      try:
+        source.rename(dest)
+        text = json.dumps([dest.name, None])
+      except Exception as e:  # noqa: BLE001  # read-only storage: every process is told
+        text = json.dumps([None, f"{type(e).__name__}: {e}"])
+      store.set(key, text)
+    else:
+      while (text := store.get(key)) is None:
+        time.sleep(POLL_SECONDS)
+    name, failure = json.loads(text)
+    if failure is not None:
+      raise CheckpointSaveError(
+          f"CheckpointManager.save: step {step} is the newest checkpoint, and a save of it replaces it, but "
+          f"{self.step_path(step)} could not be set aside ({failure}). Nothing was written; checkpoint {step} "
+          "is unchanged.")
+    self._manager.reload()
+    while step in self._manager.all_steps():  # this process's listing of shared storage lags behind the rename
+      time.sleep(POLL_SECONDS)
+      self._manager.reload()
+    return self._step_epath(step).parent / name
+
+  def _finish_replacement(self) -> None:
+    """Once the save replacing a step is committed: process 0 removes the step's previous checkpoint."""
+    replacing, self._replacing = self._replacing, None
+    if replacing is None or self._store.index != 0:
+      return
+    step, aside = replacing
+    try:
+      aside.rmtree()
+    except Exception as e:  # noqa: BLE001  # it stays, and the next start removes it
+      warnings.warn(f"CheckpointManager: checkpoint {step} was replaced, but its previous checkpoint at {aside} "
+                    f"could not be removed ({type(e).__name__}: {e}); the next start removes it.",
+                    DamagedCheckpointWarning, stacklevel=4)
+
+  def _undo_replacement(self, step: int) -> str:
+    """After the failed save of `step`: what became of the previous checkpoint it was replacing (if it
+    was), for `_save_failed`'s message. With one process it is put back in place now, unless the new step
+    was committed after all; with several, the job ends, and the next start settles it
+    (`_settle_replacement`)."""
+    replacing = self._replacing
+    if replacing is None or replacing[0] != step:
+      return ""
+    self._replacing = None
+    aside = replacing[1]
+    if self._store.count > 1 or self._step_epath(step).exists():
+      return (f" The previous checkpoint {step}, which this save was replacing, is kept at {aside}: the next "
+              f"start puts it back in place, or removes it if the new step {step} was committed.")
+    try:
+      aside.rename(self._step_epath(step))
+    except Exception as e:  # noqa: BLE001  # it stays aside, and the message says where
+      return (f" The previous checkpoint {step}, which this save was replacing, could not be put back "
+              f"({type(e).__name__}: {e}); it is kept at {aside}.")
+    self._manager.reload()
+    return f" The previous checkpoint {step}, which this save was replacing, is back in place, intact."
 
   # -- bounded operations ---------------------------------------------------------------------------
 
@@ -606,6 +749,7 @@ class CheckpointManager:
         self._manager.wait_until_finished()
       except Exception as e:  # noqa: BLE001  # its writing failed in orbax's background thread
         self._save_failed(op, step, e)
+    self._finish_replacement()
 
 
 def _peer_failure(error: BaseException) -> BaseException | None:
