@@ -974,4 +974,4 @@ def test_ids_whose_rows_cannot_be_traced_warn_and_keep_every_row(strategy):
   # Nothing left out: replica 6's padding row (a copy of the batch's first id, 1, first after the sort) is
   # looked up.
   table = emb.embedding_tables(state)["t"]
-  np.testing.assert_allclose(np.asarray(acts["f"].values[6]), table[[ids[0], 13]], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(acts["f"].tree)[6], table[[ids[0], 13]], rtol=1e-6)

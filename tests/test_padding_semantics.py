@@ -1,10 +1,11 @@
 """Which rows of a step's outputs are padding: the rule behind reduce, gather and local results.
 
 A partial global batch is padded to the usual per-replica size ``k`` (XLA needs static shapes). Padding is
-skipped only where the user has said which axis is the batch: ``reduce(op, v, axis=0)`` and
-``gather(v, axis=0)`` of an output whose axis 0 the step's program shows to hold a batch's rows, or
-`tpustrat.per_example` inside the step. Everything else sees every replica's component whole, as TF does:
-``axis=None`` never drops data, and a size that merely equals ``k`` means nothing.
+skipped where a value's rows are known to be the batch's: along axis 0 of an output whose axis 0 the
+step's program shows to hold a batch's rows (``reduce(op, v, axis=0)``, ``gather(v, axis=0)``, and its
+local results, which hold each replica's real rows as TF's replicas did), and everywhere for
+`tpustrat.per_example` outputs. Everything else sees every replica's component whole, as TF does:
+``axis=None`` of an unmarked output never drops data, and a size that merely equals ``k`` means nothing.
 """
 
 import jax
@@ -48,7 +49,7 @@ def test_axis_none_sums_every_replica_component_even_when_its_shape_matches_the_
   assert [c.shape for c in out.values] == [(2, 3)] * N
 
 
-def test_axis_0_is_the_users_word_that_rows_are_the_batch(strategy):
+def test_axis_0_of_an_output_traced_to_the_batch_holds_its_real_rows(strategy):
   x, batch = partial_batch(strategy)
   out = strategy.run(lambda v: v * 2.0, args=(batch,))
   real = x * 2.0
@@ -57,13 +58,16 @@ def test_axis_0_is_the_users_word_that_rows_are_the_batch(strategy):
   scale = np.abs(real).sum(0)
   np.testing.assert_allclose(strategy.reduce("SUM", out, axis=0), real.sum(0), rtol=1e-6, atol=1e-6 * scale.max())
   np.testing.assert_allclose(strategy.reduce("MEAN", out, axis=0), real.mean(0), rtol=1e-6, atol=1e-6 * scale.max())
-  # axis=None and local results: every row every replica returned (the padding rows are copies of the
-  # batch's first row, InputOptions.experimental_padding).
+  # axis=None: every row every replica returned (the padding rows are copies of the batch's first row,
+  # InputOptions.experimental_padding).
   padded = np.zeros((16, 3), np.float32)
   padded[:12], padded[12:] = real, real[0]
   np.testing.assert_allclose(strategy.reduce("SUM", out, axis=None), padded.reshape(N, 2, 3).sum(0),
                              rtol=1e-6, atol=1e-6 * np.abs(padded).sum())
-  assert [c.shape for c in components(strategy, out)] == [(2, 3)] * N
+  # Local results: each replica's real rows, as TF's replicas returned them (none on replicas 6 and 7).
+  got = components(strategy, out)
+  assert [c.shape for c in got] == [(2, 3)] * 6 + [(0, 3)] * 2
+  np.testing.assert_array_equal(np.concatenate(got), real)
   # Another axis is not the batch: every replica's component is concatenated, as TF does.
   np.testing.assert_array_equal(strategy.gather(out, axis=1),
                                 np.concatenate(list(padded.reshape(N, 2, 3)), axis=1))
@@ -187,6 +191,85 @@ def test_public_submodules_need_no_import():
 def test_per_replica_values_built_by_hand_are_whole(strategy):
   v = PerReplica([np.full((2,), r, np.float32) for r in range(N)])
   np.testing.assert_array_equal(strategy.reduce("SUM", v, axis=None), np.full((2,), sum(range(N))))
+
+
+# -- local results: what each replica held ----------------------------------------------------------
+
+
+def log_softmax(z):
+  z = z - z.max(axis=1, keepdims=True)
+  return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+
+
+def test_model_gardens_host_side_evaluation_counts_the_real_examples(strategy):
+  # TF Model Garden's `_run_evaluation` (official/legacy/bert/model_training_utils.py), as written: the step
+  # returns its logits and the labels it was given, unmarked; the host takes each replica's local results,
+  # skips a replica with no rows, weighs each replica's mean loss by its row count and counts the correct
+  # predictions. TF's replicas hold only their real rows, so it sees the 300 examples: 4 batches of 64 and
+  # one of 44 (k = 8: replica 5 holds 4 real rows, replicas 6 and 7 none).
+  rng = np.random.default_rng(44)
+  x = rng.normal(size=(300, 5)).astype(np.float32)
+  y = rng.integers(0, 3, size=300).astype(np.int32)
+  w = rng.normal(size=(5, 3)).astype(np.float32)
+  b = rng.normal(size=(3,)).astype(np.float32)
+  ds = strategy.experimental_make_numpy_dataset({"x": x, "y": y}).batch(64)
+
+  def test_step(batch, w, b):
+    return batch["x"] @ w + b, batch["y"]
+
+  losses, weights, correct, seen = [], [], 0, []
+  for batch in strategy.experimental_distribute_dataset(ds):
+    logits, labels = strategy.run(test_step, args=(batch, w, b))
+    for cur_logits, cur_labels in zip(strategy.experimental_local_results(logits),
+                                      strategy.experimental_local_results(labels)):
+      cur_logits, cur_labels = np.asarray(cur_logits), np.asarray(cur_labels)
+      assert cur_logits.shape[0] == cur_labels.shape[0]
+      if cur_labels.shape[0]:
+        losses.append(-log_softmax(cur_logits)[np.arange(len(cur_labels)), cur_labels].mean())
+        weights.append(cur_labels.shape[0])
+        correct += int((cur_logits.argmax(axis=1) == cur_labels).sum())
+      seen.append(cur_labels)
+    # `.values` is the same per-replica view.
+    assert [len(c) for c in labels.values] == [len(c) for c in strategy.experimental_local_results(labels)]
+  # numpy on the 300 examples
+  want_logits = x.astype(np.float64) @ w + b
+  want_loss = -log_softmax(want_logits)[np.arange(300), y].mean()
+  assert sum(weights) == 300
+  np.testing.assert_array_equal(np.concatenate(seen), y)  # every example once, in order
+  np.testing.assert_allclose(np.average(losses, weights=weights), want_loss, rtol=1e-5)
+  assert correct == int((want_logits.argmax(axis=1) == y).sum())
+
+
+def test_local_results_of_an_output_traced_to_the_batch_hold_the_real_rows(strategy):
+  x, batch = partial_batch(strategy, rows=13, cols=3)  # k = 2: replica 6 holds 1 real row, replica 7 none
+
+  def step(v):
+    stat = jnp.ones((2, 3)) * (replica_id() + 1)  # k rows, not the batch's
+    return v * 2.0, jnp.cumsum(v, axis=0)[:, 0], stat
+
+  rows, running, stat = strategy.run(step, args=(batch,))
+  want = [x[2 * r:2 * r + 2] for r in range(N)]  # replica r's real rows
+  got = components(strategy, rows)
+  assert [c.shape for c in got] == [(2, 3)] * 6 + [(1, 3), (0, 3)]
+  for g, real in zip(got, want):
+    np.testing.assert_array_equal(g, real * 2.0)
+  assert [c.shape for c in (np.asarray(v) for v in rows.values)] == [c.shape for c in got]
+  for g, real in zip(components(strategy, running), want):  # row i of a running sum is example i's
+    np.testing.assert_allclose(g, np.cumsum(real, axis=0)[:, 0], rtol=1e-6, atol=1e-6)
+  # A per-replica statistic that merely has k rows is whole, as every replica returned it.
+  assert [c.tolist() for c in components(strategy, stat)] == [np.full((2, 3), r + 1.0).tolist() for r in range(N)]
+  # A pytree of outputs: each leaf by its own rows.
+  tree = strategy.experimental_local_results({"rows": rows, "stat": stat})
+  assert [(t["rows"].shape, t["stat"].shape) for t in tree] == [((2, 3), (2, 3))] * 6 + [((1, 3), (2, 3)),
+                                                                                          ((0, 3), (2, 3))]
+  # Under experimental_run_steps: each step's local results hold that step's real rows.
+  xs = [np.arange(16.0, dtype=np.float32).reshape(16, 1), np.arange(12.0, dtype=np.float32).reshape(12, 1)]
+  it = iter(strategy.experimental_distribute_dataset(xs))
+  _, doubled = strategy.experimental_run_steps(lambda c, v: (c, v * 2.0), it, steps=2, init=jnp.zeros(()))
+  for step, host_x in zip(tpustrat.unstack_steps(doubled), xs):
+    got = components(strategy, step)
+    assert [len(c) for c in got] == [len(host_x[2 * r:2 * r + 2]) for r in range(N)]
+    np.testing.assert_array_equal(np.concatenate(got), host_x * 2.0)
 
 
 # -- several batches in one step: each keeps its own counts --------------------------------------------
@@ -318,9 +401,11 @@ def test_rows_through_an_untraced_operation_warn_and_say_what_happens(strategy):
   def step(v):
     return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] + 1.0, c[1] + 1), (v[:, 0], 0))[0]
 
-  with pytest.warns(tpustrat.BatchRowsWarning, match=r"output at <root>.*`while`.*skip the padding.*per_example"):
+  with pytest.warns(tpustrat.BatchRowsWarning,
+                    match=r"output at <root>.*`while`.*experimental_local_results will skip the padding.*per_example"):
     out = strategy.run(step, args=(batch,))
   np.testing.assert_allclose(strategy.gather(out, axis=0), x[:, 0] + 3.0, rtol=1e-6)
+  np.testing.assert_allclose(np.concatenate(components(strategy, out)), x[:, 0] + 3.0, rtol=1e-6)
 
 
 def test_run_steps_keeps_one_batch_per_dataset_element(strategy):

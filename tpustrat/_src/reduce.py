@@ -7,12 +7,15 @@ structure and shapes: a tree of many leaves is one compilation and one dispatch,
 `axis` set, the reduction also runs over that axis of each component, and
 `MEAN` divides by the true number of elements (replicas x the size of that axis), as TF documents.
 
-Padding rows of a padded batch are skipped only where the caller has said which axis is the batch (see
+Padding rows of a padded batch are skipped where the value's rows are known to be the batch's (see
 `tpustrat._src.values`): along every axis for a batch from the input pipeline or an output of `run`
 marked with `tpustrat.per_example` (`reduce` masks the padding out of sums and divides `MEAN` by the
 number of real elements, `gather` along the batch axis returns only the real rows, local results are
-trimmed), and along ``axis=0`` only for an unmarked output of a step on a padded batch. ``axis=None``
-on an unmarked value never drops data.
+trimmed), and along axis 0 only for an unmarked output whose axis 0 the step's program shows to hold a
+padded batch's rows (``reduce(op, v, axis=0)``, ``gather(v, axis=0)``, and local results trimmed to each
+replica's real rows, as TF's replicas held only those). ``axis=None`` on an unmarked value never drops
+data: it combines the components element by element, which TF cannot do with components of different
+sizes, so nothing of TF's says which rows to leave out.
 
 TF's rules for values that are not `PerReplica` are kept: a `Mirrored` value counts once per replica
 (`SUM` of `Mirrored` ``v`` over ``n`` replicas is ``n * v``, `MEAN` is ``v``), and a plain array cannot be
@@ -273,7 +276,8 @@ def local_results(value: Any) -> tuple[Any, ...]:
 
   A single distributed value gives its components; a pytree holding distributed values gives one pytree
   per replica (each distributed value replaced by that replica's component); anything else gives
-  ``(value,)``.
+  ``(value,)``. A component whose axis 0 holds a padded batch's rows holds only its replica's real rows
+  (`PerReplica.values`).
   """
   if is_distributed(value):
     return value.values

@@ -345,13 +345,28 @@ class Strategy:
   def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
     """Returns the tuple of per-replica values of `value` held by this process.
 
-    A single (non-distributed) value gives ``(value,)``.
+    A single (non-distributed) value gives ``(value,)``; a pytree holding distributed values gives one
+    pytree per replica.
+
+    On a partial batch each replica's result holds only its real rows, as TF's replicas held only those,
+    wherever axis 0 holds the batch's rows: the batch itself, an output marked `tpustrat.per_example`,
+    and an unmarked output whose axis 0 the step's program shows to hold that batch's rows (the labels
+    passed through, logits computed row by row). A replica with no real row gives ``[0, ...]``. Host-side
+    evaluation that concatenates the local results (TF Model Garden's) counts the real examples.
+    Everything else (a per-replica statistic that merely has as many rows) is whole, as returned.
 
     >>> strategy = tpustrat.TPUStrategy()
     >>> len(strategy.experimental_local_results(strategy.run(lambda: 1.0)))
     8
     >>> strategy.experimental_local_results(3.0)
     (3.0,)
+    >>> ds = strategy.experimental_make_numpy_dataset(np.arange(12.0)).batch(12)   # k = 2 rows per replica
+    >>> batch = next(iter(strategy.experimental_distribute_dataset(ds)))
+    >>> doubled, stat = strategy.run(lambda x: (x * 2.0, jnp.stack([x.min(), x.max()])), args=(batch,))
+    >>> [len(c) for c in strategy.experimental_local_results(doubled)]
+    [2, 2, 2, 2, 2, 2, 0, 0]
+    >>> [len(c) for c in strategy.experimental_local_results(stat)]
+    [2, 2, 2, 2, 2, 2, 2, 2]
     """
     return reduce_lib.local_results(value)
 

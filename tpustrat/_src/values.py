@@ -22,9 +22,12 @@ mean one of two things, and nothing else decides which:
   the rows *are* examples. `values`, `strategy.reduce` (any `axis`) and `strategy.gather` see only the real
   rows, and the value enters the next `run` as a padded batch.
 * batch rows (an unmarked output of `run` whose axis 0 the step's program shows to hold a padded batch's
-  rows): the counts are used only where the caller says that axis 0 is the batch, with
-  ``reduce(op, v, axis=0)`` or ``gather(v, axis=0)``. Everywhere else the components are whole, as the
-  replicas returned them.
+  rows: the labels passed through, logits computed row by row): the counts are used along axis 0 only,
+  where TF's replicas would have held fewer rows. `values` (and so `experimental_local_results`) give each
+  replica's real rows, as TF's replicas returned only those; ``reduce(op, v, axis=0)`` and
+  ``gather(v, axis=0)`` skip the padding rows. ``reduce(op, v, axis=None)`` (an element-wise combination
+  of the components, which TF cannot do with components of different sizes) combines the components
+  whole, and the value enters the next `run` whole, not as a padded batch.
 """
 
 from __future__ import annotations
@@ -164,7 +167,12 @@ class PerReplica(DistributedValues):
 
   @property
   def values(self) -> tuple[Any, ...]:
-    """The components, one per replica held by this process; padding rows of a batch are left out."""
+    """The components, one per replica held by this process (TF's `PerReplica.values`).
+
+    Where axis 0 holds a padded batch's rows (a batch itself, a `per_example` output, or an output whose
+    rows the step's program traces to a batch; with a `BatchRowsWarning`, the only batch of its size)
+    each component holds only its replica's real rows along axis 0, as TF's replica held only those
+    (``[0, ...]`` for a replica with none); every other component is whole."""
     leaves, treedef = jax.tree.flatten(self._value)
     if not leaves:
       return ()
@@ -174,7 +182,7 @@ class PerReplica(DistributedValues):
           f"{self!r} holds {steps} stacked steps ([steps, num_replicas, ...]), not one value per replica; "
           "tpustrat.unstack_steps(value)[i] is step i as strategy.run returns it.")
     per_leaf = [unstack_replicas(x) for x in leaves]
-    if self.padding_is_marked:
+    if self._valid is not None:  # marked or not, axis 0 holds the batch's rows
       counts = self.host_real_rows()
       per_leaf = [[c if c.shape[0] == counts[r] else c[:counts[r]] for r, c in zip(_replica_ids(x), cs)]
                   for x, cs in zip(leaves, per_leaf)]
@@ -240,7 +248,7 @@ class PerReplica(DistributedValues):
     `axis` of the components must respect, or None when every row counts.
 
     Marked values skip padding along every axis; an unmarked output of a step on a padded batch only
-    along axis 0, where the caller has said that the rows are the batch's.
+    along axis 0, which the step's program shows to hold the batch's rows (`values` trims that axis too).
     """
     if self._valid is None or (not self._per_example and axis != 0):
       return None

@@ -4,9 +4,10 @@ A padded batch (from the input pipeline, or an output marked with `tpustrat.per_
 with its per-replica real-row counts. On the way out, `output_padding` says for each output leaf whether
 it is a padded batch again: ``(batch, True)`` for an output `fn` marked `per_example` (its padding is
 skipped everywhere), ``(batch, False)`` for an unmarked varying output whose axis 0 the step's jaxpr shows
-to hold that batch's rows (`batch_rows`: traced, never read off a size; its counts are used only by
-``reduce(op, v, axis=0)`` and ``gather(v, axis=0)``), None for the rest. An output that only has a padded
-batch's size, its rows not traced, is warned about (`BatchRowsWarning`).
+to hold that batch's rows (`batch_rows`: traced, never read off a size; its counts are used along axis 0
+only: ``reduce(op, v, axis=0)``, ``gather(v, axis=0)`` and the per-replica view, `experimental_local_results`
+/ `PerReplica.values`, which holds each replica's real rows as TF's replicas did), None for the rest. An
+output that only has a padded batch's size, its rows not traced, is warned about (`BatchRowsWarning`).
 
 The padding-read warning (`PaddingReadWarning`: an output is a sum over a padded batch's rows that no mask
 removed, `padding_reads`) is found when the step is traced (`step_jaxpr.StepJaxpr.padding_reads_message`)
@@ -37,7 +38,8 @@ def output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[boo
                     marked: dict[int, int | None], sizes: list[int], names: tuple[str, ...],
                     rows: list[Rows] | Callable[[], list[Rows]], guessed: set[int] | None = None) -> list[Any]:
   """For each output leaf: None (whole), ``(batch, True)`` (marked per-example: its padding skipped
-  everywhere) or ``(batch, False)`` (axis 0 holds that batch's rows: skipped along ``axis=0``).
+  everywhere) or ``(batch, False)`` (axis 0 holds that batch's rows: skipped along ``axis=0`` and in the
+  local results).
   `rows`: the `Rows` of every output, or a function that traces them when first needed. The positions of
   outputs whose batch is only assumed from their size (their rows were not traced) go into `guessed`."""
   traced: list[list[Rows]] = []  # the rows, once known
@@ -85,8 +87,9 @@ def output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[boo
       warnings.warn(
           f"strategy.run: the output at {paths[i]} ({x.dtype}{list(x.shape)}) has the per-replica size of "
           f"the padded batch {' / '.join(names[j] for j in matching)} on axis 0, but its rows cannot be "
-          f"traced to one batch: {describe(r)}. strategy.reduce(..., axis=0) and gather(..., axis=0) "
-          f"will {effect}. Mark it with tpustrat.per_example(x, batch=...) to say whose rows it holds.",
+          f"traced to one batch: {describe(r)}. strategy.reduce(..., axis=0), gather(..., axis=0) and "
+          f"experimental_local_results will {effect}. Mark it with tpustrat.per_example(x, batch=...) to "
+          "say whose rows it holds.",
           BatchRowsWarning, stacklevel=2)
       result.append(None if chosen is None else (chosen, False))
       if chosen is not None and guessed is not None:

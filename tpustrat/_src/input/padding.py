@@ -146,9 +146,10 @@ def per_example(tree: Any, *, batch: Any = None) -> Any:
   are skipped wherever the value goes: `experimental_local_results` shows only the real rows,
   `strategy.reduce` leaves padding out along every ``axis`` (``None`` included), `strategy.gather`
   returns only the real rows, and the value enters the next `run` as a padded batch (`valid_mask`
-  works on it). Unmarked outputs are kept whole, as the replicas returned them, except where the caller
-  says that axis 0 is the batch (``reduce(op, v, axis=0)``, ``gather(v, axis=0)``) and the step's program
-  shows that their axis 0 holds one padded batch's rows (see `strategy.run`).
+  works on it). An unmarked output whose axis 0 the step's program shows to hold one padded batch's rows
+  skips the padding where axis 0 is the batch (``reduce(op, v, axis=0)``, ``gather(v, axis=0)``) and in
+  `experimental_local_results` (TF's replicas held only their real rows); other unmarked outputs are
+  kept whole, as the replicas returned them (see `strategy.run`).
 
   Which batch's padding: the batch given as `batch`; else the batch whose rows the array's axis 0 holds,
   traced through the step's program (per-example logits of batch ``b`` are ``b``'s, whatever other
