@@ -115,7 +115,8 @@ def test_relative_links_point_at_files_in_the_repository(path):
 
 
 PUBLIC_MODULES = ["tpustrat", "tpustrat.ops", "tpustrat.mixed_precision", "tpustrat.keras", "tpustrat.embedding",
-                  "tpustrat.checkpoint", "tpustrat.cluster_resolver", "tpustrat.experimental", "tpustrat.launch"]
+                  "tpustrat.checkpoint", "tpustrat.cluster_resolver", "tpustrat.experimental", "tpustrat.launch",
+                  "tpustrat.summary"]
 
 
 @pytest.mark.parametrize("name", PUBLIC_MODULES)

@@ -43,11 +43,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpustrat._src.strategy_extended", "tpustrat._src.strategy", "tpustrat._src.tpu_strategy",
      "tpustrat._src.mirrored_strategy"),
     # State beyond the loop: checkpoint, the preemption handler that saves through it, sharded embeddings.
-    ("tpustrat._src.checkpoint", "tpustrat._src.preemption", "tpustrat._src.embedding",
+    ("tpustrat._src.checkpoint", "tpustrat._src.preemption", "tpustrat._src.embedding", "tpustrat._src.summary",
      "tpustrat._src.keras_callbacks"),
     # The public surface.
     ("tpustrat._src", "tpustrat.ops", "tpustrat.checkpoint", "tpustrat.cluster_resolver", "tpustrat.embedding",
-     "tpustrat.mixed_precision", "tpustrat.keras", "tpustrat.experimental", "tpustrat.launch",
+     "tpustrat.mixed_precision", "tpustrat.keras", "tpustrat.summary", "tpustrat.experimental", "tpustrat.launch",
      "tpustrat"),
 ]
 

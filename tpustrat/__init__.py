@@ -2,8 +2,8 @@
 
 Every public name is re-exported here once; the code lives in `tpustrat._src`. The public submodules
 (`tpustrat.ops`, `tpustrat.cluster_resolver`, `tpustrat.checkpoint`, `tpustrat.embedding`,
-`tpustrat.mixed_precision`, `tpustrat.experimental`, `tpustrat.keras`) are imported too, so that
-``import tpustrat`` is enough to use them, as with ``tf.raw_ops`` or ``jax.lax``. `tpustrat.launch` is a
+`tpustrat.mixed_precision`, `tpustrat.experimental`, `tpustrat.keras`, `tpustrat.summary`) are imported
+too, so that ``import tpustrat`` is enough to use them, as with ``tf.raw_ops`` or ``jax.lax``. `tpustrat.launch` is a
 command-line entry point (``python -m tpustrat.launch``) and is imported on its own.
 """
 
@@ -14,6 +14,7 @@ from tpustrat import experimental as experimental
 from tpustrat import keras as keras  # Keras itself is imported on first use (the `keras` extra)
 from tpustrat import mixed_precision as mixed_precision
 from tpustrat import ops as ops
+from tpustrat import summary as summary  # tensorboardX itself is imported when a file writer is created
 from tpustrat._src import compilation_cache as _compilation_cache
 from tpustrat._src.accumulation import accumulate_gradients as accumulate_gradients
 from tpustrat._src.batch_rows import BatchRowsWarning as BatchRowsWarning
@@ -152,6 +153,7 @@ __all__ = [
     "per_example",
     "scale_regularization_loss",
     "stack_steps",
+    "summary",
     "unstack_steps",
     "valid_mask",
 ]

@@ -2,8 +2,9 @@
 
 * `TensorBoard`: Keras's ``keras.callbacks.TensorBoard`` writes through ``tensorflow.summary`` (it imports
   TensorFlow when training begins, and ``fit`` fails without it). This one writes the same scalars, under
-  the same names and folders, through tensorboardX (``pip install 'tpustrat[tensorboard]'``), which
-  TensorBoard reads; in a job of several processes only process 0 writes (TF's chief).
+  the same names and folders, through tensorboardX (``pip install 'tpustrat[tensorboard]'``; the event
+  files of `tpustrat.summary`), which TensorBoard reads; in a job of several processes only process 0
+  writes (TF's chief).
 * `BackupAndRestore`: TF's ``BackupAndRestore`` with TF's preemption semantics. Keras 3's saves the weights
   at an epoch's end and restarts an interrupted epoch from its first batch; this one saves the whole
   training state (weights, optimizer, metrics, random streams) through `CheckpointManager` at every epoch's
@@ -29,17 +30,11 @@ import numpy as np
 from tpustrat._src import keras_fit, keras_models
 from tpustrat._src.checkpoint import CheckpointManager
 from tpustrat._src.preemption import PreemptionCheckpointHandler, TerminationConfig
+from tpustrat._src.summary import EventFile, import_tensorboardx
 
 __all__ = ["backup_and_restore_class", "tensorboard_class"]
 
-
-def _writer_class() -> Any:
-  try:
-    from tensorboardX import SummaryWriter  # type: ignore[import-untyped]  # pylint: disable=import-outside-toplevel
-  except ImportError as e:
-    raise ImportError("tpustrat.keras.TensorBoard writes TensorBoard's event files with tensorboardX: "
-                      "pip install 'tpustrat[tensorboard]' (or pip install tensorboardX).") from e
-  return SummaryWriter
+_TENSORBOARD = "tpustrat.keras.TensorBoard"
 
 
 def _scalar(value: Any) -> float | None:
@@ -88,8 +83,8 @@ def tensorboard_class() -> type:
                          "int >= 1 (batches between writes).")
       self.log_dir = os.fspath(log_dir)
       self.update_freq = update_freq
-      self._writers: dict[str, Any] = {}
-      self._writer = _writer_class()
+      self._writers: dict[str, EventFile] = {}
+      import_tensorboardx(_TENSORBOARD)  # a missing tensorboardX fails here, not when training begins
       self._batches = 0
 
     def _write(self, folder: str, tag: str, value: Any, step: int) -> None:
@@ -100,7 +95,7 @@ def tensorboard_class() -> type:
         return
       writer = self._writers.get(folder)
       if writer is None:
-        writer = self._writers[folder] = self._writer(os.path.join(self.log_dir, folder))
+        writer = self._writers[folder] = EventFile(os.path.join(self.log_dir, folder), user=_TENSORBOARD)
       writer.add_scalar(tag, number, step)
 
     def _learning_rate(self) -> Any:
