@@ -316,6 +316,39 @@ def test_the_private_batchnorm_hook_is_checked():
     keras_models._check_moments_hook(OtherHook, "9.9")
 
 
+def test_the_private_variable_hooks_are_checked():
+  from keras.src import backend
+
+  from tpustrat._src import keras_models
+
+  class NoProperty:
+    def value(self):
+      return 0
+
+    def assign(self, value):
+      return value
+
+  class OtherAssign:
+    @property
+    def value(self):
+      return 0
+
+    def assign(self, value, read_value):
+      return value
+
+  class NoScopes:
+    get_stateless_scope = backend.get_stateless_scope
+
+  keras_models._variable_hooks(keras.Variable, backend, keras.__version__)  # this Keras has them
+  with pytest.raises(RuntimeError, match=r"Keras 9\.9 has value: no property"):
+    keras_models._variable_hooks(NoProperty, backend, "9.9")
+  with pytest.raises(RuntimeError, match=r"Keras 9\.9 has value: a property, assign: "
+                                         r"\('self', 'value', 'read_value'\)"):
+    keras_models._variable_hooks(OtherAssign, backend, "9.9")
+  with pytest.raises(RuntimeError, match=r"in_symbolic_scope: missing"):
+    keras_models._variable_hooks(keras.Variable, NoScopes, "9.9")
+
+
 def test_sync_batchnorm_on_a_partial_batch_uses_the_real_examples_only(strategy, rng):
   # 16 then 11 examples: the second batch is padded (replicas 5-7 hold padding rows). One device trains on
   # the 11 real examples; the padding must weigh nothing in the statistics and the loss.
@@ -532,3 +565,217 @@ def test_keras_metrics_updated_in_run_count_the_real_rows_only(strategy, rng, pa
     for v, want in zip(mine, theirs.variables):  # totals and counts: 61 examples, not 64
       np.testing.assert_allclose(np.asarray(v), value(want), rtol=1e-5)
     np.testing.assert_allclose(metric.stateless_result([np.asarray(v) for v in mine]), theirs.result(), rtol=1e-5)
+
+
+# -- Keras's loss scaling, metrics and step count in a custom loop, the TF way ---------------------------------
+
+
+def loss_scale_optimizer(learning_rate=0.1):
+  """Keras's LossScaleOptimizer over SGD (whose step is proportional to the gradient, so a wrong unscale
+  shows), with a scale that doubles every two finite steps."""
+  return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(learning_rate), initial_scale=2.0**10,
+                                             dynamic_growth_steps=2)
+
+
+def dense_model():
+  keras.utils.set_random_seed(0)
+  return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(4)])
+
+
+def scaled_step(model, optimizer):
+  """The mixed-precision custom loop's step: the loss scaled by the optimizer state's scale
+  (`tk.scale_loss`), the gradients of the scaled loss unscaled (and a non-finite step skipped) by
+  `stateless_apply`; the unscaled loss reported."""
+
+  def step(state, batch):
+    x, y = batch
+
+    def loss_fn(trainable):
+      logits, non_trainable, _ = tk.stateless_call(model, trainable, state["non_trainable"], x, training=True)
+      per_example = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+      loss = tpustrat.compute_average_loss(per_example)
+      return tk.scale_loss(optimizer, state["optimizer"], loss), (loss, non_trainable)
+
+    (_, (loss, non_trainable)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["trainable"])
+    trainable, opt = optimizer.stateless_apply(state["optimizer"], grads, state["trainable"])
+    new = {"trainable": trainable, "non_trainable": non_trainable, "optimizer": opt}
+    return new, tpustrat.get_replica_context().all_reduce("sum", loss)
+
+  return step
+
+
+def one_device_scaled(batches, learning_rate=0.1):
+  """One-device Keras `train_on_batch` with the same LossScaleOptimizer: its losses and its model."""
+  reference = dense_model()
+  reference.compile(optimizer=loss_scale_optimizer(learning_rate),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  return [float(reference.train_on_batch(x, y)) for x, y in batches], reference
+
+
+def scaled_batches(rng, steps, inf_at=None):
+  batches = [(rng.normal(size=(GLOBAL, 5)).astype(np.float32), rng.integers(0, 4, GLOBAL).astype(np.int32))
+             for _ in range(steps)]
+  if inf_at is not None:  # one row on one replica: every replica's summed gradient is non-finite
+    batches[inf_at][0][3, 1] = np.inf
+  return batches
+
+
+def test_keras_loss_scaling_in_a_step_equals_one_device_keras(strategy, rng):
+  """Keras's LossScaleOptimizer in a custom loop over 7 steps: the scale doubles every two finite steps and
+  halves at the step whose gradients are not finite (that step skipped on every replica). The loss is scaled
+  by the scale in the step's state (`tk.scale_loss`), as Keras's own train step does: the losses, weights,
+  scale and step count equal one-device Keras's `train_on_batch`. (`optimizer.scale_loss(loss)` read the
+  Keras variable, 2**10 for ever in the compiled program, while `stateless_apply` unscaled by 2**11 and on.)"""
+  batches = scaled_batches(rng, 7, inf_at=3)
+  want, reference = one_device_scaled(batches)
+  ref_scale = float(value(reference.optimizer.dynamic_scale))
+  assert ref_scale not in (2.0**10, 2.0**13)  # it grew and it halved: the test exercises both
+
+  model, optimizer = dense_model(), loss_scale_optimizer()
+  state = strategy.experimental_mirror(tk.state(model, optimizer))
+  step = scaled_step(model, optimizer)
+  got = []
+  for batch in strategy.experimental_distribute_dataset(batches):
+    state, loss = strategy.run(step, args=(state, batch))
+    got.append(float(loss))
+  np.testing.assert_allclose(got, want, rtol=1e-5)  # the skipped step's loss is inf / NaN on both
+  for mine, theirs in zip(state["optimizer"], reference.optimizer.variables):
+    np.testing.assert_allclose(np.asarray(mine), value(theirs), rtol=1e-6)  # scale, counters, steps
+  assert tk.iterations(optimizer, state["optimizer"]) == int(value(reference.optimizer.iterations))
+  tk.assign(model, optimizer, state)
+  for mine, theirs in zip(weights(model), weights(reference)):
+    np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_resume_reads_the_step_from_the_restored_state(strategy, rng, tmp_path):
+  """Model Garden's resume: a restarted job restores the state and reads the global step. The step lives in
+  the optimizer's variables (a LossScaleOptimizer's inner optimizer counts it): `tk.iterations` reads it
+  from the restored state, while the new process's Keras objects still hold their initial values (step 0,
+  the schedule's first learning rate) until `tk.assign` writes the state into them. Training then goes on
+  as one-device Keras's uninterrupted `train_on_batch`."""
+  batches = scaled_batches(rng, 5)
+  schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.8)
+  want, reference = one_device_scaled(batches, schedule)
+  kept = 3
+
+  model, optimizer = dense_model(), loss_scale_optimizer(schedule)
+  state = strategy.experimental_mirror(tk.state(model, optimizer))
+  step = scaled_step(model, optimizer)
+  dataset = list(strategy.experimental_distribute_dataset(batches))
+  for batch in dataset[:kept]:
+    state, _ = strategy.run(step, args=(state, batch))
+  with tpustrat.checkpoint.CheckpointManager(tmp_path, strategy) as manager:
+    manager.save(kept, state)
+    manager.wait_until_finished()
+
+  # the restarted process: new Keras objects, the state restored into a pytree of theirs
+  model, optimizer = dense_model(), loss_scale_optimizer(schedule)
+  state = strategy.experimental_mirror(tk.state(model, optimizer))
+  with tpustrat.checkpoint.CheckpointManager(tmp_path, strategy) as manager:
+    state = manager.restore(manager.latest_step(), target=state)
+  assert tk.iterations(optimizer, state["optimizer"]) == kept
+  assert int(value(optimizer.iterations)) == 0  # the Keras object is stale until assign
+  first_rate = float(np.asarray(optimizer.learning_rate))
+  assert first_rate == pytest.approx(float(schedule(0)), rel=1e-6)
+  tk.assign(model, optimizer, state)
+  assert int(value(optimizer.iterations)) == kept
+  assert float(np.asarray(optimizer.learning_rate)) == pytest.approx(float(schedule(kept)), rel=1e-6)
+
+  step = scaled_step(model, optimizer)
+  got = []
+  for batch in dataset[kept:]:
+    state, loss = strategy.run(step, args=(state, batch))
+    got.append(float(loss))
+  np.testing.assert_allclose(got, want[kept:], rtol=1e-5)
+  assert tk.iterations(optimizer, state["optimizer"]) == int(value(reference.optimizer.iterations))
+  tk.assign(model, optimizer, state)
+  for mine, theirs in zip(weights(model), weights(reference)):
+    np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def stateful_steps(model, optimizer, metric):
+  """Steps ported literally from TF, each using a Keras object the stateful way inside `run`."""
+
+  def loss_of(state, x, y):
+    logits, _, _ = tk.stateless_call(model, state["trainable"], state["non_trainable"], x)
+    return tpustrat.compute_average_loss(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+
+  def scale(state, x, y):
+    return optimizer.scale_loss(loss_of(state, x, y))
+
+  def update_metric(state, x, y):
+    metric.update_state(loss_of(state, x, y))
+    return loss_of(state, x, y)
+
+  def reset_metric(state, x, y):
+    metric.reset_state()
+    return loss_of(state, x, y)
+
+  def call_model(state, x, y):
+    return model(x)
+
+  def read_weight(state, x, y):
+    return x @ model.layers[0].kernel
+
+  return {"scale_loss": scale, "update_state": update_metric, "reset_state": reset_metric,
+          "model(x)": call_model, "a weight": read_weight}
+
+
+@pytest.mark.parametrize("use, what, where, fix", [
+    ("scale_loss", "read", r"LossScaleOptimizer\.scale_loss",
+     r"tpustrat\.keras\.scale_loss\(optimizer, state\['optimizer'\], loss\)"),
+    ("update_state", "read", r"Mean\.update_state", r"metric\.stateless_update_state\(variables"),
+    ("reset_state", "written", r"Mean\.reset_state", r"metric\.stateless_update_state\(variables"),
+    ("model(x)", "read", r"Dense\.", r"tpustrat\.keras\.stateless_call\(model"),
+    ("a weight", "read", r"", r"keras\.StatelessScope\(state_mapping="),
+])
+def test_a_keras_variable_used_statefully_in_a_step_is_refused_naming_the_fix(strategy, rng, use, what, where, fix):
+  """TF's stateful Keras calls ported literally into a step: a Keras variable read (or written) while `run`
+  traces, outside a keras.StatelessScope mapping it, is refused at that call, with the stateless way. Before,
+  the read was a constant of the compiled program (the loss scale frozen at its initial value, the model's
+  initial weights), and `metric.update_state` left tracers in the metric, for `result()` to fail on the host
+  later with JAX's UnexpectedTracerError."""
+  model, optimizer = dense_model(), loss_scale_optimizer()
+  state = strategy.experimental_mirror(tk.state(model, optimizer))
+  with strategy.scope():
+    metric = keras.metrics.Mean()
+  step = stateful_steps(model, optimizer, metric)[use]
+  (batch,) = strategy.experimental_distribute_dataset(scaled_batches(rng, 1))
+  with pytest.raises(RuntimeError, match=rf"Keras variable '[^']+' is {what} while strategy\.run traces a step.*"
+                                         rf"{where}.*{fix}"):
+    strategy.run(step, args=(state, *batch))
+  # nothing leaked into the Keras objects: on the host they work as Keras's own
+  metric.update_state(np.array([1.0, 3.0], np.float32))
+  fresh = keras.metrics.Mean()
+  fresh.update_state(np.array([1.0, 3.0], np.float32))
+  assert float(metric.result()) == float(fresh.result())
+  metric.reset_state()
+  assert float(optimizer.scale_loss(np.float32(1.0))) == float(value(optimizer.dynamic_scale))
+
+
+def test_keras_under_the_default_strategy_reads_its_variables_as_keras_does(rng):
+  """Outside `run` (the default strategy's one replica) Keras's stateful calls are untouched, even inside
+  the user's own `jax.jit`, where a read is the user's to make: the guard is for steps tpustrat traces."""
+  model, optimizer = dense_model(), loss_scale_optimizer()
+  tk.state(model, optimizer)
+  x = rng.normal(size=(4, 5)).astype(np.float32)
+  np.testing.assert_allclose(jax.jit(lambda x: model(x))(x), model.predict(x, verbose=0), rtol=1e-6)
+  assert float(optimizer.scale_loss(np.float32(2.0))) == 2.0 * float(value(optimizer.dynamic_scale))
+
+
+def test_scale_loss_and_iterations_refuse_what_does_not_match_the_optimizer(strategy):
+  model, optimizer = dense_model(), loss_scale_optimizer()
+  with pytest.raises(ValueError, match=r"scale_loss: the optimizer 'loss_scale_optimizer\w*' is not built"):
+    tk.scale_loss(optimizer, [], 1.0)
+  values = tk.state(model, optimizer)["optimizer"]
+  with pytest.raises(ValueError, match=rf"iterations: optimizer_variables has 2 values; the optimizer .* has "
+                                       rf"{len(values)}"):
+    tk.iterations(optimizer, values[:2])
+  with pytest.raises(TypeError, match=r"expected optimizer_variables = state\['optimizer'\].* got dict with keys"):
+    tk.iterations(optimizer, tk.state(model, optimizer))
+  with pytest.raises(TypeError, match=r"iterations reads the step count on the host; inside a step"):
+    strategy.run(lambda v: tk.iterations(optimizer, v), args=(strategy.experimental_mirror(values),))
+  # another Keras optimizer: its fixed loss_scale_factor, as Keras's own scale_loss
+  sgd = keras.optimizers.SGD(0.1, loss_scale_factor=4.0)
+  sgd_values = tk.state(model, sgd)["optimizer"]
+  assert float(tk.scale_loss(sgd, sgd_values, np.float32(2.0))) == float(sgd.scale_loss(np.float32(2.0)))

@@ -7,9 +7,14 @@ streams for the model's `SeedGenerator`s, and non-trainable variables that diffe
 batch, what TF computes over a replica's real rows is computed over them here too: a plain batch norm's
 statistics, and Keras's L1 / L2 activity regularizers. Keras metrics updated inside a step
 (``metric.stateless_update_state``) count the global batch's real rows, combined over the replicas as
-TF reads its ``SyncOnRead`` metric variables. The synchronised batch norm, `SyncBatchNormalization`, is
-built on first use (`sync_batch_normalization_class`) because it subclasses a Keras class, and Keras is an
-optional dependency: nothing here imports Keras until it is used.
+TF reads its ``SyncOnRead`` metric variables. Keras's stateful calls ported from TF into a step (a
+Keras variable read or written while `strategy.run` traces, outside a ``keras.StatelessScope`` mapping it:
+``optimizer.scale_loss``, ``metric.update_state``, ``model(x)``) are refused at the call, naming the
+stateless way (`_patch_variables`); `scale_loss` scales a loss by the optimizer state's loss scale, and
+`iterations` reads the step count from a state, which is where a custom loop's progress lives until
+`assign` writes it back. The synchronised batch norm, `SyncBatchNormalization`, is built on first use
+(`sync_batch_normalization_class`) because it subclasses a Keras class, and Keras is an optional
+dependency: nothing here imports Keras until it is used.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ def import_keras() -> Any:
         "on JAX. Set the environment variable KERAS_BACKEND=jax before Keras is first imported.")
   _patch_rnn()
   _patch_metrics()
+  _patch_variables()
   return keras
 
 
@@ -170,6 +176,12 @@ def assign(model: Any, optimizer: Any, state: dict[str, Sequence[Any]]) -> None:
   """Writes a state pytree (as `state` makes it, or as a training step returns it) into `model` and
   `optimizer`, so that ``model.predict``, ``model.save`` and Keras's own ``fit`` see the trained values.
 
+  In a custom loop the state, not the Keras objects, holds the training's progress: every host-side read
+  of them (``optimizer.iterations``, a schedule's ``optimizer.learning_rate``, callbacks reading
+  ``self.model``, ``model.save``) gives their values when the state was taken, until this writes a newer
+  one. Call it after `tpustrat.checkpoint.CheckpointManager.restore` and at the end of each loop of steps,
+  before callbacks, summaries and saves (`iterations` reads the step count from a state without it).
+
   `Mirrored` values are written as the arrays they are. Non-trainable floating values that come back
   `PerReplica` (batch norm statistics from a plain ``model.stateless_call`` in `strategy.run`) are
   averaged over the replicas, TF's aggregation on read (``ON_READ``, ``MEAN``). Any other `PerReplica`
@@ -212,6 +224,89 @@ def assign(model: Any, optimizer: Any, state: dict[str, Sequence[Any]]) -> None:
       writes.append((variable, value))
   for variable, value in writes:  # every check first: nothing written when one fails
     variable.assign(value)
+
+
+def _optimizer_mapping(optimizer: Any, optimizer_variables: Any, what: str) -> list[tuple[Any, Any]]:
+  """``(variable, value)`` pairs of a built Keras `optimizer` and its values in a state (``state["optimizer"]``),
+  for a ``keras.StatelessScope``; a clear error where they do not match."""
+  _check_optimizer(optimizer, what)
+  if optimizer is None or not optimizer.built:
+    raise ValueError(f"{what}: the optimizer {getattr(optimizer, 'name', None)!r} is not built, so it has no "
+                     "variables yet; tpustrat.keras.state(model, optimizer) builds it.")
+  if not isinstance(optimizer_variables, (list, tuple)):
+    raise TypeError(f"{what}: expected optimizer_variables = state['optimizer'], a list of the optimizer's "
+                    f"{len(optimizer.variables)} values; got "
+                    f"{type(optimizer_variables).__name__}{_keys(optimizer_variables)}.")
+  if len(optimizer_variables) != len(optimizer.variables):
+    raise ValueError(f"{what}: optimizer_variables has {len(optimizer_variables)} values; the optimizer "
+                     f"{optimizer.name!r} has {len(optimizer.variables)} variables (optimizer.variables).")
+  return [(v, _read(x, f"optimizer_variables[{i}] ({v.path})", False))
+          for i, (v, x) in enumerate(zip(optimizer.variables, optimizer_variables))]
+
+
+def scale_loss(optimizer: Any, optimizer_variables: Sequence[Any], loss: Any) -> Any:
+  """``optimizer.scale_loss(loss)`` by the optimizer's state in a step: TF's ``optimizer.get_scaled_loss``
+  / Keras 3's ``scale_loss`` in a custom loop.
+
+  A Keras ``LossScaleOptimizer`` keeps its loss scale in a variable, which ``optimizer.stateless_apply``
+  doubles after ``dynamic_growth_steps`` finite steps and halves after a step of non-finite gradients, in
+  the state it returns. ``optimizer.scale_loss(loss)`` in a step reads the Keras variable, whose value
+  never changes (tpustrat refuses that read while it traces a step); this reads the scale from
+  `optimizer_variables` instead (``keras.StatelessScope`` over them), the one ``stateless_apply`` unscales
+  the gradients by. For another Keras optimizer it is ``optimizer.scale_loss(loss)``: the loss times its
+  fixed ``loss_scale_factor``, or the loss. Differentiate the scaled loss; report the unscaled one.
+
+  Args:
+    optimizer: a built Keras optimizer (`state` builds it).
+    optimizer_variables: its values in the step's state, ``state["optimizer"]``.
+    loss: the loss to scale.
+
+  Returns:
+    The scaled loss.
+
+  Raises:
+    TypeError: `optimizer` is not a Keras optimizer, or `optimizer_variables` not a list.
+    ValueError: the optimizer is not built, or `optimizer_variables` does not match its variables.
+  """
+  keras = import_keras()
+  with keras.StatelessScope(state_mapping=_optimizer_mapping(optimizer, optimizer_variables,
+                                                             "tpustrat.keras.scale_loss")):
+    return optimizer.scale_loss(loss)
+
+
+def iterations(optimizer: Any, optimizer_variables: Sequence[Any]) -> int:
+  """The optimizer's step count in a state, ``optimizer.iterations`` read from `optimizer_variables`
+  (``state["optimizer"]``): where TF code reads ``optimizer.iterations.numpy()`` on the host, for the
+  global step after a restore.
+
+  A custom loop's state, not the Keras objects, holds the training's progress: after
+  `tpustrat.checkpoint.CheckpointManager.restore`, or after steps in `strategy.run`, ``optimizer.iterations``
+  itself holds what it held when `state` was taken (0 for a fresh optimizer) until `assign` writes the state
+  back. The count is in the optimizer's variables, at a position that depends on the optimizer (a
+  ``LossScaleOptimizer`` has its own before its inner optimizer's, which count the steps); Keras's own
+  ``iterations`` is evaluated over them (``keras.StatelessScope``), so gradient accumulation's division is
+  Keras's too. A host read: it waits for the step that produced the state.
+
+  Args:
+    optimizer: a built Keras optimizer (`state` builds it).
+    optimizer_variables: its values in a state, ``state["optimizer"]`` (arrays or `Mirrored`), on the host.
+
+  Returns:
+    The step count, an int.
+
+  Raises:
+    TypeError: bad `optimizer` or `optimizer_variables`, or a value that is traced (inside a step, read it in
+      ``keras.StatelessScope(state_mapping=list(zip(optimizer.variables, state["optimizer"])))``).
+    ValueError: the optimizer is not built, or `optimizer_variables` does not match its variables.
+  """
+  keras = import_keras()
+  mapping = _optimizer_mapping(optimizer, optimizer_variables, "tpustrat.keras.iterations")
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves([x for _, x in mapping])):
+    raise TypeError("tpustrat.keras.iterations reads the step count on the host; inside a step, read "
+                    "optimizer.iterations in keras.StatelessScope(state_mapping=list(zip(optimizer.variables, "
+                    "state['optimizer']))).")
+  with keras.StatelessScope(state_mapping=mapping):
+    return int(np.asarray(optimizer.iterations))
 
 
 def seed_positions(model: Any) -> tuple[int, ...]:
@@ -566,6 +661,129 @@ def _combine_metric(metric: Any, ctx: Any, given: list[Any], new: list[Any]) -> 
     else:
       out.append(jax.lax.pmean(after.astype(jnp.float32), REPLICA_AXIS).astype(after.dtype))
   return out
+
+
+# -- Keras variables used statefully while a step is traced ---------------------------------------------------
+
+
+def _defining_class(cls: type, name: str) -> type | None:
+  """The class in `cls`'s MRO whose own namespace holds `name` (where an attribute lookup finds it)."""
+  return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+
+@functools.cache
+def _patch_variables() -> None:
+  """A Keras variable read or written while `strategy.run` traces a step, outside a ``keras.StatelessScope``
+  that maps it, raises (`_refuse_stateful_use`) instead of going wrong with no word. Such a read is a
+  constant of the compiled program, what the variable holds when the step is traced, never the step's
+  state: ``optimizer.scale_loss(loss)`` of a Keras ``LossScaleOptimizer`` would scale by the initial scale
+  for ever while ``stateless_apply`` unscales by the one its state grew to; ``metric.update_state`` would add
+  to a constant. Such a write leaves a traced value in the variable (JAX's ``UnexpectedTracerError`` when it
+  is read later) and reaches nothing the step returns. The cause is checked, not a symptom: Keras's
+  ``Variable.value`` (which every read goes through: ``__jax_array__``, the operators, ``numpy``) and
+  ``Variable.assign`` (which ``assign_add`` / ``assign_sub`` call) are wrapped once, on the class where
+  ``keras.Variable`` finds them, and refuse only while a step is traced in this thread (the replica
+  context of a `run`) and Keras's innermost stateless scope holds no value for the variable (no scope, for a
+  write: inside one Keras records the write in the scope). A read in Keras's symbolic scope (shape
+  inference) computes no value and passes, as does a read of a variable Keras has not initialised yet (its
+  placeholder, shape inference too). Outside a step an access costs one thread-local read. A Keras where
+  these are not what is checked here (or without the scope queries, private ``keras.src.backend`` names)
+  raises rather than being wrapped blindly."""
+  import keras  # pylint: disable=import-outside-toplevel
+  from keras.src import backend  # pylint: disable=import-outside-toplevel
+
+  reader, prop, writer, assign, get_scope, symbolic = _variable_hooks(keras.Variable, backend, keras.__version__)
+  fget: Any = prop.fget
+
+  def value(variable: Any) -> Any:
+    if _tracing_a_step() and not symbolic():
+      scope = get_scope()
+      mapped = scope is not None and scope.get_current_value(variable) is not None
+      if not mapped and getattr(variable, "_value", None) is not None:  # None: Keras's placeholder
+        _refuse_stateful_use(variable, "read")
+    return fget(variable)
+
+  @functools.wraps(assign)
+  def guarded_assign(variable: Any, new: Any) -> Any:
+    if _tracing_a_step() and not symbolic() and get_scope() is None:
+      _refuse_stateful_use(variable, "written")
+    return assign(variable, new)
+
+  guarded_value = property(functools.wraps(fget)(value), prop.fset, prop.fdel, prop.__doc__)
+  reader.value = guarded_value  # type: ignore[attr-defined]
+  writer.assign = guarded_assign  # type: ignore[attr-defined]
+
+
+def _variable_hooks(variable: type, backend: Any, version: str) -> tuple[type, property, type, Any, Any, Any]:
+  """What `_patch_variables` wraps and reads, checked: the classes of `variable`'s MRO that define its
+  ``value`` property and its ``assign(value)`` method, and the private scope queries of Keras's
+  `backend` module (``get_stateless_scope``, ``in_symbolic_scope``); a RuntimeError naming what this Keras
+  has instead."""
+  get_scope: Any = getattr(backend, "get_stateless_scope", None)
+  symbolic: Any = getattr(backend, "in_symbolic_scope", None)
+  reader, writer = _defining_class(variable, "value"), _defining_class(variable, "assign")
+  prop = vars(reader).get("value") if reader else None
+  assign: Any = vars(writer).get("assign") if writer else None
+  params = list(inspect.signature(assign).parameters) if callable(assign) else None
+  if (reader is None or writer is None or not isinstance(prop, property) or prop.fget is None
+      or params != ["self", "value"] or not callable(get_scope) or not callable(symbolic)):
+    raise RuntimeError(
+        "tpustrat.keras wraps keras.Variable's `value` property and `assign(value)` method, and reads Keras's "
+        "private keras.src.backend.get_stateless_scope and in_symbolic_scope (Keras 3.5 to 3.15); Keras "
+        f"{version} has value: {'no property' if not isinstance(prop, property) else 'a property'}, assign: "
+        f"{tuple(params) if params is not None else 'no method'}, get_stateless_scope: "
+        f"{'present' if callable(get_scope) else 'missing'}, in_symbolic_scope: "
+        f"{'present' if callable(symbolic) else 'missing'}. Use a Keras version this tpustrat was tested with.")
+  return reader, prop, writer, assign, get_scope, symbolic
+
+
+def _tracing_a_step() -> bool:
+  """Whether this thread is tracing the function given to `strategy.run` (not the default strategy's
+  one replica, which runs as written)."""
+  ctx = context.active_replica_context()
+  return ctx is not None and context.replica_axis(ctx) is not None
+
+
+def _refuse_stateful_use(variable: Any, what: str) -> None:
+  """Raises the error for a Keras variable `what` ("read" / "written") in a traced step outside a stateless
+  scope that maps it, with the stateless way of the Keras call it came from (the innermost Keras metric,
+  optimizer or layer method on the stack, for the message only)."""
+  keras = import_keras()
+  owner, method = None, None
+  frame = inspect.currentframe()
+  try:
+    while frame is not None and owner is None:
+      candidate = frame.f_locals.get("self")
+      if isinstance(candidate, (keras.metrics.Metric, keras.optimizers.Optimizer, keras.layers.Layer)):
+        owner, method = candidate, frame.f_code.co_name
+      frame = frame.f_back
+  finally:
+    del frame
+  if isinstance(owner, keras.metrics.Metric):
+    fix = ("A Keras metric's update_state, result and reset_state keep its state in its variables, which a "
+           "compiled step cannot update: carry the variables through the step instead, `variables = "
+           "metric.stateless_update_state(variables, ...)` inside it (the padding rows weigh 0 and the replicas' "
+           "updates are summed, as TF reads a SyncOnRead metric) and `metric.stateless_result(variables)` after "
+           "it (docs/guides/keras.md, 'Partial batches and metrics in a custom loop').")
+  elif isinstance(owner, keras.optimizers.Optimizer) and method == "scale_loss":
+    fix = ("Scale the loss by the scale in the step's optimizer state: `loss = tpustrat.keras.scale_loss("
+           "optimizer, state['optimizer'], loss)` (a LossScaleOptimizer's scale grows and shrinks in its "
+           "variables, which optimizer.stateless_apply updates).")
+  elif isinstance(owner, keras.optimizers.Optimizer):
+    fix = ("Apply the gradients with `trainable, optimizer_variables = optimizer.stateless_apply("
+           "state['optimizer'], grads, state['trainable'])`.")
+  elif isinstance(owner, keras.layers.Layer):
+    fix = ("Call the model with `tpustrat.keras.stateless_call(model, state['trainable'], "
+           "state['non_trainable'], ...)`.")
+  else:
+    fix = ("Take its value from the step's state (`tpustrat.keras.state(model, optimizer)` makes one), or "
+           "read it inside `keras.StatelessScope(state_mapping=[(variable, value), ...])`.")
+  where = f" (in {type(owner).__name__}.{method})" if owner is not None else ""
+  effect = ("Its value would be a constant of the compiled program, what the variable holds now: the step's "
+            "state changes from step to step, the Keras variable does not." if what == "read" else
+            "The write would reach nothing the step returns and would leave a traced value in the variable.")
+  raise RuntimeError(f"tpustrat.keras: the Keras variable {variable.path!r} is {what} while strategy.run "
+                     f"traces a step, outside a keras.StatelessScope that maps it{where}. {effect} {fix}")
 
 
 # -- SyncBatchNormalization -------------------------------------------------------------------------------
