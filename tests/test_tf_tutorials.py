@@ -323,3 +323,144 @@ def test_keras_fit_port_equals_one_device_keras_with_its_partial_batch(tmp_path)
   # Loaded outside the scope: a plain one-device model; inside it: compiled under the strategy, replicated.
   assert result["unreplicated_strategy"] is None and result["unreplicated_devices"] == 1
   assert result["replicated_strategy"] is not None and result["replicated_devices"] == 8
+
+
+# -- model_garden_ctl: TF Model Garden's run_customized_training_loop ------------------------------------------
+
+MG = {"steps_per_epoch": 6, "epochs": 2, "steps_per_loop": 4, "batch_size_per_replica": 2, "eval_examples": 75}
+
+
+def _model_garden_one_device(tutorial, *, num_replicas: int = 8, seed: int = 0) -> dict:
+  """The port's training on one device, written here with plain Keras and JAX: each global batch split
+  into the 8 replicas' rows by hand, each part's mean cross-entropy / 8 times the loss scale read from the
+  optimizer's values, each part's gradient clipped to global norm 5 by itself (the pre-all-reduce
+  callback), summed, applied by Keras's LossScaleOptimizer; the evaluation's loss each replica part's mean
+  weighed by its real rows, the accuracy over the 75 examples. Only the model and its optimizer (their
+  initial values), the synthetic data and the clip norm come from the port."""
+  import keras  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  k, total = MG["batch_size_per_replica"], MG["steps_per_epoch"] * MG["epochs"]
+  global_batch = k * num_replicas
+  model = tutorial.model_fn(total, seed)
+  optimizer = model.optimizer
+  optimizer.build(model.trainable_variables)
+  trainable = [v.value for v in model.trainable_variables]
+  opt_vars = [v.value for v in optimizer.variables]
+  images, labels = tutorial.load_data(total * global_batch, seed)
+  eval_images, eval_labels = tutorial.load_data(MG["eval_examples"], seed + 1)
+
+  def mean_xent(y, logits):
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+  def part_loss(trainable, opt_vars, x, y):
+    logits, _ = model.stateless_call(trainable, [], x, training=True)
+    raw = mean_xent(y, logits)
+    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, opt_vars))):
+      scale = optimizer.scale_loss(1.0)  # the dynamic loss scale in these values
+    return raw / num_replicas * scale, raw
+
+  @jax.jit
+  def step(trainable, opt_vars, x, y):
+    total_grads, raws = None, []
+    for r in range(num_replicas):
+      part = slice(r * k, (r + 1) * k)
+      g, raw = jax.grad(part_loss, has_aux=True)(trainable, opt_vars, x[part], y[part])
+      g, _ = optax.clip_by_global_norm(tutorial.CLIP_NORM).update(g, optax.EmptyState())
+      total_grads = g if total_grads is None else jax.tree.map(jnp.add, total_grads, g)
+      raws.append(raw)
+    trainable, opt_vars = optimizer.stateless_apply(opt_vars, total_grads, trainable)
+    return trainable, opt_vars, jnp.stack(raws)
+
+  history = {"train_loss": {}, "eval": {}}
+  current, loops = 0, [4, 2, 4, 2]  # 4 steps per loop, up to each evaluation (every 6 steps)
+  for steps in loops:
+    raws = []
+    for s in range(current, current + steps):
+      rows = slice(s * global_batch, (s + 1) * global_batch)
+      trainable, opt_vars, r = step(trainable, opt_vars, images[rows], labels[rows])
+      raws.append(np.asarray(r, np.float64))
+    current += steps
+    history["train_loss"][current] = float(np.mean(raws))
+    if current % MG["steps_per_epoch"] == 0:
+      losses, weights, correct = [], [], 0
+      for start in range(0, len(eval_images), global_batch):
+        x, y = eval_images[start:start + global_batch], eval_labels[start:start + global_batch]
+        logits, _ = model.stateless_call(trainable, [], x, training=False)
+        for r in range(num_replicas):
+          part = slice(r * k, min((r + 1) * k, len(x)))
+          if part.start < len(x):
+            losses.append(float(mean_xent(y[part], logits[part])))
+            weights.append(part.stop - part.start)
+        correct += int((np.argmax(np.asarray(logits), axis=1) == y).sum())
+      history["eval"][current] = {"examples": sum(weights), "training_loss": float(np.average(losses, weights=weights)),
+                                  "accuracy": correct / len(eval_images)}
+  with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, opt_vars))):
+    history["iterations"] = int(optimizer.iterations.value)
+  history["weights"] = [np.asarray(w) for w in trainable]
+  return history
+
+
+@pytest.fixture(scope="module")
+def model_garden():
+  return _load_tutorial("model_garden_ctl")
+
+
+@pytest.fixture(scope="module")
+def model_garden_reference(model_garden):
+  return _model_garden_one_device(model_garden)
+
+
+def _assert_model_garden_history(got: dict, want: dict) -> None:
+  assert [int(s) for s in got["train_loss"]] == [4, 6, 10, 12] == list(want["train_loss"])
+  np.testing.assert_allclose(list(got["train_loss"].values()), list(want["train_loss"].values()), rtol=1e-5)
+  assert [int(s) for s in got["eval"]] == [6, 12]
+  for s, w in want["eval"].items():
+    g = got["eval"][s] if s in got["eval"] else got["eval"][str(s)]
+    assert g["examples"] == w["examples"] == 75  # every example once, none of the padding
+    np.testing.assert_allclose(g["training_loss"], w["training_loss"], rtol=1e-5)
+    assert round(g["accuracy"] * 75) == round(w["accuracy"] * 75)
+  assert got["iterations"] == want["iterations"] == 12
+  for g, w in zip(got["weights"], want["weights"], strict=True):
+    np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
+def test_model_garden_loop_equals_one_device(model_garden, model_garden_reference, tmp_path):
+  strategy = __import__("tpustrat").MirroredStrategy()
+  history = model_garden.run_customized_training_loop(strategy, model_dir=str(tmp_path), **MG)
+  _assert_model_garden_history(history, model_garden_reference)
+  # The learning rate written each loop is the schedule's at that step; the chief wrote both summaries.
+  lr = model_garden.learning_rate_schedule(12)
+  np.testing.assert_allclose(list(history["learning_rate"].values()), [float(lr(s)) for s in (4, 6, 10, 12)],
+                             rtol=1e-6)
+  for kind in ("train", "eval"):
+    files = list((tmp_path / "summaries" / kind).glob("events.out.tfevents.*"))
+    assert files and all(f.stat().st_size > 0 for f in files), kind
+
+
+@pytest.mark.processes
+def test_model_garden_loop_killed_after_a_save_resumes_there(model_garden_reference, tmp_path):
+  # kill -9 after the checkpoint of step 6; the same command resumes at step 6 and ends as one device does.
+  import signal  # pylint: disable=import-outside-toplevel
+  cmd = [sys.executable, str(TUTORIALS / "model_garden_ctl.py"), "--model-dir", str(tmp_path)]
+  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+  lines = []
+  with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True) as first:
+    for line in first.stdout:
+      lines.append(line)
+      if line.startswith("saved step 6"):
+        first.send_signal(signal.SIGKILL)
+        break
+    first.wait(timeout=120)
+  assert first.returncode == -signal.SIGKILL, "".join(lines)
+  second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert second.returncode == 0, second.stdout + second.stderr
+  out = second.stdout.splitlines()
+  assert out[0] == "restored step 6" and not any(line.startswith("Train Step: 4/") for line in out), out
+  resumed = json.loads(out[-1])
+  assert [int(s) for s in resumed["train_loss"]] == [10, 12]  # only the steps after the checkpoint ran
+  np.testing.assert_allclose(list(resumed["train_loss"].values()),
+                             [model_garden_reference["train_loss"][s] for s in (10, 12)], rtol=1e-5)
+  assert resumed["iterations"] == 12
+  for g, w in zip(resumed["weights"], model_garden_reference["weights"], strict=True):
+    np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
