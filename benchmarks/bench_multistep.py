@@ -66,6 +66,13 @@ Reproduce from the repository root (8 emulated CPU devices unless ``--cpu-device
     .venv/bin/python benchmarks/bench_multistep.py --only tiny --trials 51
     .venv/bin/python benchmarks/bench_multistep.py --only mlp --trials 3
     .venv/bin/python benchmarks/bench_multistep.py --only conv transformer   # run vs run_steps, the control
+    .venv/bin/python benchmarks/bench_multistep.py --devices 1 --only tiny --no-input --trials 21   # host cost per call
+
+``--devices 1``: no emulated devices, a `MirroredStrategy` on the one CPU device with the step watchdog on
+(see `bench_run.py`); "us per call over plain JAX" is the per-round difference to plain JAX at the same k,
+times k: what one `run` (k = 1, target <= 10 us) or one `experimental_run_steps` call (k = 10, 100,
+target <= 20 us over `jax.jit(lax.scan)`, batches already stacked) costs the host beyond the hand-written
+program.
 
 Defaults: tiny 200 steps x 31 trials per variant (~20 s), mlp 100 steps x 3 trials (~2.5 minutes on a
 2-core machine: about 44 ms per step), conv and transformer 10 steps x 5 trials (about a minute each).
@@ -101,6 +108,9 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--model-ks", type=int, nargs="+", default=[1, 10],
                       help="steps per program of the conv and transformer steps")
   parser.add_argument("--no-input", action="store_true", help="leave out the input-pipeline family")
+  parser.add_argument("--devices", type=int, choices=(1,), default=None,
+                      help="1: no emulated devices, a MirroredStrategy on the one CPU device, the step watchdog on; "
+                           "reports each call's host cost over the hand-written jax.jit / jax.jit(lax.scan)")
   parser.add_argument("--conv-batch", type=int, default=64, help="conv: global batch (28 x 28 x 1 images)")
   parser.add_argument("--conv-width", type=int, default=16, help="conv: channels of the first convolution")
   parser.add_argument("--tf-batch", type=int, default=16, help="transformer: global batch (sequences)")
@@ -114,7 +124,7 @@ DEFAULTS = {"tiny": (200, 31), "mlp": (100, 3), "conv": (10, 5), "transformer": 
 
 ARGS = h.parse_args(__doc__, _add_flags) if __name__ == "__main__" else None
 if ARGS is not None:
-  h.emulate_cpu_devices(ARGS.cpu_devices)  # before JAX initialises its backends
+  h.emulate_cpu_devices(0 if ARGS.devices == 1 else ARGS.cpu_devices)  # before JAX initialises its backends
 
 import bench_run as br  # noqa: E402  # the steps and their hand-written bodies
 
@@ -397,8 +407,12 @@ def bench(variants: list[Variant], steps: int, trials: int) -> dict[str, list[fl
     return h.time_rounds(variants, trials, h.rotation_schedule(variants), lambda v: v.run(steps)[0] / steps * 1e6)
 
 
+ONE_DEVICE_TARGET_US = {1: 10.0}  # --devices 1: us per call over plain JAX (run: 10; run_steps: 20, issue 45)
+
+
 def main(args: argparse.Namespace) -> int:
-  strategy = tpustrat.TPUStrategy()
+  one = args.devices == 1
+  strategy = br.one_device_strategy() if one else tpustrat.TPUStrategy()
   ks = sorted(set(args.ks))
   if ks[0] != 1:
     raise SystemExit("--ks must include 1 (the baseline)")
@@ -429,12 +443,17 @@ def main(args: argparse.Namespace) -> int:
           "vs_plain": (statistics.median(times[v.name]) / statistics.median(plain)
                        if plain and v.family != "plain JAX" else None),
           "steps": steps, "trials": trials,
+          # per call (one program of k steps): the paired per-round difference to plain JAX at the same k
+          "per_call": (statistics.median([(a - b) * v.k for a, b in zip(times[v.name], times[f"plain JAX, k={v.k}"])])
+                       if f"plain JAX, k={v.k}" in times and v.family == "tpustrat" else None),
       })
   print(f"# total {time.perf_counter() - t_start:.0f} s")
   print()
   print(h.markdown_header(["step", "variant", "steps per program (k)", "steps x trials", "us/step",
-                           "speedup over k=1, median [p25, p75]", "vs plain JAX at same k", "target"],
-                          right={"steps per program (k)", "us/step", "vs plain JAX at same k"}))
+                           "speedup over k=1, median [p25, p75]", "vs plain JAX at same k",
+                           "us per call over plain JAX", "target"],
+                          right={"steps per program (k)", "us/step", "vs plain JAX at same k",
+                                 "us per call over plain JAX"}))
   for r in rows:
     target = ""
     if r["name"] in MODELS and r["k"] > 1:
@@ -446,9 +465,16 @@ def main(args: argparse.Namespace) -> int:
       target = h.verdict(f">= {TARGET_SPEEDUP:.2f}x", r["speedup"][0] >= TARGET_SPEEDUP)
       h.figure("experimental_run_steps k=10 speedup over k=1, tiny step", f"{r['speedup'][0]:.2f}x",
                f">= {TARGET_SPEEDUP:.2f}x", r["speedup"][0] >= TARGET_SPEEDUP)
+    if one and r["per_call"] is not None:
+      limit = ONE_DEVICE_TARGET_US.get(r["k"], 20.0)
+      what = "strategy.run" if r["k"] == 1 else f"experimental_run_steps k={r['k']}"
+      target = h.verdict(f"<= +{limit:.0f} us a call", r["per_call"] <= limit)
+      h.figure(f"one device: {what}, {LABELS[r['name']]}: host cost per call over plain JAX",
+               f"{r['per_call']:+.1f} us", f"<= +{limit:.0f} us", r["per_call"] <= limit)
     vs = f"{r['vs_plain']:.2f}" if r["vs_plain"] is not None else ""
     print(h.markdown_row([LABELS[r["name"]], r["family"], r["k"], f"{r['steps']} x {r['trials']}", f"{r['us']:.1f}",
-                          h.format_spread(r["speedup"], 2, unit="x"), vs, target]))
+                          h.format_spread(r["speedup"], 2, unit="x"), vs,
+                          f"{r['per_call']:+.1f}" if r["per_call"] is not None else "", target]))
   print()
   print("us/step: median over trials of (time for `steps` chained steps, until the last is ready) / steps. "
         "speedup: per-round ratio (k=1 time / this time) within the family (the unrolled families: over their "

@@ -64,6 +64,12 @@ BENCHES = [
           ("--only", "conv", "transformer", "--model-ks", "1", "2", "--steps", "2", "--trials", "1",
            "--conv-batch", "16", "--conv-width", "4", "--tf-batch", "8", "--tf-seq-len", "16", "--tf-layers", "1",
            "--tf-d-model", "32")),
+    # one device, nothing emulated: the host cost of `run` / `experimental_run_steps` per call (issue 45)
+    Bench("run", ("--devices", "1", "--only", "tiny", "--steps", "500", "--trials", "31"), ("--devices", "1"),
+          ("--devices", "1", "--only", "tiny", "--steps", "3", "--trials", "1")),
+    Bench("multistep", ("--devices", "1", "--only", "tiny", "--no-input", "--trials", "21"),
+          ("--devices", "1", "--only", "tiny", "mlp", "--no-input"),
+          ("--devices", "1", "--only", "tiny", "--ks", "1", "10", "--steps", "10", "--trials", "1", "--no-input")),
     Bench("collectives", ("--sizes-mib", "1", "--trials", "11"), ("--sizes-mib", "1,64", "--noise-floor"),
           ("--sizes-mib", "0.25", "--groups", "2x4", "--trials", "1", "--calls", "1")),
     Bench("input", ("--steps", "16", "--trials", "9", "--extra-rows"), ("--extra-rows", "--prefetch-row"),
@@ -87,6 +93,9 @@ BENCHES = [
     Bench("processes", ("--steps", "50", "--trials", "5", "--rate-seconds", "3"), ("--trials", "11"),
           ("--processes", "1", "2", "--steps", "20", "--trials", "1", "--kv-seconds", "0.2", "--rate-seconds", "1.5"),
           timeout_s=600.0),
+    # the first save of a Mirrored state against a later one (issue 45, item 5)
+    Bench("checkpoint", ("--trials", "3"), ("--trials", "3"), ("--layers", "1", "--d-model", "32", "--saves", "2",
+                                                              "--trials", "1")),
     Bench("compile_cache", ("--pairs", "2"), ("--pairs", "3", "--layers", "6", "--d-model", "512"),
           ("--pairs", "1", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch", "16", "--max-files", "20")),
 ]

@@ -87,6 +87,13 @@ CASES = {
         ("step", "variant", "steps x trials"),
         ((TINY, "tpustrat", "3 x 1"), (TINY, "tpustrat + step watchdog", "3 x 1"),
          (TINY, "tpustrat (step counters on)", "3 x 1"))),
+    # README: `bench_run.py --devices 1` (one device, nothing emulated, the step watchdog on): run's host cost
+    # per call over the hand-written jax.jit.
+    "run-one-device": Case(
+        "bench_run.py", ("--devices", "1", "--only", "tiny", "--steps", "3", "--trials", "1"),
+        ("# tiny: results allclose;",),
+        ("step", "variant", "steps x trials"),
+        ((TINY, "tpustrat", "3 x 1"),)),
     # README: `bench_collectives.py --mechanisms --noise-floor` with both default group shapes, at 1/4 MiB.
     "collectives": Case(
         "bench_collectives.py",

@@ -397,3 +397,60 @@ def test_a_value_saved_split_on_one_axis_restores_into_a_target_split_on_another
       np.testing.assert_array_equal(np.asarray(got["w"]), w)
       blocks = np.stack([np.asarray(b) for b in got["w"].values])
       np.testing.assert_array_equal(blocks, numpy_blocks(w, target_axis, n))  # padding is zeros
+
+
+def test_the_first_save_of_a_mirrored_state_runs_no_program_and_moves_between_layouts(strategy, tmp_path):
+  """Issue 45, item 5: orbax's replica-parallel save sliced each device's copy of a replicated array with a
+  program of its own (one per shape and device: 97 compilations at the char transformer's first save), and
+  the checksums were a device program compiled per set of shapes. Now the first save of a `Mirrored` state
+  lowers no program at all (JAX's lowering events are counted, which fire whether or not the persistent
+  compilation cache then holds the program). The checkpoint restores bit for bit onto 8 and 4 replicas,
+  mirrored and split, and its checksums are the numpy definition's."""
+  rng = np.random.default_rng(45)
+  # Shapes no other test saves (a program compiled earlier in this process would not be lowered again),
+  # each with an axis 8 divides, so replica-parallel saving would have sliced every one.
+  values = {"a": rng.normal(size=(40, 24)).astype(np.float32), "b": rng.normal(size=(56,)).astype(np.float32),
+            "c": rng.normal(size=(3, 16, 5)).astype(ml_dtypes.bfloat16),
+            "d": rng.integers(-9, 9, size=(24, 7)).astype(np.int32), "e": rng.normal(size=(8, 3, 3)) > 0}
+  state = {k: strategy.experimental_mirror(v) for k, v in values.items()}
+  lowered = []
+
+  def listener(event: str, duration: float, **kwargs) -> None:
+    del duration, kwargs
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+      lowered.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    with CheckpointManager(tmp_path, strategy) as manager:
+      manager.save(1, state)
+      manager.wait_until_finished()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert lowered == []
+  saved = json.loads((tmp_path / "1" / "checksums" / "checksums.json").read_text())["arrays"]
+  for k, v in values.items():
+    assert saved[k]["sums"] == _numpy_sums(v), k
+  for n in (8, 4):
+    loader = make_strategy(strategy, n)
+    mirrored = {k: loader.experimental_mirror(np.zeros_like(v)) for k, v in values.items()}
+    split = {k: loader.experimental_shard(np.zeros_like(v), lambda *_: 0) for k, v in values.items()}
+    for target in (mirrored, split):
+      with CheckpointManager(tmp_path, loader) as manager:
+        got = manager.restore(1, target=target)
+      assert_placed_like(got, target)
+      assert_equal_values({k: np.asarray(v) for k, v in got.items()}, values)
+
+
+def _numpy_sums(x: np.ndarray) -> list[int]:
+  """The two checksums of `x` by their definition (tpustrat._src.checkpoint.checksums), in Python ints."""
+  words = x.astype(np.uint32) if x.dtype == np.bool_ else (
+      x.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[x.dtype.itemsize]).astype(np.uint32))
+  words = words.reshape(-1).astype(np.uint64)
+  index = np.arange(words.size, dtype=np.uint64)
+  rotated = ((words << np.uint64(16)) | (words >> np.uint64(16))) & np.uint64(0xFFFFFFFF)
+  sums = []
+  for w, multiplier, offset in ((words, 0x9E3779B1, 0x7F4A7C15), (rotated, 0x85EBCA77, 0x165667B1)):
+    weights = (((index + np.uint64(offset)) * np.uint64(multiplier)) & np.uint64(0xFFFFFFFF)) | np.uint64(1)
+    sums.append(int(np.sum((w * weights) & np.uint64(0xFFFFFFFF), dtype=np.uint64) % 2**32))
+  return sums

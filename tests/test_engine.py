@@ -401,3 +401,55 @@ def test_a_failed_step_raises_once_more_at_the_next_wait_saying_so_then_steps_ru
       assert any("the step of this call was not dispatched" in note for note in getattr(e, "__notes__", []))
       outcomes.append("raised")
   assert outcomes == [[-1.0, -1.0], "raised", [-3.0, -3.0], [-4.0, -4.0]], outcomes
+
+
+def test_a_second_call_with_the_same_signature_runs_no_per_signature_work(strategy, monkeypatch, rng):
+  """The fast path: a cached program's next call with the same argument structure, shapes and shardings
+  neither builds its entry (the structure walk, the per-leaf targets) nor places any argument again."""
+  from tpustrat._src.engine import engine as engine_lib
+  calls = {"entry": 0, "place": 0}
+  entry, place = engine_lib.Engine._entry, engine_lib.Engine._place
+
+  def counted_entry(self, *a, **k):
+    calls["entry"] += 1
+    return entry(self, *a, **k)
+
+  def counted_place(self, *a, **k):
+    calls["place"] += 1
+    return place(self, *a, **k)
+
+  monkeypatch.setattr(engine_lib.Engine, "_entry", counted_entry)
+  monkeypatch.setattr(engine_lib.Engine, "_place", counted_place)
+  x = rng.normal(size=(N, 3)).astype(np.float32)
+  w0 = rng.normal(size=(3,)).astype(np.float32)
+
+  def step(w, v):
+    return w - 0.5 * tpustrat.get_replica_context().all_reduce("mean", v * w)
+
+  xs = stacked(strategy, x)
+  w = strategy.run(step, args=(strategy.experimental_mirror(w0), xs))
+  assert calls["entry"] == 1
+  calls.update(entry=0, place=0)
+  w = strategy.run(step, args=(w, xs))
+  assert calls == {"entry": 0, "place": 0}
+  expected = w0.astype(np.float64)
+  for _ in range(2):
+    expected = expected - 0.5 * (x * expected).mean(axis=0)
+  assert_close(np.asarray(strategy.experimental_local_results(w)[0]), expected, rtol=1e-5)
+
+
+def test_a_plain_array_on_the_one_device_is_not_placed_again(monkeypatch, rng):
+  """On a one-device strategy a plain `jax.Array` on that device is laid out as the replicated target
+  already: `run` passes it as it is (no `jax.device_put` per call), and the result is the numpy one."""
+  device = jax.devices()[0]
+  one = tpustrat.MirroredStrategy(devices=[device])
+  a = rng.normal(size=(4,)).astype(np.float32)
+  arr = jax.device_put(a, device)
+  fn = lambda v: v * 3.0 + 1.0  # noqa: E731
+  one.run(fn, args=(arr,))  # compiled (and the equivalence cached) here
+  puts = []
+  real_put = jax.device_put
+  monkeypatch.setattr(jax, "device_put", lambda *args, **kw: puts.append(args) or real_put(*args, **kw))
+  out = one.run(fn, args=(arr,))
+  assert puts == []
+  np.testing.assert_allclose(np.asarray(one.experimental_local_results(out)[0]), a * 3.0 + 1.0, rtol=1e-6)

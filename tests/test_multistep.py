@@ -516,3 +516,35 @@ def test_few_replicas_keep_stacked_steps_apart_from_one_step(num_replicas):
   assert repr(out) == f"PerReplica(steps=3, num_replicas={n}, component=float32[4], padded)"
   with pytest.raises(ValueError, match="holds 3 stacked steps"):
     small.reduce("SUM", out, axis=None)
+
+
+def test_run_steps_checks_stacked_batches_once_per_signature(strategy, monkeypatch):
+  """Batches already stacked: the checks that depend only on the signature of `init` and the batches
+  (their structure, shapes, dtypes, shardings) run at the first call, not again for the same signature;
+  a wrong `steps` is still an error at every call, and the results are numpy's."""
+  from tpustrat._src import multistep
+  calls = []
+  check = multistep._check_call
+  monkeypatch.setattr(multistep, "_check_call", lambda *a: calls.append(1) or check(*a))
+  k = 3
+  xs = np.arange(1, k * N + 1, dtype=np.float32).reshape(k, N) / 10
+  batches = tpustrat.stack_steps([
+      strategy.experimental_distribute_values_from_function(lambda ctx, a=a: a[ctx.replica_id_in_sync_group])
+      for a in xs])
+
+  def step(w, x):
+    return w + tpustrat.get_replica_context().all_reduce("sum", x * w), x * w
+
+  w, _ = strategy.experimental_run_steps(step, batches, init=np.float32(1.0))  # a host init: checked
+  w, _ = strategy.experimental_run_steps(step, batches, init=w)  # the signature of the loop: checked once
+  assert len(calls) == 2
+  w, _ = strategy.experimental_run_steps(step, batches, init=w)
+  w, _ = strategy.experimental_run_steps(step, batches, init=w)
+  assert len(calls) == 2
+  with pytest.raises(ValueError, match="`steps` is 2 but the stacked batches hold 3 steps"):
+    strategy.experimental_run_steps(step, batches, steps=2, init=w)
+  expected = 1.0
+  for _ in range(4):
+    for i in range(k):
+      expected = expected + (xs[i].astype(np.float64) * expected).sum()
+  assert_close(np.asarray(strategy.experimental_local_results(w)[0]), expected, rtol=1e-5)

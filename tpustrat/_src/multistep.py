@@ -299,6 +299,59 @@ def _check_stacked_input(batches: Any, what: str) -> None:
             "steps. Pass an iterator (iter(batches)), or stack the steps first with tpustrat.stack_steps.")
 
 
+# Batches already stacked: (strategy, signature of (init, batches)) -> (steps, whether `as_carry` keeps
+# `init` as it is), for the checks of `_check_call` that depend on the signature alone (`run_steps`).
+_SIGNATURES: dict[Any, tuple[int, bool]] = {}
+_SIGNATURES_SIZE = 256
+
+
+def _signature(strategy: Strategy, tree: Any) -> Any:
+  """A key for `tree` (`init` and stacked batches) that is equal only when every check of `_check_call`
+  would find the same: its structure and each leaf's type, shape, dtype, weak type and sharding (for a
+  strategy held weakly). None when a leaf is not a placed `jax.Array` (a host array is checked by value,
+  a tracer is not placed): such calls are checked every time."""
+  leaves, tree_def = jax.tree.flatten(tree)
+  key: list[Any] = [weakref.ref(strategy), tree_def]
+  for x in leaves:
+    if type(x) not in _PLACED_TYPES:
+      if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return None
+      _PLACED_TYPES.add(type(x))
+    key.append((x.shape, x.dtype, x.weak_type, x.sharding))
+  return tuple(key)
+
+
+_PLACED_TYPES: set[type] = set()  # concrete jax.Array types (not tracers) seen by `_signature`
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+  """Whether `a` is `b` rebuilt: the same structure holding the same leaf objects."""
+  a_leaves, a_tree = jax.tree.flatten(a)
+  b_leaves, b_tree = jax.tree.flatten(b)
+  return a_tree == b_tree and all(x is y for x, y in zip(a_leaves, b_leaves))
+
+
+def _check_call(strategy: Strategy, iterator: Any, batches: Any, steps: int | None, init: Any,
+                what: str) -> tuple[int, Any]:
+  """The checks of a `run_steps` call on its batches and `init`: returns (the number of steps, `init` laid
+  out as the carry, `as_carry`). Batches already stacked whose signature was checked skip this
+  (`_SIGNATURES`)."""
+  if isinstance(iterator, collections.abc.Iterator):
+    k = num_steps(batches, what)  # fewer than `steps` at the end of the data
+  elif isinstance(iterator, collections.abc.Iterable) and not isinstance(iterator, (dict, list, tuple)) and (
+      not is_distributed(iterator)):
+    raise TypeError(
+        f"{what} takes an iterator, so that each call continues where the last one stopped: pass "
+        f"iter({type(iterator).__name__}), not the {type(iterator).__name__} itself.")
+  else:
+    _check_stacked_input(iterator, what)
+    k = num_steps(batches, what)
+    if steps is not None and steps != k:
+      raise ValueError(f"{what}: `steps` is {steps} but the stacked batches hold {k} steps.")
+  check_tree_fits_32_bits(batches, lambda path: f"{what}: the stacked batches" + (f" at {path}" if path else ""))
+  return k, as_carry(strategy, init)
+
+
 def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: int | None, init: Any,
               options: RunOptions | None) -> tuple[Any, Any]:
   """`Strategy.experimental_run_steps`.
@@ -326,20 +379,25 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
     if steps is None:
       raise TypeError(f"{what}: `steps` (how many batches to take from the iterator) is required.")
     batches = take(iterator, steps, what)
-    k = num_steps(batches, what)  # fewer than `steps` at the end of the data
-  elif isinstance(iterator, collections.abc.Iterable) and not isinstance(iterator, (dict, list, tuple)) and (
-      not is_distributed(iterator)):
-    raise TypeError(
-        f"{what} takes an iterator, so that each call continues where the last one stopped: pass "
-        f"iter({type(iterator).__name__}), not the {type(iterator).__name__} itself.")
+    signature = None
   else:
-    _check_stacked_input(iterator, what)
     batches = iterator
-    k = num_steps(batches, what)
+    # Batches already stacked: what the checks below find depends only on the signature of `init` and the
+    # batches (structure; each leaf's type, shape, dtype, weak type and sharding), so they run once per
+    # signature (`_signature`; None for host values, checked every call: their values matter).
+    signature = _signature(strategy, (init, batches))
+  known = _SIGNATURES.get(signature) if signature is not None else None
+  if known is not None:
+    k, carry_as_given = known
     if steps is not None and steps != k:
       raise ValueError(f"{what}: `steps` is {steps} but the stacked batches hold {k} steps.")
-  check_tree_fits_32_bits(batches, lambda path: f"{what}: the stacked batches" + (f" at {path}" if path else ""))
-  carry = as_carry(strategy, init)
+    carry = init if carry_as_given else as_carry(strategy, init)
+  else:
+    k, carry = _check_call(strategy, iterator, batches, steps, init, what)
+    if signature is not None:
+      if len(_SIGNATURES) >= _SIGNATURES_SIZE:
+        _SIGNATURES.pop(next(iter(_SIGNATURES)))
+      _SIGNATURES[signature] = (k, _same_leaves(carry, init))
   engine = strategy.extended.engine
   checked = engine is not None and options is not None and options.check_numerics
   program = _program(strategy, fn, donate, checked, options.scan_unroll if options is not None else 1)

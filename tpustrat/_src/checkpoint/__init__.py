@@ -6,7 +6,8 @@ and saves, under one step number, three items:
 
 * ``state``: any pytree of arrays (flax ``nnx.State``, optax states, a step counter, ...), saved with
   orbax's `StandardSave`. `Mirrored` and `PerReplica` values are saved as the global `jax.Array` they
-  hold (a replicated array is written once, not once per replica), so a checkpoint does not depend on
+  hold (a replicated array is written once, not once per replica: whole, by the device holding its
+  replica 0, so that a save runs no slicing program; `handlers`), so a checkpoint does not depend on
   the layout it was written from: restoring puts every array on the shardings of the strategy it is
   restored under (any number of replicas, logical cores or processes), bit for bit. A `ShardedVariable`
   is saved as its blocks (``{"blocks": [N, ...block]}``) and restored split over the new replicas, or
@@ -19,7 +20,8 @@ and saves, under one step number, three items:
   JSON file per process: the batches the training loop has taken, not those read ahead by the
   prefetch thread, so the restored iterator continues with the next batch, none skipped or repeated.
 * ``checksums``: two 32-bit fingerprints of the content of every array of ``state``, computed on the
-  devices when the state is saved (``checksums.json``, written by process 0). They depend on the
+  devices when the state is saved, or on the host for small arrays the process holds whole
+  (``checksums.json``, written by process 0). They depend on the
   array's values only, not on its layout, so a restore onto any layout recomputes them and compares.
 
 A save is atomic: orbax writes into a temporary ``<step>.orbax-checkpoint-tmp`` directory and renames

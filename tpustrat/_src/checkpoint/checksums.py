@@ -5,6 +5,12 @@ always changes both sums (``w * odd == 0 mod 2**32`` only for ``w == 0``); integ
 the order of the reduction, so the value is the same on every layout, replica count and process count.
 A multi-process job computes them in one program over the global arrays, a collective: every process
 calls `compute` with the same arrays.
+
+Small arrays whose whole value this process holds (a `Mirrored` value's global array; any array of a
+one-process job) are fingerprinted on the host instead (`HOST_MAX_ELEMENTS`): the device program is
+compiled for each new set of shapes, about a second on a CPU, which made the first save of a small state
+ten times a later one; numpy takes about 16 ns an element (2-core CPU), and such a copy is read into host
+memory by orbax's save anyway.
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ from jax import lax
 
 from tpustrat._src.checkpoint.handlers import api
 
-__all__ = ["ALGORITHM", "compute", "flat_arrays", "host_fingerprint", "mismatches"]
+__all__ = ["ALGORITHM", "HOST_MAX_ELEMENTS", "compute", "flat_arrays", "host_fingerprint", "mismatches"]
 
 ALGORITHM = "tpustrat-wsum32x2-v1"
 _MULTIPLIERS = (0x9E3779B1, 0x85EBCA77)
 _OFFSETS = (0x7F4A7C15, 0x165667B1)
+# The largest jax array fingerprinted on the host (about 17 ms of numpy on a 2-core CPU); larger ones, on the
+# devices, where the fingerprint is faster and the program's compile time small beside writing the array.
+HOST_MAX_ELEMENTS = 1 << 20
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -125,17 +134,32 @@ def flat_arrays(tree: Any) -> dict[str, Any]:
   return {name: x for name, x in named.items() if _checksummable(x)}
 
 
+def _on_host(x: jax.Array) -> np.ndarray | None:
+  """The value of `x` read into host memory when it is small enough to fingerprint there and this process
+  holds all of it, else None. The choice depends only on the array's shape, dtype and sharding and on the
+  process count, so every process of a job makes the same one (the others join one device program)."""
+  if x.size > HOST_MAX_ELEMENTS or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+    return None
+  if x.is_fully_replicated:
+    return np.asarray(x.addressable_data(0))  # one device's copy: no program runs
+  if jax.process_count() == 1 and x.is_fully_addressable:
+    return np.asarray(x)
+  return None
+
+
 def compute(arrays: dict[str, Any]) -> dict[str, dict[str, Any]]:
-  """``{name: {"dtype", "shape", "sums": [s1, s2]}}``. The jax arrays are fingerprinted in one program per
-  set of devices they live on (a collective for arrays of a multi-process job: every process calls it
-  with the same arrays); host numpy arrays on the host (`host_fingerprint`), or, for the dtypes it leaves
-  to the devices, on this process's first device."""
+  """``{name: {"dtype", "shape", "sums": [s1, s2]}}``. Host numpy arrays and small jax arrays whose whole
+  value this process holds are fingerprinted on the host (`host_fingerprint`, `_on_host`); the other jax
+  arrays in one program per set of devices they live on (a collective for arrays of a multi-process job:
+  every process calls it with the same arrays); numpy arrays of the dtypes `host_fingerprint` leaves to
+  the devices on this process's first device."""
   groups: dict[Any, list[str]] = {}
   values: dict[str, Any] = {}
   for name in sorted(arrays):
     x = arrays[name]
-    if isinstance(x, np.ndarray):
-      host = host_fingerprint(x)
+    local = x if isinstance(x, np.ndarray) else _on_host(x) if isinstance(x, jax.Array) else None
+    if local is not None:
+      host = host_fingerprint(local)
       if host is not None:
         values[name] = host
         continue
