@@ -258,7 +258,7 @@ def _single_replica(ocp: Any, handler: Any) -> None:
   `_SingleReplicaArrays`. `StandardCheckpointHandler` takes no type handler registry; the
   `PyTreeCheckpointHandler` it delegates to (``_impl``) does, so that one is rebuilt with it (and
   `StandardCheckpointHandler`'s defaults)."""
-  impl = getattr(handler, "_impl", None)
+  impl: Any = getattr(handler, "_impl", None)
   if type(impl) is not ocp.PyTreeCheckpointHandler:  # pylint: disable=unidiomatic-typecheck
     raise RuntimeError(
         f"tpustrat: orbax-checkpoint {ocp.__version__}'s StandardCheckpointHandler no longer delegates to a "
