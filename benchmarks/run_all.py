@@ -65,7 +65,8 @@ BENCHES = [
            "--conv-batch", "16", "--conv-width", "4", "--tf-batch", "8", "--tf-seq-len", "16", "--tf-layers", "1",
            "--tf-d-model", "32")),
     # one device, nothing emulated: the host cost of `run` / `experimental_run_steps` per call (issue 45)
-    Bench("run", ("--devices", "1", "--only", "tiny", "--steps", "500", "--trials", "31"), ("--devices", "1"),
+    Bench("run", ("--devices", "1", "--only", "tiny", "--steps", "500", "--trials", "31", "--check-numerics"),
+          ("--devices", "1", "--check-numerics"),
           ("--devices", "1", "--only", "tiny", "--steps", "3", "--trials", "1")),
     Bench("multistep", ("--devices", "1", "--only", "tiny", "--no-input", "--trials", "21"),
           ("--devices", "1", "--only", "tiny", "mlp", "--no-input"),

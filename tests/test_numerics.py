@@ -386,6 +386,67 @@ def test_steps_are_counted_per_program_and_results_still_come_back(strategy):
   assert info.value.step == 4 and info.value.replicas == tuple(range(N))
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_error_comes_k_calls_late(strategy, k):
+  """The documented latency: step ``t``'s error is raised by call ``t + k`` (``k = max_steps_in_flight``),
+  which dispatches nothing; the calls in between return their results."""
+  options = tpustrat.RunOptions(check_numerics=True, max_steps_in_flight=k)
+  good = per_replica(strategy, [np.full(4, 2.0)] * N)
+  bad = per_replica(strategy, [np.full(4, -1.0) if r == 3 else np.full(4, 2.0) for r in range(N)])
+  w = jnp.zeros(())
+
+  def step(w, x):  # a program of its own: steps counted from 1
+    return log_step(w, x)
+
+  strategy.run(step, args=(w, good), options=options)  # step 1
+  strategy.run(step, args=(w, bad), options=options)  # step 2: NaN on replica 3
+  for _ in range(k - 1):  # steps 3 .. k + 1 are dispatched
+    out = strategy.run(step, args=(w, good), options=options)
+    np.testing.assert_allclose(np.asarray(out["y"].values), np.full((N, 4), np.log(2.0)), rtol=1e-6)
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.run(step, args=(w, good), options=options)  # call 2 + k waits for step 2
+  _nan_at_step_2_on_replica_3(info.value)
+  assert (f"{k - 1} step(s) dispatched after it" in str(info.value)) == (k > 1)
+  strategy.experimental_run_wait()
+
+
+def test_the_flags_copy_to_the_host_starts_at_dispatch_on_a_device_with_its_own_memory(strategy, monkeypatch):
+  """On a GPU / TPU each dispatch starts its flags' copy to the host at once, so that the bound, which reads
+  them `max_steps_in_flight` calls later, finds them there; on the CPU (host memory already) none is started.
+  The CPU stands in for a device here by forcing that decision; the error is the same."""
+  from tpustrat._src import numerics as numerics_lib  # noqa: PLC0415 (the decision forced below)
+
+  array_type = type(jnp.zeros(()))
+  started = []
+  copy = array_type.copy_to_host_async
+
+  def spy(self):
+    started.append(self)
+    return copy(self)
+
+  monkeypatch.setattr(array_type, "copy_to_host_async", spy)
+  good = per_replica(strategy, [np.full(4, 2.0)] * N)
+  bad = per_replica(strategy, [np.full(4, -1.0) if r == 3 else np.full(4, 2.0) for r in range(N)])
+  w = jnp.zeros(())
+  strategy.run(log_step, args=(w, good), options=CHECK)
+  strategy.experimental_run_wait()
+  assert started == []  # the CPU: nothing to copy
+
+  def log_step_2(w, x):  # a program of its own, so the decision is taken afresh
+    return log_step(w, x)
+
+  monkeypatch.setattr(numerics_lib, "copy_ahead", lambda flags: True)
+  for call, x in enumerate((good, bad, good), start=1):
+    strategy.run(log_step_2, args=(w, x), options=CHECK)
+    assert len(started) == call  # started by this call's dispatch, before any later call reads it
+    assert started[-1].shape == (N, 2) and started[-1].dtype == np.uint8  # every replica's flags, 2 outputs
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.run(log_step_2, args=(w, good), options=CHECK)
+  _nan_at_step_2_on_replica_3(info.value)
+  assert len(started) == 3  # the raising call dispatched nothing
+  strategy.experimental_run_wait()
+
+
 # -- 2 processes x 4 devices -------------------------------------------------------------------------------
 
 
