@@ -3,8 +3,9 @@ MapDataset (issue 17).
 
 One launch of tests/_mp_scripts/count_reads.py under ``python -m tpustrat.launch -n 2 -d 4``: the dataset's
 map function records the example ids each process reads. Every example is read by exactly one process,
-the one holding the replica its row goes to (half each for full batches), nothing twice and nothing lost;
-the partial last batch is padded as before, `drop_remainder` reads nothing of it, and every value (the
+the one holding the replica its row goes to (half each for full batches), nothing lost, and nothing twice
+but the partial batch's first example, which the process holding padding rows also reads (its padding rows
+copy it: `InputOptions.experimental_padding`); the partial last batch is padded as before, `drop_remainder` reads nothing of it, and every value (the
 batches' rows per replica, the real-row counts, a resumed iterator, stacked steps, the element spec) is
 the one-process answer of the same script on this process's 8 devices.
 """
@@ -68,14 +69,21 @@ def test_each_process_reads_exactly_its_own_replicas_examples(job, one_process, 
   assert [len(b["ids"]) for b in batches] == [16, 16, 12]  # the last batch is partial
   assert sorted(one_process["epoch"]["reads"]) == list(range(script.NUM_EXAMPLES))
   reads = {}
+  padding_rows = set()  # the first example of a partial batch, read by process 1 for its padding rows
   for p in (0, 1):
     assert job[p]["local_replicas"] == [REPLICAS_PER_PROCESS * p + r for r in range(REPLICAS_PER_PROCESS)]
     got = job[p]["epoch"]["reads"]
     assert len(got) == len(set(got)), f"process {p} read an example twice"
-    want = sorted(sum(_own_ids(batches, p), []))
-    assert sorted(got) == want, f"process {p}"
+    want = sum(_own_ids(batches, p), [])
+    mine = slice(REPLICAS_PER_PROCESS * p, REPLICAS_PER_PROCESS * (p + 1))
+    for b in batches:  # a process holding padding rows but not the batch's first row reads it: they copy it
+      if p > 0 and any(c < b["counts"][0] for c in b["counts"][mine]):
+        want.append(b["ids"][0])
+        padding_rows.add(b["ids"][0])
+    assert sorted(got) == sorted(want), f"process {p}"
     reads[p] = set(got)
-  assert not reads[0] & reads[1]  # nothing read twice
+  assert padding_rows == {batches[-1]["ids"][0]}  # the partial batch's first example
+  assert reads[0] & reads[1] == padding_rows  # nothing else read twice
   assert reads[0] | reads[1] == set(range(script.NUM_EXAMPLES))  # nothing lost
   # Full batches: half each. The partial one (12 rows, 2 per replica): replicas 0-5 hold them.
   for p, counts in ((0, [8, 8, 8]), (1, [8, 8, 4])):
