@@ -407,8 +407,12 @@ def test_a_second_call_with_the_same_signature_runs_no_per_signature_work(strate
   """The fast path: a cached program's next call with the same argument structure, shapes and shardings
   neither builds its entry (the structure walk, the per-leaf targets) nor places any argument again."""
   from tpustrat._src.engine import engine as engine_lib
-  calls = {"entry": 0, "place": 0}
-  entry, place = engine_lib.Engine._entry, engine_lib.Engine._place
+  calls = {"entry": 0, "place": 0, "checked": 0}
+  entry, place, checked = engine_lib.Engine._entry, engine_lib.Engine._place, engine_lib.Engine._run_checked
+
+  def counted_checked(self, *a, **k):
+    calls["checked"] += 1
+    return checked(self, *a, **k)
 
   def counted_entry(self, *a, **k):
     calls["entry"] += 1
@@ -420,6 +424,7 @@ def test_a_second_call_with_the_same_signature_runs_no_per_signature_work(strate
 
   monkeypatch.setattr(engine_lib.Engine, "_entry", counted_entry)
   monkeypatch.setattr(engine_lib.Engine, "_place", counted_place)
+  monkeypatch.setattr(engine_lib.Engine, "_run_checked", counted_checked)
   x = rng.normal(size=(N, 3)).astype(np.float32)
   w0 = rng.normal(size=(3,)).astype(np.float32)
 
@@ -428,12 +433,20 @@ def test_a_second_call_with_the_same_signature_runs_no_per_signature_work(strate
 
   xs = stacked(strategy, x)
   w = strategy.run(step, args=(strategy.experimental_mirror(w0), xs))
-  assert calls["entry"] == 1
-  calls.update(entry=0, place=0)
+  assert (calls["entry"], calls["checked"]) == (1, 1)
+  calls.update(entry=0, place=0, checked=0)
   w = strategy.run(step, args=(w, xs))
-  assert calls == {"entry": 0, "place": 0}
+  assert calls == {"entry": 0, "place": 0, "checked": 0}  # not even the argument checks of the checked path
+  # The same call with `w` laid out otherwise (on the last device only, not replicated): the checked path
+  # places it again, and the numbers are the numpy ones.
+  w_one = jax.device_put(jnp.asarray(strategy.experimental_local_results(w)[0]), strategy.mesh.devices.flat[-1])
+  w = strategy.run(step, args=(w_one, xs))
+  assert calls == {"entry": 1, "place": 1, "checked": 1}  # a plain array, not a Mirrored: another structure
+  # A numpy argument is captured on the checked path (a Python float passes on the fast one).
+  w = strategy.run(step, args=(np.asarray(strategy.experimental_local_results(w)[0]), xs))
+  assert calls["checked"] == 2
   expected = w0.astype(np.float64)
-  for _ in range(2):
+  for _ in range(4):
     expected = expected - 0.5 * (x * expected).mean(axis=0)
   assert_close(np.asarray(strategy.experimental_local_results(w)[0]), expected, rtol=1e-5)
 

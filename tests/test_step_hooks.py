@@ -246,3 +246,80 @@ def test_hooks_without_before_or_after_are_not_called():
   hooks.after(step, began, None, None)
   hooks.abort(step, began, RuntimeError())
   assert calls == [("after", None)]
+
+
+class _Nothing(StepHook):
+  """Registered, it changes the registry, so dispatch calls each hook (a hook that does nothing itself)."""
+
+  __slots__ = ()
+
+  def after(self, step, state, token, now):
+    return None
+
+
+def _effects(strategy, run_steps, x, nan_at):
+  """Runs `run_steps` checked steps of a step that turns NaN at step `nan_at` under a fresh watchdog; returns
+  what the default hooks leave: the step counters, the profile's step count, the watchdog's notes, and the
+  NumericsError's text."""
+  dog = watchdog.Watchdog(3600.0)
+  previous = watchdog.activate(dog)
+  counters = strategy.extended.step_counters
+  steps_before, profile_before = counters.steps, profiler.steps_dispatched()
+  options = tpustrat.RunOptions(check_numerics=True)
+  error = None
+
+  def step(w, v, poison):  # a function of its own: its checked program counts steps from 1
+    ctx = tpustrat.get_replica_context()
+    return w * 0.5 + poison, ctx.all_reduce("sum", v * w)
+
+  try:
+    w = jnp.float32(1.0)
+    for i in range(run_steps):
+      w, _ = strategy.run(step, args=(w, x, jnp.float32(np.nan if i == nan_at else 0.0)), options=options)
+    strategy.experimental_run_wait()
+  except tpustrat.NumericsError as e:
+    error = str(e)
+  finally:
+    watchdog.activate(previous)
+    dog.stop()
+  return (counters.steps - steps_before, profiler.steps_dispatched() - profile_before, dog.steps,
+          None if dog._last is None else dog._last[0], len(dog._recent), error)
+
+
+def test_the_default_hooks_written_out_leave_what_the_registry_leaves(strategy, registered):
+  """`engine.in_flight.dispatch_default_hooks` (taken while the registry holds the engine's own hooks only)
+  does what those hooks do: the same step counters, profile step numbers, watchdog notes and NaN report as
+  a dispatch through the registry (taken once any other hook is registered)."""
+  x = strategy.experimental_distribute_values_from_function(lambda c: jnp.float32(c.replica_id_in_sync_group))
+  written_out = _effects(strategy, 7, x, nan_at=4)
+  assert engine.STEP_HOOKS.unchanged
+  registered(_Nothing())
+  assert not engine.STEP_HOOKS.unchanged
+  through_registry = _effects(strategy, 7, x, nan_at=4)
+  assert written_out == through_registry
+  steps, profiled, noted, last, recent, error = written_out
+  # Steps 1-6 dispatched; the bound's wait before step 7 ran step 5's check, which raised: step 7 was begun
+  # (the profile counts it, as `StepMarks` does) and not dispatched (not counted, not noted).
+  assert (steps, profiled, noted, last) == (6, 7, 6, 6)
+  assert "step 5" in error, error  # the fifth step (index 4) made the NaN
+
+
+def test_a_dispatch_of_the_default_hooks_that_fails_leaves_no_mark_open(strategy):
+  """A program that raises on the written-out path aborts as the hooks do: no profile mark left open, the
+  watchdog's dispatch ended, nothing pending; the next step is counted again."""
+  dog = watchdog.Watchdog(3600.0)
+  previous = watchdog.activate(dog)
+  try:
+    def bad(v):
+      raise ValueError("the step's own error")
+
+    with pytest.raises(ValueError, match="the step's own error"):
+      strategy.run(bad, args=(jnp.float32(1.0),))
+    assert profiler.OPEN == [False] and dog._dispatching is None
+    before = profiler.steps_dispatched()
+    out = strategy.run(lambda v: v + 1.0, args=(jnp.float32(2.0),))
+    assert profiler.steps_dispatched() == before + 1
+    assert np.asarray(strategy.experimental_local_results(out)[0]) == np.float32(3.0)
+  finally:
+    watchdog.activate(previous)
+    dog.stop()

@@ -58,6 +58,13 @@ class _State(threading.local):
 
 
 _STATE = _State()
+
+
+def thread_state() -> _State:
+  """The per-thread state (``replica_context``: the `ReplicaContext` of the `run` being traced in this thread,
+  or None), for a caller that reads it on every step without a call (`engine.Engine.run`'s fast path)."""
+  return _STATE
+
 _DEFAULT: list[tuple[Strategy, ReplicaContext]] = []  # the default strategy and its context, made when first used
 _DEFAULT_FACTORY: list[Callable[[], Strategy]] = []
 

@@ -47,6 +47,9 @@ __all__ = ["StepMarks", "input_wait", "process_logdir", "profile", "start", "sta
 _collecting = jax_compat.profiler_collecting
 _STEPS = [0]  # training steps this process has dispatched (`StepMarks.before`)
 _OPEN = [False]  # a step mark is open: a `run` traced inside another step's program is not a step of its own
+# The same state, for the default hooks written out (`engine.in_flight.dispatch_default_hooks`): a dispatch
+# with no mark to make (`_SESSION` None, nothing collecting, no mark open) does what `StepMarks` does.
+STEPS, OPEN = _STEPS, _OPEN
 _NO_MARK = contextlib.nullcontext()
 _LOCK = threading.Lock()
 
@@ -61,6 +64,7 @@ class _Session:
 
 
 _SESSION: list[_Session | None] = [None]
+SESSION = _SESSION
 _FROM_ENVIRONMENT = [False]  # `start_from_environment` has run in this process
 
 

@@ -103,9 +103,13 @@ class StepHooks:
 
   def __init__(self, hooks: Iterable[StepHook] = ()) -> None:
     self._lock = threading.Lock()
-    self._set(tuple(hooks))
+    self._initial = tuple(hooks)
+    self._set(self._initial)
 
   def _set(self, hooks: tuple[StepHook, ...]) -> None:
+    # Whether the hooks are the ones this registry was made with (none added, none removed): a dispatch
+    # that knows what those do may do it written out (`engine.in_flight.dispatch_default_hooks`).
+    self.unchanged = hooks == self._initial
     # One plan per change: (index, method) of the hooks that override each method. Read as one attribute by
     # each call below, so a dispatch sees one list from its `before` to its `after`.
     self._plan = (hooks,

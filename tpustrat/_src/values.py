@@ -87,7 +87,9 @@ class DistributedValues:
   @classmethod
   def tree_unflatten(cls, aux, children):
     del aux
-    return cls._wrap(children[0])
+    obj = object.__new__(cls)  # `_wrap`, written out: every `run` result is rebuilt here
+    obj._value = children[0]
+    return obj
 
 
 @jax.tree_util.register_pytree_node_class
@@ -135,8 +137,12 @@ class PerReplica(DistributedValues):
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    if aux is None:
-      return cls._wrap(children[0])
+    if aux is None:  # `_wrap`, written out: every `run` result is rebuilt here
+      obj = object.__new__(cls)
+      obj._value = children[0]
+      obj._valid = obj._host_valid = obj._tag = None
+      obj._per_example = True
+      return obj
     return cls._wrap(children[0], children[1], per_example=aux[0] == _PADDED, tag=aux[1])
 
   def __init__(self, values: Sequence[Any]) -> None:

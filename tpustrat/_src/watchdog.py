@@ -201,6 +201,13 @@ class Watchdog:
     """The dispatch `dispatch_begins` noted has returned (noted, or failed)."""
     self._dispatching = None
 
+  def dispatched(self, token: Any, steps: int) -> None:
+    """`dispatch_ends`, then `note` (the dispatch path's one call: `engine.in_flight.dispatch_default_hooks`)."""
+    self._dispatching = None
+    self.steps += steps
+    self._last = last = (self.steps, time.monotonic(), token)
+    self._recent.append(last)
+
   def reached(self) -> int:
     """The steps this process has dispatched, and the one it is dispatching when every noted program has
     finished (the dispatch itself waits, as the thread times it; while a noted program waits, the dispatch

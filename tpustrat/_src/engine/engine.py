@@ -24,6 +24,8 @@ the output to wait on (`in_flight.wait_leaf` picks it).
 from __future__ import annotations
 
 import collections
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -35,10 +37,12 @@ from jax.sharding import PartitionSpec as P
 from tpustrat._src import context as context_lib
 from tpustrat._src import host_memory
 from tpustrat._src import numerics as numerics_lib
+from tpustrat._src import profiler
 from tpustrat._src import step_stats as step_stats_lib
 from tpustrat._src.engine.donation import DONATION_USED, check_donatable, check_not_deleted, donated_leaves
 from tpustrat._src.engine.flat_program import FlatProgram
-from tpustrat._src.engine.in_flight import DEFAULT_STEPS_IN_FLIGHT, InFlight, dispatch
+from tpustrat._src.engine.in_flight import (DEFAULT_STEPS_IN_FLIGHT, STEP_HOOKS, InFlight, dispatch,
+                                            dispatch_default_hooks)
 from tpustrat._src.engine.options import RunOptions, donate_argnums_of
 from tpustrat._src.engine.output_padding import warn_padding_reads
 from tpustrat._src.engine.program import batch_group, make_program
@@ -52,6 +56,14 @@ from tpustrat._src.values import Mirrored, PerReplica, check_components, is_dist
 __all__ = ["Engine", "check_run_call", "same_over_replicas"]
 
 _CACHE_SIZE = 256  # programs (and argument structures) kept per engine, least recently used out first
+_CONTEXT = context_lib.thread_state()  # this thread's replica context (`run` inside `run` is refused)
+_NO_KWARGS: dict[str, Any] = {}
+_PYTHON_SCALARS = frozenset({int, float, bool, complex})
+_flatten = jax.tree_util.default_registry.flatten
+_weakref = weakref.ref
+_FunctionType = types.FunctionType
+_collecting = profiler._collecting  # pylint: disable=protected-access
+_MARK_OPEN, _PROFILE = profiler.OPEN, profiler.SESSION
 
 
 def check_run_call(fn: Any, args: Any, kwargs: Any) -> dict[str, Any]:
@@ -93,6 +105,9 @@ class Engine:
     self._donations: dict[Any, tuple[int, ...]] = {}  # (run key, donate_argnums) -> donated leaf positions
     self._entries: collections.OrderedDict[Any, tuple[FlatProgram, list[NamedSharding]]] = (
         collections.OrderedDict())
+    # `run`'s fast path: (function key, options, argument structure) -> (program, targets, the options'
+    # max_steps_in_flight, the numerics check maker, the donated leaves); made by a checked call
+    self._fast: dict[Any, tuple[Any, list[NamedSharding], int | None, Any, Any]] = {}
     self._array_types: set[type] = set()  # concrete (non-tracer) jax.Array types seen already placed
     self._equivalents: dict[tuple[Any, int], bool] = {}  # (sharding, rank) -> laid out as replicated
     self._replicated = NamedSharding(mesh, P())
@@ -102,6 +117,48 @@ class Engine:
     self._alias_align = host_memory.mesh_alias_alignment(mesh)
 
   def run(self, fn: Callable[..., Any], args: Any, kwargs: Any, options: RunOptions | None) -> Any:
+    # The fast path: a call like an earlier one (the same function, argument structure and options; every
+    # argument leaf an array already laid out as the program wants it, or a Python scalar; no layout map),
+    # with the default step hooks and no profile mark to make. Everything checked once per signature is
+    # skipped: the lookup, one sharding comparison per leaf and the dispatch (`dispatch_default_hooks`) are
+    # all the Python that runs (tests/test_engine.py checks that such a call runs no per-signature check).
+    fast_key = None
+    if type(args) is tuple and kwargs is None and _CONTEXT.replica_context is None:
+      try:
+        fast_key = (_weakref(fn) if type(fn) is _FunctionType else weak_key(fn), options)
+        leaves, in_tree = _flatten((args, _NO_KWARGS))
+        fast_key = (*fast_key, in_tree)
+        fast = self._fast.get(fast_key)
+      except TypeError:  # an unhashable callable, tree or options: the checked path, without caching
+        fast = fast_key = None
+      if fast is not None and STEP_HOOKS.unchanged and not _MARK_OPEN[0] and _PROFILE[0] is None and (
+          not _collecting()):
+        program, targets, limit, numerics, donate = fast
+        array_types = self._array_types
+        for i, x in enumerate(leaves):
+          kind = type(x)
+          if kind in array_types:
+            if x.sharding != targets[i]:
+              break
+          elif kind not in _PYTHON_SCALARS:
+            break
+        else:
+          if DONATION_USED[0]:
+            where = _where(in_tree)
+            check_not_deleted(leaves, where)
+            if donate:
+              check_donatable(None, (), leaves, donate, where)
+              self._in_flight.forget([leaves[i] for i in donate])
+          out = dispatch_default_hooks(program, (leaves,), self._in_flight, limit or self.max_steps_in_flight,
+                                       1, numerics, self._traced_numerics)
+          if program.notes.get("padding_reads"):
+            warn_padding_reads(program.notes, args, {})
+          return out
+    return self._run_checked(fn, args, kwargs, options, fast_key)
+
+  def _run_checked(self, fn: Callable[..., Any], args: Any, kwargs: Any, options: RunOptions | None,
+                   fast_key: Any) -> Any:
+    """`run` with every check; remembers the call under `fast_key` (None: not) for `run`'s fast path."""
     kwargs = check_run_call(fn, args, kwargs)
     if context_lib.in_replica_context_of_a_run():
       raise RuntimeError(
@@ -143,6 +200,7 @@ class Engine:
           _check_sharded_replicas((args, kwargs), self._num_replicas)  # the clearer error, if that is the cause
           raise
     donate_argnums = donate_argnums_of(options)
+    donate: tuple[int, ...] = ()
     if donate_argnums:
       # What depends on the argument structure alone is worked out once per structure.
       try:
@@ -171,6 +229,12 @@ class Engine:
       out = self.dispatch(program, leaves, limit=limit, steps=1)
     if program.notes.get("padding_reads"):
       warn_padding_reads(program.notes, args, kwargs)
+    if fast_key is not None and layout_map is None:
+      fast = self._fast
+      if len(fast) >= _CACHE_SIZE:
+        fast.clear()
+      fast[fast_key] = (program, targets, options.max_steps_in_flight if options is not None else None,
+                        program.numerics_check if checked else None, donate_argnums and donate)
     return out
 
   def dispatch(self, program: Callable[..., tuple[Any, Any]], *args: Any, limit: int | None = None,
@@ -321,6 +385,10 @@ class Engine:
   def in_flight(self) -> InFlight:
     """The bound on this engine's programs in flight (`dispatch` goes through it)."""
     return self._in_flight
+
+
+def _where(in_tree: Any) -> Callable[[int], str]:
+  return lambda i: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}"
 
 
 def same_over_replicas(sharding: Any, target: NamedSharding, axis: str) -> bool:

@@ -97,15 +97,19 @@ class FlatProgram:
     """Runs the program; returns (result pytree, the output to wait on)."""
     if self._fallback is not None:
       return self._fallback(*leaves)
-    self._record["traced"] = None
+    record = self._record
+    record["traced"] = None
     out = self._flat(*leaves)
-    traced = self._record["traced"]
-    known = self._record.get("out")
-    if traced is not None and known is not None and traced != known:
-      self._fallback = self._tree  # two result structures: let jax.jit keep them apart from now on
-    elif traced is not None and known is None:
-      self._record["out"] = traced
-    kept = traced or self._record["out"]
-    assert kept is not None  # a new program's first call traces it, and every trace records its result
-    out_tree, wait = kept
+    traced = record["traced"]
+    if traced is None:  # no new trace: the structure kept
+      kept = record["out"]
+      assert kept is not None  # a new program's first call traces it, and every trace records its result
+      out_tree, wait = kept
+    else:
+      known = record["out"]
+      if known is not None and traced != known:
+        self._fallback = self._tree  # two result structures: let jax.jit keep them apart from now on
+      elif known is None:
+        record["out"] = traced
+      out_tree, wait = traced
     return out_tree.unflatten(out[:out_tree.num_leaves]), out[wait]
