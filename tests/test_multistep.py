@@ -548,3 +548,60 @@ def test_run_steps_checks_stacked_batches_once_per_signature(strategy, monkeypat
     for i in range(k):
       expected = expected + (xs[i].astype(np.float64) * expected).sum()
   assert_close(np.asarray(strategy.experimental_local_results(w)[0]), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_replicas", [1, 8])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("donate", [False, True])
+def test_run_steps_fast_path_names_outputs_and_equals_numpy(num_replicas, k, donate, monkeypatch):
+  """A call like an earlier one on batches already stacked takes the fast path (no `run_steps` at all); on
+  one device its outputs come back named as `run` names them with no renaming after the call (a
+  per-replica carry on 'replica', a per-replica output on the axis after the steps, replicated values on
+  none, even for the [1, 1] shapes of one step on one replica); the numbers are numpy's, donated or not."""
+  from tpustrat._src import multistep
+  small = tpustrat.MirroredStrategy(devices=jax.devices()[:num_replicas])
+  n = num_replicas
+  slow = []
+  run_steps = multistep.run_steps
+  monkeypatch.setattr(multistep, "run_steps", lambda *a: slow.append(1) or run_steps(*a))
+  renamed = []
+  name = multistep.name_replica_axis
+  monkeypatch.setattr(multistep, "name_replica_axis", lambda t, steps: renamed.append(1) or name(t, steps))
+  rng = np.random.default_rng(k + n)
+  xs = rng.normal(size=(4, k, n)).astype(np.float32)  # 4 calls of k steps, one scalar per replica
+
+  def step(carry, x):
+    w, acc = carry
+    ctx = tpustrat.get_replica_context()
+    w = w - 0.1 * ctx.all_reduce("mean", x * w)
+    return (w, acc + x), (x * w, ctx.all_reduce("sum", x))
+
+  options = tpustrat.RunOptions(donate_argnums=(0,)) if donate else None
+  carry = small.experimental_mirror((np.float32(1.0), tpustrat.PerReplica([np.float32(0.0)] * n)))
+  w_np, acc_np = 1.0, np.zeros(n)
+  for call in range(4):
+    batches = tpustrat.stack_steps([tpustrat.PerReplica(list(xs[call, i])) for i in range(k)])
+    carry, (per_replica, total) = small.experimental_run_steps(step, batches, init=carry, options=options)
+    expected_pr = []
+    for i in range(k):
+      w_np = w_np - 0.1 * (xs[call, i].astype(np.float64) * w_np).mean()
+      expected_pr.append(xs[call, i] * w_np)
+      acc_np = acc_np + xs[call, i]
+    w, acc = carry
+    assert w.tree.sharding.spec == P() and acc.tree.sharding.spec == P("replica")
+    assert per_replica.tree.sharding.spec == P(None, "replica") and total.tree.sharding.spec == P()
+    assert repr(per_replica) == f"PerReplica(steps={k}, num_replicas={n}, component=float32[])"
+    assert_close(np.asarray(w.tree), w_np, rtol=1e-5)
+    assert_close(np.asarray(acc.tree), acc_np, rtol=1e-5)
+    assert_close(np.asarray(per_replica.tree), np.stack(expected_pr), rtol=1e-5)
+    assert_close(np.asarray(total.tree), xs[call].sum(axis=1), rtol=1e-5)
+  assert len(slow) == 1  # the first call only: the others take the fast path
+  if n == 1:
+    assert len(renamed) == 2  # the first call's two (names already right); none after
+  # A call that differs (another number of steps) takes the checked path again, and is right.
+  more = tpustrat.stack_steps([tpustrat.PerReplica(list(xs[0, 0]))] * (k + 1))
+  carry, _ = small.experimental_run_steps(step, more, init=carry, options=options)
+  assert len(slow) == 2
+  for _ in range(k + 1):
+    w_np = w_np - 0.1 * (xs[0, 0].astype(np.float64) * w_np).mean()
+  assert_close(np.asarray(carry[0].tree), w_np, rtol=1e-5)

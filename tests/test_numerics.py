@@ -26,6 +26,7 @@ from conftest import launched_results
 
 import tpustrat
 from tpustrat import PerReplica, ShardedVariable
+from tpustrat._src import numerics as numerics_lib
 
 N = 8
 CHECK = tpustrat.RunOptions(check_numerics=True)
@@ -60,16 +61,20 @@ def test_nan_on_replica_3_of_8_names_the_replica_the_path_and_the_step(strategy)
   out = strategy.run(log_step, args=(w, good), options=CHECK)  # step 1: fine
   out = strategy.run(log_step, args=(w, bad), options=CHECK)  # step 2: NaN on replica 3
   assert isinstance(out["y"], PerReplica)  # its results are returned; the check comes later
-  strategy.run(log_step, args=(w, good), options=CHECK)  # step 3: waits for step 1 (fine)
+  # Steps 1 .. GROUP are read together once step GROUP has finished: the call that waits for it (2 steps
+  # in flight: call GROUP + 2) raises and dispatches nothing; the calls before it return their results.
+  for _ in range(numerics_lib.GROUP - 1):  # steps 3 .. GROUP + 1
+    strategy.run(log_step, args=(w, good), options=CHECK)
   with pytest.raises(tpustrat.NumericsError) as info:
-    strategy.run(log_step, args=(w, good), options=CHECK)  # waits for step 2: raises, dispatches nothing
+    strategy.run(log_step, args=(w, good), options=CHECK)  # waits for step GROUP: raises
   e = info.value
   assert isinstance(e, FloatingPointError)
   message = _nan_at_step_2_on_replica_3(e)
   assert "step 2 (call 2 of strategy.run(log_step)" in message
   assert "['y']: NaN in a PerReplica value, on replica 3 (process 0)" in message
   assert "['w']: NaN in a Mirrored value (the same on every replica)" in message
-  assert "1 step(s) dispatched after it" in message  # step 3: its check is dropped
+  # steps 3 .. GROUP + 1 ran on its results: their checks are dropped
+  assert f"{numerics_lib.GROUP - 1} step(s) dispatched after it" in message
   strategy.experimental_run_wait()  # nothing left to report
   strategy.run(log_step, args=(w, good), options=CHECK)
   strategy.experimental_run_wait()
@@ -387,27 +392,35 @@ def test_steps_are_counted_per_program_and_results_still_come_back(strategy):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_the_error_comes_k_calls_late(strategy, k):
-  """The documented latency: step ``t``'s error is raised by call ``t + k`` (``k = max_steps_in_flight``),
-  which dispatches nothing; the calls in between return their results."""
+@pytest.mark.parametrize("bad_step", [2, numerics_lib.GROUP, numerics_lib.GROUP + 3])
+def test_the_error_comes_at_the_wait_for_the_last_step_of_its_group(strategy, k, bad_step):
+  """The documented latency: the flags of steps ``GROUP * g + 1 .. GROUP * (g + 1)`` are read together once
+  the last of them has finished, so step ``t``'s error is raised by call ``GROUP * ceil(t / GROUP) + k``
+  (``k = max_steps_in_flight``; with ``k = 1`` the bound waits for each newest step, which is read then:
+  call ``t + 1``), which dispatches nothing; the calls in between return their results. The error names
+  step ``t`` (not its group's last) and counts every later dispatched step as not checked."""
   options = tpustrat.RunOptions(check_numerics=True, max_steps_in_flight=k)
   good = per_replica(strategy, [np.full(4, 2.0)] * N)
   bad = per_replica(strategy, [np.full(4, -1.0) if r == 3 else np.full(4, 2.0) for r in range(N)])
   w = jnp.zeros(())
+  group = numerics_lib.GROUP
 
   def step(w, x):  # a program of its own: steps counted from 1
     return log_step(w, x)
 
-  strategy.run(step, args=(w, good), options=options)  # step 1
-  strategy.run(step, args=(w, bad), options=options)  # step 2: NaN on replica 3
-  for _ in range(k - 1):  # steps 3 .. k + 1 are dispatched
-    out = strategy.run(step, args=(w, good), options=options)
-    np.testing.assert_allclose(np.asarray(out["y"].values), np.full((N, 4), np.log(2.0)), rtol=1e-6)
+  raising_call = group * -(-bad_step // group) + k if k > 1 else bad_step + 1
+  for call in range(1, raising_call):  # dispatched, results returned
+    out = strategy.run(step, args=(w, bad if call == bad_step else good), options=options)
+    if call != bad_step:
+      np.testing.assert_allclose(np.asarray(out["y"].values), np.full((N, 4), np.log(2.0)), rtol=1e-6)
   with pytest.raises(tpustrat.NumericsError) as info:
-    strategy.run(step, args=(w, good), options=options)  # call 2 + k waits for step 2
-  _nan_at_step_2_on_replica_3(info.value)
-  assert (f"{k - 1} step(s) dispatched after it" in str(info.value)) == (k > 1)
-  strategy.experimental_run_wait()
+    strategy.run(step, args=(w, good), options=options)
+  e = info.value
+  assert e.step == bad_step and e.replicas == (3,)
+  assert f"step {bad_step} (call {bad_step} of strategy.run(step)" in str(e)
+  later = raising_call - 1 - bad_step
+  assert (f"{later} step(s) dispatched after it" in str(e)) == (later > 0)
+  strategy.experimental_run_wait()  # nothing left to report
 
 
 def test_the_flags_copy_to_the_host_starts_at_dispatch_on_a_device_with_its_own_memory(strategy, monkeypatch):
@@ -436,14 +449,15 @@ def test_the_flags_copy_to_the_host_starts_at_dispatch_on_a_device_with_its_own_
     return log_step(w, x)
 
   monkeypatch.setattr(numerics_lib, "copy_ahead", lambda flags: True)
-  for call, x in enumerate((good, bad, good), start=1):
-    strategy.run(log_step_2, args=(w, x), options=CHECK)
+  calls = numerics_lib.GROUP + 1  # the group of steps 1 .. GROUP is read by call GROUP + 2
+  for call in range(1, calls + 1):
+    strategy.run(log_step_2, args=(w, bad if call == 2 else good), options=CHECK)
     assert len(started) == call  # started by this call's dispatch, before any later call reads it
     assert started[-1].shape == (N, 2) and started[-1].dtype == np.uint8  # every replica's flags, 2 outputs
   with pytest.raises(tpustrat.NumericsError) as info:
     strategy.run(log_step_2, args=(w, good), options=CHECK)
   _nan_at_step_2_on_replica_3(info.value)
-  assert len(started) == 3  # the raising call dispatched nothing
+  assert len(started) == calls  # the raising call dispatched nothing
   strategy.experimental_run_wait()
 
 
@@ -457,10 +471,11 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.processes
 def test_two_processes_both_raise_the_same_error_at_the_same_call():
-  """The NaN is made on replica 6 (process 1's devices) at step 3 of 8; with 2 steps in flight, both
-  processes raise at call 5, name step 3, replica 6 and process 1, and exit with status 3: no hang."""
+  """The NaN is made on replica 6 (process 1's devices) at step 3 of GROUP + 4; with 2 steps in flight, both
+  processes raise at call GROUP + 2 (the wait for the last step of its group), name step 3, replica 6 and
+  process 1, and exit with status 3: no hang."""
   command = [sys.executable, "-m", "tpustrat.launch", "-n", "2", "-d", "4", "--heartbeat-timeout", "10",
-             "--timeout", "120", str(SCRIPT), "8", "3", "6"]
+             "--timeout", "120", str(SCRIPT), str(numerics_lib.GROUP + 4), "3", "6"]
   start = time.monotonic()
   done = subprocess.run(command, env=_env(), cwd=SCRIPT.parents[2], capture_output=True, text=True, timeout=180)
   elapsed = time.monotonic() - start
@@ -468,7 +483,7 @@ def test_two_processes_both_raise_the_same_error_at_the_same_call():
   results = launched_results(done.stdout)
   for index, result in results.items():
     assert result["process"] == index
-    assert result["error"] == {"call": 5, "step": 3, "replicas": [6], "processes": [1],
+    assert result["error"] == {"call": numerics_lib.GROUP + 2, "step": 3, "replicas": [6], "processes": [1],
                                "paths": ["[0]['total']", "[1]"]}, result
     assert "[1]: NaN in a PerReplica value, on replica 6 (process 1)" in result["message"]
   assert results[0]["message"] == results[1]["message"]
@@ -503,10 +518,11 @@ def test_with_donated_state(strategy):
     return {"w": state["w"] + 1.0}, jnp.sqrt(v)
 
   state = strategy.experimental_mirror({"w": np.zeros(4, np.float32)})
-  state, _ = strategy.run(step, args=(state, x), options=options)
-  state, _ = strategy.run(step, args=(state, x), options=options)
+  for _ in range(numerics_lib.GROUP + 1):  # step 1's group is read by call GROUP + 2
+    state, _ = strategy.run(step, args=(state, x), options=options)
   with pytest.raises(tpustrat.NumericsError) as info:
     strategy.run(step, args=(state, x), options=options)
   assert info.value.step == 1 and info.value.outputs == [("[1]", "PerReplica", (7,), True, False)]
   strategy.experimental_run_wait()
-  np.testing.assert_array_equal(np.asarray(strategy.experimental_local_results(state["w"])[0]), np.full(4, 2.0))
+  np.testing.assert_array_equal(np.asarray(strategy.experimental_local_results(state["w"])[0]),
+                                np.full(4, numerics_lib.GROUP + 1.0))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import functools
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -35,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
 from tpustrat._src import engine as engine_lib
+from tpustrat._src import jax_compat, profiler
 from tpustrat._src import numerics as numerics_lib
 from tpustrat._src.engine import RunOptions
 from tpustrat._src.jax_compat import varying_axes
@@ -45,9 +47,12 @@ from tpustrat._src.steps import concat_chunks, named_leaves, num_steps
 from tpustrat._src.validation import check_int, check_tree_fits_32_bits
 from tpustrat._src.values import Mirrored, PerReplica, is_distributed, name_replica_axis, stacked_steps
 
-__all__ = ["as_carry", "check_not_stacked", "run_steps", "take"]
+__all__ = ["MISS", "as_carry", "check_not_stacked", "run_steps", "run_steps_fast", "take"]
 
 _CACHE_SIZE = 64
+_CONTEXT = context_lib.thread_state()
+_collecting = profiler._collecting  # pylint: disable=protected-access
+_MARK_OPEN, _PROFILE = profiler.OPEN, profiler.SESSION
 
 
 class Strategy(Protocol):
@@ -243,6 +248,77 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
   return wrapped
 
 
+class _NamedOutputs:
+  """A run-steps program on a strategy of one device (one replica, no logical cores) whose outputs come
+  back named as `run` names them (`values.name_replica_axis`), with no renaming after each call.
+
+  There every layout is the same one device, and XLA names an output after an input of its rank or after
+  no axis at all, so the outputs would be renamed after every call (`name_replica_axis`: a
+  `jax.make_array_from_single_device_arrays` a leaf, 30 us each on a CPU, most of a cached call's host
+  time). Instead, per argument signature, the program is traced once (`jax.jit`'s trace: the step is not
+  traced again), and its jaxpr compiled with the named output shardings: ``P()`` for a `Mirrored` leaf,
+  ``P('replica')`` for a leaf of a per-replica carry, ``P(None, 'replica')`` for a per-replica output
+  stacked over steps. The step's own program is never compiled, so nothing is compiled twice."""
+
+  def __init__(self, program: Any, mesh: jax.sharding.Mesh, donate: tuple[int, ...]) -> None:
+    self._program, self._mesh, self._donate = program, mesh, donate
+    self._signatures: dict[Any, tuple[Any, Any]] = {}
+    self.__name__ = getattr(program, "__name__", "run_steps")
+    self.padding_notes = program.padding_notes
+
+  def __call__(self, carry: Any, batches: Any) -> Any:
+    leaves, in_tree = _flatten((carry, batches))
+    key = (in_tree, tuple(jax.typeof(x) for x in leaves))
+    found = self._signatures.get(key)
+    if found is None:
+      if len(self._signatures) >= _SIGNATURES_SIZE:
+        self._signatures.clear()
+      found = self._signatures[key] = self._compile(carry, batches, len(jax.tree.leaves(carry)))
+    jitted, out_tree = found
+    return out_tree.unflatten(jitted(*leaves))
+
+  def for_leaves(self, carry: Any, batches: Any) -> tuple[Any, Any]:
+    """The program of this signature over the flat leaves of ``(carry, batches)``, returning the result's
+    flat leaves, and the result's structure (`run_steps_fast`)."""
+    leaves, in_tree = _flatten((carry, batches))
+    return self._signatures[(in_tree, tuple(jax.typeof(x) for x in leaves))]
+
+  def _compile(self, carry: Any, batches: Any, carry_leaves: int) -> tuple[Any, Any]:
+    traced = self._program.trace(carry, batches)
+    closed, out_tree = traced.jaxpr, traced.out_tree
+    replicated, split = _shardings(self._mesh)
+    stacked = NamedSharding(self._mesh, P(None, REPLICA_AXIS))
+    dummy = out_tree.unflatten(list(range(out_tree.num_leaves)))
+    names: list[Any] = [replicated] * out_tree.num_leaves
+    for part, per_replica in zip(dummy[:2], (split, stacked)):
+      for node in jax.tree.leaves(part, is_leaf=lambda v: is_distributed(v) or isinstance(v, ShardedVariable)):
+        if isinstance(node, (PerReplica, ShardedVariable)):
+          for i in jax.tree.leaves(node.tree if isinstance(node, ShardedVariable) else (
+              node.tree, node.real_rows_array)):
+            names[i] = split if isinstance(node, ShardedVariable) or per_replica is split else stacked
+
+    def run_steps_jaxpr(*flat: Any) -> list[Any]:
+      return jax_compat.eval_closed_jaxpr(closed.jaxpr, closed.consts, flat)
+
+    run_steps_jaxpr.__name__ = self.__name__
+    donate = tuple(range(carry_leaves)) if self._donate else ()
+    return jax.jit(run_steps_jaxpr, out_shardings=names, donate_argnums=donate), out_tree
+
+
+def _names_outputs(mesh: jax.sharding.Mesh) -> bool:
+  """Whether run-steps programs on `mesh` name their outputs themselves (`_NamedOutputs`): one device,
+  the replica axis alone (no logical cores, whose layouts the step decides)."""
+  return mesh.size == 1 and tuple(mesh.axis_names) == (REPLICA_AXIS,)
+
+
+def _named(program: Any, mesh: jax.sharding.Mesh, donate: tuple[int, ...]) -> _NamedOutputs:
+  """`program` as a `_NamedOutputs` (one per program)."""
+  named = getattr(program, "named_outputs", None)
+  if named is None:
+    named = program.named_outputs = _NamedOutputs(program, mesh, donate)
+  return named
+
+
 def _program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int, ...] = (),
              checked: bool = False, unroll: int | bool = 1) -> Any:
   cache = _PROGRAMS.setdefault(strategy, collections.OrderedDict())
@@ -352,6 +428,93 @@ def _check_call(strategy: Strategy, iterator: Any, batches: Any, steps: int | No
   return k, as_carry(strategy, init)
 
 
+# `run_steps`' fast path: (function key, options, structure of (init, batches)) -> `_Fast`, per engine
+# (`Engine.run_steps_fast`), made by a checked call on batches already stacked.
+MISS = object()
+_flatten = jax.tree_util.default_registry.flatten
+_FunctionType = types.FunctionType
+
+
+class _Fast:
+  """What a checked `run_steps` call on batches already stacked found, for the next call like it: each
+  argument leaf's aval and sharding, the steps, the dispatch wrapper (the output to wait on chosen once),
+  whether its outputs need their replica axis named (one replica)."""
+
+  __slots__ = ("avals", "shardings", "k", "dispatched", "limit", "donate", "one_replica", "notes")
+
+  def __init__(self, avals: tuple[Any, ...], shardings: tuple[Any, ...], k: int, dispatched: Any,
+               limit: int | None, donate: tuple[int, ...], one_replica: bool, notes: list[Any]) -> None:
+    self.avals, self.shardings, self.k, self.dispatched = avals, shardings, k, dispatched
+    self.limit, self.donate, self.one_replica, self.notes = limit, donate, one_replica, notes
+
+
+def run_steps_fast(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: int | None, init: Any,
+                   options: RunOptions | None) -> Any:
+  """`run_steps` for a call like an earlier checked one (batches already stacked, the same function,
+  options and structure, every leaf a placed `jax.Array` of the same aval and sharding, `init` laid out as
+  the carry), with the default step hooks and no profile mark to make: none of the per-signature checks,
+  the dispatch written out (`engine.dispatch_default_hooks`). `MISS` for any other call."""
+  engine = strategy.extended.engine
+  if engine is None or isinstance(iterator, collections.abc.Iterator) or (
+      _CONTEXT.replica_context is not None) or not engine_lib.STEP_HOOKS.unchanged or _MARK_OPEN[0] or (
+      _PROFILE[0] is not None) or _collecting():
+    return MISS
+  try:
+    leaves, tree = _flatten((init, iterator))
+    fast = engine.run_steps_fast.get(
+        (weakref.ref(fn) if type(fn) is _FunctionType else engine_lib.weak_key(fn), options, tree))
+  except TypeError:
+    return MISS
+  if fast is None:
+    return MISS
+  avals, shardings = fast.avals, fast.shardings
+  placed = _PLACED_TYPES
+  for i, x in enumerate(leaves):
+    if type(x) not in placed or x.aval != avals[i] or x.sharding != shardings[i]:
+      return MISS
+  k = fast.k
+  if steps is not None and steps != k:
+    return MISS  # the checked path raises, naming both
+  if engine_lib.DONATION_USED[0]:
+    where = lambda i: "experimental_run_steps: an array of init or of the batches"  # noqa: E731
+    engine_lib.check_not_deleted(leaves, where)
+    if fast.donate:
+      carry_leaves = leaves[:len(fast.donate)]
+      engine_lib.check_donatable(None, (), leaves, fast.donate,
+                                 lambda i: f"experimental_run_steps: leaf {i} of init and the batches")
+      engine.in_flight.forget(carry_leaves)
+  carry, outputs = engine_lib.dispatch_default_hooks(
+      fast.dispatched, (init, iterator, leaves), engine.in_flight, fast.limit or engine.max_steps_in_flight, k,
+      None, engine.traced_numerics)
+  if fast.notes and any(n.get("padding_reads") for n in fast.notes):
+    engine_lib.warn_padding_reads_stacked(fast.notes, iterator)
+  if fast.one_replica:  # XLA's layouts do not say which outputs are stacked steps (see stacked_steps)
+    return name_replica_axis(carry, steps=False), name_replica_axis(outputs, steps=True)
+  return carry, outputs
+
+
+def _remember(engine: Any, strategy: Strategy, fn: Callable[..., Any], options: RunOptions | None, init: Any,
+              batches: Any, k: int, dispatched: Any, donate: tuple[int, ...], notes: list[Any]) -> None:
+  """Keeps a checked call on batches already stacked, `init` laid out as the carry, for `run_steps_fast`."""
+  try:
+    leaves, tree = _flatten((init, batches))
+    key = (weakref.ref(fn) if type(fn) is _FunctionType else engine_lib.weak_key(fn), options, tree)
+    hash(key)
+  except TypeError:
+    return
+  if not all(type(x) in _PLACED_TYPES for x in leaves):
+    return
+  cache = engine.run_steps_fast
+  if len(cache) >= _SIGNATURES_SIZE:
+    cache.clear()
+  mesh = strategy.mesh
+  # One replica: outputs are renamed after each call, unless the program names them (`_NamedOutputs`).
+  one = mesh is not None and mesh.shape[REPLICA_AXIS] == 1 and not _names_outputs(mesh)
+  donated = tuple(range(len(jax.tree.leaves(init)))) if donate else ()
+  cache[key] = _Fast(tuple(x.aval for x in leaves), tuple(x.sharding for x in leaves), k, dispatched,
+                     options.max_steps_in_flight if options is not None else None, donated, one, notes)
+
+
 def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: int | None, init: Any,
               options: RunOptions | None) -> tuple[Any, Any]:
   """`Strategy.experimental_run_steps`.
@@ -387,6 +550,7 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
     # signature (`_signature`; None for host values, checked every call: their values matter).
     signature = _signature(strategy, (init, batches))
   known = _SIGNATURES.get(signature) if signature is not None else None
+  carry_as_given = False
   if known is not None:
     k, carry_as_given = known
     if steps is not None and steps != k:
@@ -397,10 +561,14 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
     if signature is not None:
       if len(_SIGNATURES) >= _SIGNATURES_SIZE:
         _SIGNATURES.pop(next(iter(_SIGNATURES)))
-      _SIGNATURES[signature] = (k, _same_leaves(carry, init))
+      carry_as_given = _same_leaves(carry, init)
+      _SIGNATURES[signature] = (k, carry_as_given)
   engine = strategy.extended.engine
   checked = engine is not None and options is not None and options.check_numerics
   program = _program(strategy, fn, donate, checked, options.scan_unroll if options is not None else 1)
+  mesh = strategy.mesh
+  if not checked and mesh is not None and _names_outputs(mesh):
+    program = _named(program, mesh, donate)
 
   if engine is None:  # the default strategy: one device, no collectives to bound
     result = program(carry, batches)
@@ -422,7 +590,11 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
                                      numerics=numerics_lib.make_check(program.outputs, k, stacked=True,
                                                                       traced=engine.traced_numerics))
   else:
-    carry, outputs = engine.dispatch(_with_token(program), carry, batches, limit=limit, steps=k)
+    tokened: Any = _with_token(program)
+    carry, outputs = engine.dispatch(tokened, carry, batches, limit=limit, steps=k)
+    if signature is not None and carry_as_given:  # `run_steps_fast` may take the next call like this one
+      _remember(engine, strategy, fn, options, init, batches, k, tokened.fixed(carry, batches), donate,
+                program.padding_notes)
   engine_lib.warn_padding_reads_stacked(program.padding_notes, batches)
   # One replica: XLA's layouts do not say which outputs are stacked steps (see stacked_steps).
   return name_replica_axis(carry, steps=False), name_replica_axis(outputs, steps=True)
@@ -433,6 +605,8 @@ def _with_token(program: Callable[..., Any]) -> Callable[..., tuple[Any, Any]]:
   ready together, so the token is the smallest output it computes (`engine.wait_leaf`), or, when every
   output is large, the smallest output."""
 
+  chosen: list[int | None] = []  # the leaf waited on, once chosen (`fixed`)
+
   def dispatched(carry: Any, batches: Any) -> tuple[Any, Any]:
     result = program(carry, batches)
     if len(result) == 3:  # a donating program's own token (see `_make_program`)
@@ -441,7 +615,33 @@ def _with_token(program: Callable[..., Any]) -> Callable[..., tuple[Any, Any]]:
     i = engine_lib.wait_leaf(leaves, tuple(jax.tree.leaves((carry, batches))))
     if i is None and leaves:
       i = min(range(len(leaves)), key=lambda j: leaves[j].size * getattr(leaves[j].dtype, "itemsize", 8))
+    chosen[:] = [i]
     return result, None if i is None else leaves[i]
 
+  def fixed(carry: Any, batches: Any) -> Callable[..., tuple[Any, Any]]:
+    """`dispatched` for later calls of the signature of ``(carry, batches)`` (`run_steps_fast`), called
+    with the arguments' flat leaves too: the leaf to wait on is the one this call chose (one signature, one
+    output structure); a `_NamedOutputs` program is called on the leaves, its compiled one directly."""
+    i = chosen[0] if chosen else None
+    if isinstance(program, _NamedOutputs):
+      jitted, out_tree = program.for_leaves(carry, batches)
+
+      def again(carry: Any, batches: Any, leaves: list[Any]) -> tuple[Any, Any]:
+        out = jitted(*leaves)
+        result = out_tree.unflatten(out)
+        if len(result) == 3:
+          return result[:2], result[2]
+        return result, None if i is None else out[i]
+    else:
+      def again(carry: Any, batches: Any, leaves: list[Any]) -> tuple[Any, Any]:
+        result = program(carry, batches)
+        if len(result) == 3:
+          return result[:2], result[2]
+        return result, None if i is None else _flatten(result)[0][i]
+
+    again.__name__ = dispatched.__name__
+    return again
+
   dispatched.__name__ = getattr(program, "__name__", "run_steps")  # the step's mark in a profile (`profiler`)
+  dispatched.fixed = fixed  # type: ignore[attr-defined]
   return dispatched

@@ -99,6 +99,7 @@ class Outputs:
   """Whether each dispatch starts copying the flags to the host (`copy_ahead`); None until the first one."""
   calls: int = 0  # concrete dispatches so far
   steps: int = 0  # steps run by them (more than `calls` for experimental_run_steps)
+  group: Check | None = None  # the `Check` the next dispatch of a `run` program joins, unless full or run
 
 
 def replica_processes(mesh: jax.sharding.Mesh, axis: str) -> tuple[int, ...]:
@@ -155,6 +156,16 @@ def gather_flags(flags: jax.Array | None, axis: str) -> jax.Array:
   if axis not in varying_axes(flags):
     flags = to_varying(flags, axis)
   return all_gather_invariant(flags[None], axis, axis=0, tiled=True)
+
+
+def one_replica_flags(flags: jax.Array | None, axis: str) -> jax.Array:
+  """`gather_flags` of the one replica of a one-replica strategy: its own flags, ``uint8[1, max(L, 1)]``,
+  left per replica (the program returns them split over the one device, which holds them whole)."""
+  if flags is None:
+    flags = jnp.zeros((1,), jnp.uint8)
+  if axis not in varying_axes(flags):
+    flags = to_varying(flags, axis)
+  return flags[None]
 
 
 # -- inside another trace ---------------------------------------------------------------------------------
@@ -283,43 +294,73 @@ class TracedChecks:
 # -- on the host -------------------------------------------------------------------------------------------
 
 
-class Check:
-  """The check of one dispatched program's flags (``uint8[N, L]``, or ``[k, N, L]`` for `k` inner steps):
-  called once the program has finished (`engine.InFlight`), it raises `NumericsError` if any is set."""
+GROUP = 8  # `run` dispatches whose flags one `Check` reads, once the newest of them has finished
 
-  __slots__ = ("_flags", "_outputs", "_step", "_call")
+
+class Check:
+  """The check of dispatched programs' flags (``uint8[N, L]`` each, or ``[k, N, L]`` for `k` inner steps):
+  called once the newest of them has finished (`engine.InFlight`), it raises `NumericsError` for the first
+  one with a flag set.
+
+  One `Check` covers up to `GROUP` consecutive dispatches of one `run` program (`add`; the bound keys it by
+  the newest's token, so it runs once that one has finished: all of their flags are on the host then, read
+  with one Python call per dispatch and no other), or one dispatch of a run-steps program. The report of a
+  bad step ``t`` therefore comes with the wait for the last dispatch of its group: by call
+  ``t + GROUP - 1 + max_steps_in_flight`` at the latest, or at `experimental_run_wait`."""
+
+  __slots__ = ("_flags", "_steps", "_outputs", "_call", "_later", "ran", "key")
 
   def __init__(self, flags: jax.Array, outputs: Outputs, step: int, call: int | None = None) -> None:
     """`step`: the (first) step of this program, from 1; `call`: for stacked flags (``[k, N, L]``), the
     dispatch of the program it was (from 1)."""
-    self._flags, self._outputs, self._step, self._call = flags, outputs, step, call
+    self._flags, self._steps, self._outputs, self._call = [flags], [step], outputs, call
+    self._later = 0  # steps of this group after its bad one (once found)
+    self.ran = False  # called already: a later dispatch starts a new check
+    self.key: int | None = None  # the token it is kept under by the bound (`InFlight.add_check`)
+
+  def add(self, flags: jax.Array, step: int) -> None:
+    """One more dispatch's flags (step `step`), checked with the others."""
+    self._flags.append(flags)
+    self._steps.append(step)
+
+  @property
+  def size(self) -> int:
+    """The dispatches it covers."""
+    return len(self._flags)
 
   def __call__(self, dropped: int = 0) -> None:
-    flags = self._flags
-    if flags.is_deleted():
-      return
-    # Replicated (the invariant all-gather's output), so `np.asarray` reads this process's first copy, in
-    # every process: already on the host where `make_check` started its copy at dispatch (or, on the CPU,
-    # host memory already). `addressable_data(0)` would make one more `jax.Array` per step (about 15 us on
-    # a 2-core CPU) and numpy's `any` on a few bytes costs more than comparing them.
-    local = np.asarray(flags)
-    raw = local.tobytes()
-    if raw.count(0) == len(raw):
-      return
-    raise self._error(local, dropped)
+    self.ran = True
+    count = len(self._flags)
+    for i, flags in enumerate(self._flags):
+      if flags.is_deleted():
+        continue
+      # Replicated (the invariant all-gather's output; one replica's own, split over the one device, with
+      # one replica), so `np.asarray` reads this process's first copy, in every process: already on the host
+      # where `make_check` started its copy at dispatch (or, on the CPU, host memory already).
+      # `addressable_data(0)` would make one more `jax.Array` per step (about 15 us on a 2-core CPU) and
+      # numpy's `any` on a few bytes costs more than comparing them.
+      local = np.asarray(flags)
+      raw = local.tobytes()
+      if raw.count(0) != len(raw):
+        # Kept: the bad step alone, and how many of the group came after it (the bound calls the check
+        # again, with the steps of the other checks dropped after it).
+        self._flags, self._steps = self._flags[i:i + 1], self._steps[i:i + 1]
+        self._later += count - 1 - i
+        raise self._error(local, self._steps[0], dropped + self._later)
 
-  def _error(self, flags: np.ndarray, dropped: int) -> NumericsError:
+  def _error(self, flags: np.ndarray, first: int, dropped: int) -> NumericsError:
     out = self._outputs
     inner = None
+    k = flags.shape[0]
     if self._call is not None:  # [k, N, L]: the first inner step with a flag
       inner = _first_inner(flags)
       flags = flags[inner]
-    step = self._step + (inner if inner is not None else 0)
+    step = first + (inner if inner is not None else 0)
     lines, bad, replicas, processes = _describe(flags, out)
     if inner is None:
       where = f"step {step} (call {step} of {out.what}, counting from 1)"
     else:
-      where = (f"step {step} (inner step {inner + 1} of {self._flags.shape[0]} of {out.what}'s call "
+      where = (f"step {step} (inner step {inner + 1} of {k} of {out.what}'s call "
                f"{self._call}; steps counted from 1 over every call of this program)")
     after = (f" {dropped} step(s) dispatched after it ran on its results and are not checked."
              if dropped else "")
@@ -449,7 +490,14 @@ def make_check(outputs: Outputs, steps: int = 1, stacked: bool = False,
     first = outputs.steps + 1
     outputs.calls += 1
     outputs.steps += steps
-    return Check(flags, outputs, first, outputs.calls if stacked else None)
+    if stacked:
+      return Check(flags, outputs, first, outputs.calls)
+    group = outputs.group
+    if group is None or group.ran or group.size >= GROUP:  # a new group of dispatches
+      group = outputs.group = Check(flags, outputs, first)
+    else:
+      group.add(flags, first)
+    return group  # kept by the bound under this dispatch's token (`InFlight.add_check`)
 
   return checker
 

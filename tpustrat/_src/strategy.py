@@ -245,6 +245,9 @@ class Strategy:
     """
     # TF captures numpy values when they are handed over, as `run` does its arguments: the program reads
     # `init` and stacked batches after this returns (on XLA:CPU, in place), so they are copied first.
+    fast = multistep.run_steps_fast(self, fn, iterator, steps, init, options)  # placed arrays only: no copies
+    if fast is not multistep.MISS:
+      return fast
     if not isinstance(iterator, Iterator):
       iterator = host_memory.owned_copies(iterator)
     return multistep.run_steps(self, fn, iterator, steps, host_memory.owned_copies(init), options)

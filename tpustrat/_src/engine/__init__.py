@@ -28,7 +28,14 @@ from tpustrat._src.engine.donation import (
 )
 from tpustrat._src.engine.engine import Engine, check_run_call, same_over_replicas
 from tpustrat._src.engine.flat_program import FlatProgram
-from tpustrat._src.engine.in_flight import DEFAULT_STEPS_IN_FLIGHT, STEP_HOOKS, InFlight, dispatch, wait_leaf
+from tpustrat._src.engine.in_flight import (
+  DEFAULT_STEPS_IN_FLIGHT,
+  STEP_HOOKS,
+  InFlight,
+  dispatch,
+  dispatch_default_hooks,
+  wait_leaf,
+)
 from tpustrat._src.engine.options import RunOptions, donate_argnums_of
 from tpustrat._src.engine.output_padding import (
   inner_padding_notes,
@@ -42,7 +49,7 @@ from tpustrat._src.engine.weak_keys import weak_callable, weak_key
 
 _same_over_replicas = same_over_replicas  # the name tests/test_logical.py imports
 
-__all__ = ["RunOptions", "Engine", "InFlight", "check_not_deleted", "dispatch", "donated_leaves",
+__all__ = ["RunOptions", "Engine", "InFlight", "check_not_deleted", "dispatch", "dispatch_default_hooks", "donated_leaves",
            "donation_used", "wait_leaf", "donate_argnums_of", "DEFAULT_STEPS_IN_FLIGHT", "DONATION_USED",
            "STEP_HOOKS", "FlatProgram", "StepJaxpr", "batch_group", "check_donatable", "check_run_call",
            "inner_padding_notes", "is_output_node", "make_program", "output_padding", "same_over_replicas",

@@ -35,14 +35,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
-from tpustrat._src import host_memory
+from tpustrat._src import host_memory, profiler
 from tpustrat._src import numerics as numerics_lib
-from tpustrat._src import profiler
 from tpustrat._src import step_stats as step_stats_lib
 from tpustrat._src.engine.donation import DONATION_USED, check_donatable, check_not_deleted, donated_leaves
 from tpustrat._src.engine.flat_program import FlatProgram
-from tpustrat._src.engine.in_flight import (DEFAULT_STEPS_IN_FLIGHT, STEP_HOOKS, InFlight, dispatch,
-                                            dispatch_default_hooks)
+from tpustrat._src.engine.in_flight import (
+  DEFAULT_STEPS_IN_FLIGHT,
+  STEP_HOOKS,
+  InFlight,
+  dispatch,
+  dispatch_default_hooks,
+)
 from tpustrat._src.engine.options import RunOptions, donate_argnums_of
 from tpustrat._src.engine.output_padding import warn_padding_reads
 from tpustrat._src.engine.program import batch_group, make_program
@@ -108,6 +112,7 @@ class Engine:
     # `run`'s fast path: (function key, options, argument structure) -> (program, targets, the options'
     # max_steps_in_flight, the numerics check maker, the donated leaves); made by a checked call
     self._fast: dict[Any, tuple[Any, list[NamedSharding], int | None, Any, Any]] = {}
+    self.run_steps_fast: dict[Any, Any] = {}  # `experimental_run_steps`' fast path (`multistep.run_steps_fast`)
     self._array_types: set[type] = set()  # concrete (non-tracer) jax.Array types seen already placed
     self._equivalents: dict[tuple[Any, int], bool] = {}  # (sharding, rank) -> laid out as replicated
     self._replicated = NamedSharding(mesh, P())
@@ -122,12 +127,12 @@ class Engine:
     # with the default step hooks and no profile mark to make. Everything checked once per signature is
     # skipped: the lookup, one sharding comparison per leaf and the dispatch (`dispatch_default_hooks`) are
     # all the Python that runs (tests/test_engine.py checks that such a call runs no per-signature check).
-    fast_key = None
+    fast_key: Any = None
     if type(args) is tuple and kwargs is None and _CONTEXT.replica_context is None:
       try:
-        fast_key = (_weakref(fn) if type(fn) is _FunctionType else weak_key(fn), options)
+        fn_key = _weakref(fn) if type(fn) is _FunctionType else weak_key(fn)
         leaves, in_tree = _flatten((args, _NO_KWARGS))
-        fast_key = (*fast_key, in_tree)
+        fast_key = (fn_key, options, in_tree)
         fast = self._fast.get(fast_key)
       except TypeError:  # an unhashable callable, tree or options: the checked path, without caching
         fast = fast_key = None
@@ -200,7 +205,7 @@ class Engine:
           _check_sharded_replicas((args, kwargs), self._num_replicas)  # the clearer error, if that is the cause
           raise
     donate_argnums = donate_argnums_of(options)
-    donate: tuple[int, ...] = ()
+    donate: tuple[int, ...] | None = ()
     if donate_argnums:
       # What depends on the argument structure alone is worked out once per structure.
       try:

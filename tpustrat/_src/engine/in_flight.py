@@ -110,7 +110,7 @@ class InFlight:
     try:
       check()
     except Exception:
-      dropped = len(self._checks)
+      dropped = sum(getattr(c, "size", 1) for c in self._checks.values())  # dispatches each covers
       self._checks.clear()
       if dropped:
         check(dropped)  # the same error, saying how many later steps are not checked
@@ -142,8 +142,15 @@ class InFlight:
 
   def add_check(self, token: Any, check: Callable[..., None]) -> None:
     """Runs `check` once the program of `token` (recorded by `after_dispatch`) has finished: when the bound
-    waits for it, or `drain` (`RunOptions.check_numerics`: `numerics.StepChecks`)."""
-    self._checks[id(token)] = check
+    waits for it, or `drain` (`RunOptions.check_numerics`: `numerics.StepChecks`). A check handed again with
+    a newer token (a `numerics.Check` of several dispatches, keeping its ``key``) runs after that one only."""
+    key = id(token)
+    previous = getattr(check, "key", None)
+    if previous is not None and self._checks.get(previous) is check:
+      del self._checks[previous]
+    self._checks[key] = check
+    if previous is not None or hasattr(check, "key"):
+      check.key = key  # type: ignore[attr-defined]
 
   def drain(self) -> None:
     start = time.perf_counter()
@@ -236,7 +243,7 @@ def dispatch_default_hooks(program: Callable[..., tuple[Any, Any]], args: Sequen
     _PROFILE_STEPS[0] += steps
     _MARK_OPEN[0] = True
   # watchdog.Heartbeat.before
-  dog = watchdog._ACTIVE  # pylint: disable=protected-access  # rebound by the watchdog: read each dispatch
+  dog: Any = watchdog._ACTIVE  # pylint: disable=protected-access  # rebound by the watchdog: read each dispatch
   began = dog is not None and dog.dispatch_begins(steps)
   try:
     now = bound.before_dispatch(limit, steps)
@@ -270,14 +277,15 @@ def dispatch_default_hooks(program: Callable[..., tuple[Any, Any]], args: Sequen
       if only_traced:
         _PROFILE_STEPS[0] -= steps
     # watchdog.Heartbeat.after
-    if began and not only_traced and dog is watchdog._ACTIVE:  # pylint: disable=protected-access
-      dog.dispatched(token, steps)
+    if began and not only_traced and watchdog._ACTIVE is dog:  # pylint: disable=protected-access
+      heartbeat: Any = dog  # the one that began, still the running one
+      heartbeat.dispatched(token, steps)
     else:
       if began:
         dog.dispatch_ends()
-      dog = watchdog._ACTIVE  # pylint: disable=protected-access
-      if dog is not None and not only_traced:
-        dog.note(token, steps)
+      now_active = watchdog._ACTIVE  # pylint: disable=protected-access
+      if now_active is not None and not only_traced:
+        now_active.note(token, steps)
   return result
 
 

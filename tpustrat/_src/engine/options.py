@@ -45,12 +45,13 @@ class RunOptions:
       `experimental_run_steps`.
     check_numerics: check every floating output of the step for NaN and Inf inside the compiled program
       (`tpustrat.NumericsError`, a `FloatingPointError`, naming the step, the output's path, NaN / Inf and
-      the replicas and processes that produced it). The error is raised once the step has finished, by the
-      next call that waits for it: the `run` (or `experimental_run_steps`) call that the steps-in-flight
-      bound makes wait for it, or `strategy.experimental_run_wait()`; every process raises the same error
-      at the same call. For `experimental_run_steps`, each inner step is checked and named. A `run` traced
-      inside a user's own `jax.jit` / `lax.scan` hands its flags to the host by one ordered host callback
-      per execution (one per scan iteration), which only records them: the error, naming the execution,
+      the replicas and processes that produced it). The error is raised once the step has finished, by a
+      later call: the flags of 8 consecutive steps of one `run` program are read together, by the call
+      that the steps-in-flight bound makes wait for the last of them (at most ``7 + max_steps_in_flight``
+      calls after the bad step), or by `strategy.experimental_run_wait()`; every process raises the same
+      error at the same call (docs/guides/numerics.md, "How late the report comes"). For
+      `experimental_run_steps`, each inner step is checked and named. A `run` traced inside a user's own
+      `jax.jit` / `lax.scan` hands its flags to the host by one ordered host callback per execution (one per scan iteration), which only records them: the error, naming the execution,
       is raised by `strategy.experimental_run_wait()` (which waits for those callbacks; in every
       process) or, in a one-process job, by the next `run` / `experimental_run_steps` of the strategy,
       after the outer program's results were returned. Off (the default), the program is the one

@@ -236,11 +236,15 @@ def make_program(fn: Callable[..., Any], groups: tuple[int, ...], *, mesh: jax.s
       numerics.paths = [paths[i] for i in checked]
       numerics.kinds = ["ShardedVariable" if shards[i] is not None else "PerReplica" if is_varying[i]
                         else "Mirrored" for i in checked]
+      if n == 1:  # one replica: its flags are every replica's, no all-gather (a third of a tiny step's time)
+        return invariant, (*varying, numerics_lib.one_replica_flags(flags, axis))
       return (*invariant, numerics_lib.gather_flags(flags, axis)), varying
 
     invariant, varying = jax.shard_map(
         body, mesh=mesh, in_specs=tuple(specs), out_specs=(P(), P(axis)), check_vma=True, **manual)(*flat)
-    if numerics is not None:
+    if numerics is not None and n == 1:
+      *varying, flags = varying
+    elif numerics is not None:
       *invariant, flags = invariant
     inv, var = iter(invariant), iter(varying)
     picked = [next(var) if v else next(inv) for v in record["varying"]]  # blocks are varying
