@@ -651,8 +651,9 @@ def test_resume_reads_the_step_from_the_restored_state(strategy, rng, tmp_path):
   """Model Garden's resume: a restarted job restores the state and reads the global step. The step lives in
   the optimizer's variables (a LossScaleOptimizer's inner optimizer counts it): `tk.iterations` reads it
   from the restored state, while the new process's Keras objects still hold their initial values (step 0,
-  the schedule's first learning rate) until `tk.assign` writes the state into them. Training then goes on
-  as one-device Keras's uninterrupted `train_on_batch`."""
+  the schedule's first learning rate) until `tk.assign` writes the state into them: reading them before
+  raises `tk.StaleVariableError` (TF's `optimizer.iterations.numpy()` read 0 with no word). Training then
+  goes on as one-device Keras's uninterrupted `train_on_batch`."""
   batches = scaled_batches(rng, 5)
   schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.8)
   want, reference = one_device_scaled(batches, schedule)
@@ -674,9 +675,14 @@ def test_resume_reads_the_step_from_the_restored_state(strategy, rng, tmp_path):
   with tpustrat.checkpoint.CheckpointManager(tmp_path, strategy) as manager:
     state = manager.restore(manager.latest_step(), target=state)
   assert tk.iterations(optimizer, state["optimizer"]) == kept
-  assert int(value(optimizer.iterations)) == 0  # the Keras object is stale until assign
-  first_rate = float(np.asarray(optimizer.learning_rate))
-  assert first_rate == pytest.approx(float(schedule(0)), rel=1e-6)
+  # TF's `optimizer.iterations.numpy()` here: the Keras object is stale (step 0) until assign, and says so
+  stale = r"'[^']*iteration' is stale: .*a checkpoint was restored.*tpustrat\.keras\.assign\(model, optimizer, state\)"
+  with pytest.raises(tk.StaleVariableError, match=stale):
+    optimizer.iterations.numpy()
+  with pytest.raises(tk.StaleVariableError, match=stale):
+    float(np.asarray(optimizer.learning_rate))  # the schedule of the stale step
+  with pytest.raises(tk.StaleVariableError, match=r"is stale: .*a checkpoint was restored.*tpustrat\.keras\.assign"):
+    model.get_weights()  # the initial weights, not the restored ones
   tk.assign(model, optimizer, state)
   assert int(value(optimizer.iterations)) == kept
   assert float(np.asarray(optimizer.learning_rate)) == pytest.approx(float(schedule(kept)), rel=1e-6)
@@ -690,6 +696,105 @@ def test_resume_reads_the_step_from_the_restored_state(strategy, rng, tmp_path):
   assert tk.iterations(optimizer, state["optimizer"]) == int(value(reference.optimizer.iterations))
   tk.assign(model, optimizer, state)
   for mine, theirs in zip(weights(model), weights(reference)):
+    np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+# -- host reads of Keras objects while a custom loop's state moves on ------------------------------------------
+
+
+def numpy_logits(params, x):
+  """`dense_model`'s forward pass in numpy: relu(x w0 + b0) w1 + b1."""
+  w0, b0, w1, b1 = (np.asarray(p, np.float64) for p in params)
+  return np.maximum(x @ w0 + b0, 0.0) @ w1 + b1
+
+
+def test_a_host_read_of_a_stale_keras_object_raises_until_assign(strategy, rng, tmp_path):
+  """After `tk.state`, a training step in `run` changes the state, not the Keras objects: TF's host reads of
+  them (`optimizer.iterations.numpy()`, `model.get_weights()`, `model.predict`, `model.save`) gave the values
+  from before with no word; each now raises StaleVariableError naming `tk.assign`. After `tk.assign` they read
+  the trained values: the state's arrays, one-device Keras's after the same batch, numpy's forward pass. A
+  step that only reads the state (evaluation), a variable no step writes (the learning rate) and a model
+  never exported are left as they are."""
+  batches = scaled_batches(rng, 2)
+  want, reference = one_device_scaled(batches[:1])
+  bystander = dense_model()  # never exported: Keras as Keras is
+  initial = weights(bystander)
+  model, optimizer = dense_model(), loss_scale_optimizer()
+  state = strategy.experimental_mirror(tk.state(model, optimizer))
+  dataset = list(strategy.experimental_distribute_dataset(batches))
+  x = batches[0][0]
+
+  def evaluate(state, batch):
+    logits, _, _ = tk.stateless_call(model, state["trainable"], state["non_trainable"], batch[0])
+    return logits
+
+  strategy.run(evaluate, args=(state, dataset[0]))  # reads the state only: the Keras objects stay current
+  np.testing.assert_allclose(model.predict(x, verbose=0), numpy_logits(weights(model), x), rtol=1e-5, atol=1e-5)
+  assert int(value(optimizer.iterations)) == 0
+
+  state, loss = strategy.run(scaled_step(model, optimizer), args=(state, dataset[0]))
+  np.testing.assert_allclose(float(loss), want[0], rtol=1e-5)
+  stale = r"'{}' is stale: .* since then strategy\.run / experimental_run_steps dispatched {} steps?, and steps that write it .*`tpustrat\.keras\.assign\(model, optimizer, state\)`"
+  kernel = model.layers[0].kernel.path
+  for read, path in [(lambda: optimizer.iterations.numpy(), optimizer.iterations.path),
+                     (model.get_weights, kernel),
+                     (lambda: model.predict(x, verbose=0), kernel),
+                     (lambda: model.save(tmp_path / "stale.keras"), kernel),
+                     (lambda: float(np.asarray(optimizer.dynamic_scale)), optimizer.dynamic_scale.path)]:
+    with pytest.raises(tk.StaleVariableError, match=stale.format(path, r"\d")):
+      read()
+  assert float(np.asarray(optimizer.learning_rate)) == pytest.approx(0.1)  # no step writes it: current
+  for mine, theirs in zip(weights(bystander), initial, strict=True):
+    np.testing.assert_array_equal(mine, theirs)
+  np.testing.assert_allclose(bystander.predict(x, verbose=0), numpy_logits(initial, x), rtol=1e-5, atol=1e-5)
+
+  tk.assign(model, optimizer, state)
+  assert int(value(optimizer.iterations)) == 1 == tk.iterations(optimizer, state["optimizer"])
+  for mine, theirs in zip(weights(model), state["trainable"], strict=True):
+    np.testing.assert_array_equal(mine, np.asarray(theirs))
+  for mine, theirs in zip(weights(model), weights(reference), strict=True):
+    np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(model.predict(x, verbose=0), numpy_logits(weights(model), x), rtol=1e-5, atol=1e-5)
+  model.save(tmp_path / "trained.keras")
+  for mine, saved in zip(weights(model), weights(keras.models.load_model(tmp_path / "trained.keras")), strict=True):
+    np.testing.assert_array_equal(mine, saved)
+
+  # a loop of steps in one program: stale again, until assign
+  state, _ = strategy.experimental_run_steps(scaled_step(model, optimizer),
+                                             iter(strategy.experimental_distribute_dataset(batches[1:])), 1,
+                                             init=state)
+  with pytest.raises(tk.StaleVariableError, match=stale.format(kernel, 1)):
+    model.get_weights()
+  tk.assign(model, optimizer, state)
+  assert int(value(optimizer.iterations)) == 2
+
+
+def test_keras_fit_after_a_custom_loop_starts_from_the_assigned_state(strategy, rng):
+  """A model trained in `run` and then by Keras's own `fit` (compiled under the strategy): `fit` before
+  `tk.assign` would start from the values before the custom loop, and raises; after it, `fit` goes on from
+  the state as one-device Keras's `train_on_batch` does. Keras's own steps (fit, evaluate, predict) keep the
+  Keras objects current (Keras writes its state back): reading them after is no false alarm."""
+  batches = data("functional", 2, rng)
+  want, reference = one_device_keras(lambda: functional(), batches)
+  with strategy.scope():
+    model = functional()
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  optimizer = model.optimizer
+  state = strategy.experimental_mirror(tk.state(model, optimizer))
+  (x0, y0), (x1, y1) = batches
+  state, loss = strategy.run(make_step(model, optimizer), args=(state, distribute_batch(strategy, x0),
+                                                                distribute_batch(strategy, y0)))
+  np.testing.assert_allclose(float(loss), want[0], rtol=1e-5)
+  with pytest.raises(tk.StaleVariableError, match=r"is stale: .*tpustrat\.keras\.assign"):
+    model.fit(x1, y1, batch_size=GLOBAL, epochs=1, verbose=0)
+  tk.assign(model, optimizer, state)
+  history = model.fit(x1, y1, batch_size=GLOBAL, epochs=1, verbose=0)
+  np.testing.assert_allclose(history.history["loss"], want[1:], rtol=1e-5)
+  model.evaluate(x1, y1, batch_size=GLOBAL, verbose=0)
+  model.predict(x1, batch_size=GLOBAL, verbose=0)
+  assert int(value(optimizer.iterations)) == 2  # Keras's steps leave nothing stale
+  for mine, theirs in zip(weights(model), weights(reference), strict=True):
     np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
 
 

@@ -66,7 +66,10 @@ and the metrics' variables are a state pytree that goes through the step and com
 on the host keep their initial values until `tpustrat.keras.assign` writes the state into them (so the
 global step after a restore is read from the state: `tpustrat.keras.iterations`, and the loss scale inside
 the step from the state: `tpustrat.keras.scale_loss`; ``optimizer.scale_loss`` or ``metric.update_state``
-inside the step raise, naming these). Gradients of a loss w.r.t. replicated values come back summed over
+inside the step raise, naming these). TF's literal ``optimizer.iterations.numpy()`` after the restore, or
+``model.save`` / a callback's ``self.model`` after steps without `assign`, raises
+`tpustrat.keras.StaleVariableError` naming ``tpustrat.keras.assign(model, optimizer, state)``, instead of
+reading step 0 and the initial weights. Gradients of a loss w.r.t. replicated values come back summed over
 the replicas in JAX, so a pre-all-reduce callback needs TF's own two steps: gradients w.r.t.
 `tpustrat.local_copy` (per replica), then ``ctx.all_reduce`` (which is also where ``bytes_per_pack`` goes).
 """
@@ -255,7 +258,8 @@ def run_customized_training_loop(strategy: Any, *, model_dir: str, steps_per_epo
   manager = tpustrat.checkpoint.CheckpointManager(os.path.join(model_dir, "checkpoints"), strategy, max_to_keep=2)
   if manager.latest_step() is not None:
     state = manager.restore(target=state, iterator=train_iterator)
-  # The global step is the optimizer's, in the state (the Keras object is stale until assign).
+  # The global step is the optimizer's, in the state: the Keras object is stale until assign (TF's
+  # `optimizer.iterations.numpy()` here raises tpustrat.keras.StaleVariableError after a restore).
   current_step = tpustrat.keras.iterations(optimizer, state["optimizer"])
   log(f"restored step {current_step}" if current_step else "starting at step 0")
 

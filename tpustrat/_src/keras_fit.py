@@ -242,7 +242,8 @@ def install() -> None:
                 f"{self.name!r} was not compiled under it, so Keras would run it on its own. Build and "
                 "compile the model inside the scope:\n  with strategy.scope():\n    model = build_model()\n"
                 "    model.compile(...)\n  model.fit(...)")
-          return method(self, *args, **kwargs)
+          with keras_models.keras_loop(self):  # a custom loop's state: not Keras's to donate
+            return method(self, *args, **kwargs)
         if current is not None and current is not fit.strategy:
           raise ValueError(
               f"model.{name}() was called inside the scope of {current!r}, but the model {self.name!r} "
@@ -253,7 +254,9 @@ def install() -> None:
         args, kwargs = fit.read_per_process(name, args, kwargs)
         fit.depth += 1
         try:
-          with fit.keras_distribution_off():
+          # Keras's own loop keeps the model current (it writes its state back): its steps leave no
+          # Keras object stale, and it donates no array of a custom loop's state (`keras_models.keras_loop`).
+          with fit.keras_distribution_off(), keras_models.keras_loop(self):
             return method(self, *args, **kwargs)
         finally:
           fit.depth -= 1

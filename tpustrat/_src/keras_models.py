@@ -12,7 +12,9 @@ Keras variable read or written while `strategy.run` traces, outside a ``keras.St
 ``optimizer.scale_loss``, ``metric.update_state``, ``model(x)``) are refused at the call, naming the
 stateless way (`_patch_variables`); `scale_loss` scales a loss by the optimizer state's loss scale, and
 `iterations` reads the step count from a state, which is where a custom loop's progress lives until
-`assign` writes it back. The synchronised batch norm, `SyncBatchNormalization`, is built on first use
+`assign` writes it back. On the host, a read of a Keras variable that `state` exported (or `assign` wrote)
+after a restore, or after steps that write it, raises `StaleVariableError` naming `assign`, instead of
+giving the value from before (`_clock`, `keras_loop`). The synchronised batch norm, `SyncBatchNormalization`, is built on first use
 (`sync_batch_normalization_class`) because it subclasses a Keras class, and Keras is an optional
 dependency: nothing here imports Keras until it is used.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,11 +32,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpustrat._src import context, jax_compat, replica_random
+from tpustrat._src import context, jax_compat, profiler, replica_random
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.values import DistributedValues, Mirrored, PerReplica
 
 AGGREGATIONS = ("mean", "none")
+
+# The attribute that records, on a Keras variable whose value `state` exported or `assign` wrote, the
+# clock (`_clock`) at that moment: the variable is current while the clock has not moved.
+_SYNCED = "_tpustrat_synced"
+# The attribute that records, on a Keras variable, that a step `strategy.run` traced writes it (through
+# Keras, in a ``keras.StatelessScope``: ``optimizer.stateless_apply``, a layer's state update): only such
+# a variable changes when steps run. Set once, when the step is traced; never cleared.
+_STEPPED = "_tpustrat_stepped"
+# The attribute that records, on a Keras variable, that the array it holds may be a custom loop's state's
+# too (`state` hands its own array out, `assign` writes the state's in): Keras's own fit / evaluate /
+# predict donate the arrays they read, so it is copied first (`keras_loop`).
+_SHARED = "_tpustrat_shared"
+_ANY_SHARED = [False]  # whether `state` or `assign` has run in this process: else `_unshare` has nothing to do
+# Keras's own fit / evaluate / predict under a strategy (`keras_loop`): how deep, the training steps the
+# process had dispatched when the outermost began, and the steps dispatched inside them all (which leave
+# no Keras object stale: Keras writes its state back).
+_KERAS_LOOPS = [0, 0, 0]
+
+
+class StaleVariableError(RuntimeError):
+  """A Keras variable read on the host while a custom loop's state holds a newer value of it.
+
+  `state` hands a model's and optimizer's values to a pytree; once a training step has run on that pytree
+  (`strategy.run`, `experimental_run_steps`) or a checkpoint has been restored into it
+  (`tpustrat.checkpoint.CheckpointManager.restore`), the Keras objects hold what they held before, until
+  `assign` writes the state back. Reading one of them in between (``optimizer.iterations.numpy()``, the
+  learning rate, ``model.predict``, ``model.save``, ``model.get_weights()``, a callback's ``self.model``)
+  raises this, naming the variable and ``tpustrat.keras.assign(model, optimizer, state)``.
+  """
 
 
 def import_keras() -> Any:
@@ -128,6 +160,14 @@ def state(model: Any, optimizer: Any = None) -> dict[str, list[jax.Array]]:
   ``strategy.experimental_mirror`` for a training state, save it with
   `tpustrat.checkpoint.CheckpointManager`, and write it back with `assign`.
 
+  From here on the state, not the Keras objects, holds the training's progress. The variables exported
+  are current until a checkpoint is restored (`CheckpointManager.restore`) or `strategy.run` /
+  ``experimental_run_steps`` runs a step that writes them (``optimizer.stateless_apply``, a layer's
+  statistics or seeds in `stateless_call`); after that a host read of one (``optimizer.iterations.numpy()``,
+  the learning rate, ``model.predict`` / ``save`` / ``get_weights()``, a callback's ``self.model``) raises
+  `StaleVariableError`, until `assign` writes a state back. Counting costs nothing per step (see
+  `_clock`). It exports what the Keras objects hold, stale or not, and marks them current.
+
   Args:
     model: a built Keras model (or layer).
     optimizer: optional: a Keras optimizer; built for ``model.trainable_variables`` here if it is not yet
@@ -144,6 +184,10 @@ def state(model: Any, optimizer: Any = None) -> dict[str, list[jax.Array]]:
   _check_optimizer(optimizer, "tpustrat.keras.state")
   if optimizer is not None and not optimizer.built:
     optimizer.build(model.trainable_variables)
+  # From now on the state may move on without these Keras objects: they are current until it does.
+  _watch_keras_loops()
+  _mark_current([*model.trainable_variables, *model.non_trainable_variables,
+                 *(optimizer.variables if optimizer is not None else ())], shared=True)
   return {
       "trainable": [v.value for v in model.trainable_variables],
       "non_trainable": [v.value for v in model.non_trainable_variables],
@@ -176,11 +220,15 @@ def assign(model: Any, optimizer: Any, state: dict[str, Sequence[Any]]) -> None:
   """Writes a state pytree (as `state` makes it, or as a training step returns it) into `model` and
   `optimizer`, so that ``model.predict``, ``model.save`` and Keras's own ``fit`` see the trained values.
 
-  In a custom loop the state, not the Keras objects, holds the training's progress: every host-side read
-  of them (``optimizer.iterations``, a schedule's ``optimizer.learning_rate``, callbacks reading
-  ``self.model``, ``model.save``) gives their values when the state was taken, until this writes a newer
-  one. Call it after `tpustrat.checkpoint.CheckpointManager.restore` and at the end of each loop of steps,
-  before callbacks, summaries and saves (`iterations` reads the step count from a state without it).
+  In a custom loop the state, not the Keras objects, holds the training's progress: after a restore, or
+  steps that write them, a host-side read of them (``optimizer.iterations``, a schedule's
+  ``optimizer.learning_rate``, callbacks reading ``self.model``, ``model.predict``, ``model.save``) raises
+  `StaleVariableError` until this writes the state back (they would give their values when the state was
+  taken). Call it after `tpustrat.checkpoint.CheckpointManager.restore` and at the end of each loop of
+  steps, before callbacks, summaries and saves (`iterations` reads the step count from a state without it):
+  once per loop, not per step. The variables written are current until the state moves on again. Keras's
+  own ``fit`` / ``evaluate`` / ``predict`` donate the arrays they read, which may be the state's after this:
+  they are copied first (`keras_loop`), so the state stays usable.
 
   `Mirrored` values are written as the arrays they are. Non-trainable floating values that come back
   `PerReplica` (batch norm statistics from a plain ``model.stateless_call`` in `strategy.run`) are
@@ -224,6 +272,9 @@ def assign(model: Any, optimizer: Any, state: dict[str, Sequence[Any]]) -> None:
       writes.append((variable, value))
   for variable, value in writes:  # every check first: nothing written when one fails
     variable.assign(value)
+  # They hold the state's values (its arrays, maybe) now: stale once it moves on.
+  _watch_keras_loops()
+  _mark_current([variable for variable, _ in writes], shared=True)
 
 
 def _optimizer_mapping(optimizer: Any, optimizer_variables: Any, what: str) -> list[tuple[Any, Any]]:
@@ -282,7 +333,7 @@ def iterations(optimizer: Any, optimizer_variables: Sequence[Any]) -> int:
   A custom loop's state, not the Keras objects, holds the training's progress: after
   `tpustrat.checkpoint.CheckpointManager.restore`, or after steps in `strategy.run`, ``optimizer.iterations``
   itself holds what it held when `state` was taken (0 for a fresh optimizer) until `assign` writes the state
-  back. The count is in the optimizer's variables, at a position that depends on the optimizer (a
+  back, and reading it raises `StaleVariableError`. The count is in the optimizer's variables, at a position that depends on the optimizer (a
   ``LossScaleOptimizer`` has its own before its inner optimizer's, which count the steps); Keras's own
   ``iterations`` is evaluated over them (``keras.StatelessScope``), so gradient accumulation's division is
   Keras's too. A host read: it waits for the step that produced the state.
@@ -686,28 +737,49 @@ def _patch_variables() -> None:
   context of a `run`) and Keras's innermost stateless scope holds no value for the variable (no scope, for a
   write: inside one Keras records the write in the scope). A read in Keras's symbolic scope (shape
   inference) computes no value and passes, as does a read of a variable Keras has not initialised yet (its
-  placeholder, shape inference too). Outside a step an access costs one thread-local read. A Keras where
-  these are not what is checked here (or without the scope queries, private ``keras.src.backend`` names)
-  raises rather than being wrapped blindly."""
+  placeholder, shape inference too). Outside a step an access costs one thread-local read and one attribute
+  read (class defaults set here on that class: `_SYNCED`, `_STEPPED`, `_SHARED`).
+
+  The same wrappers keep a host read of a stale variable loud: a read outside any stateless scope mapping it
+  of a variable `state` exported or `assign` wrote, once the state has moved on since (`_stale`), raises
+  `StaleVariableError`; a write in a stateless scope while a step is traced records that steps change the
+  variable (`_STEPPED`); a write on the host makes it current again. A Keras where these are not what is
+  checked here (or without the scope queries, private ``keras.src.backend`` names) raises rather than being
+  wrapped blindly."""
   import keras  # pylint: disable=import-outside-toplevel
   from keras.src import backend  # pylint: disable=import-outside-toplevel
 
   reader, prop, writer, assign, get_scope, symbolic = _variable_hooks(keras.Variable, backend, keras.__version__)
   fget: Any = prop.fget
+  setattr(reader, _SYNCED, None)  # a variable `state` never exported: one attribute read, no more
+  setattr(reader, _STEPPED, False)
+  setattr(reader, _SHARED, False)
 
   def value(variable: Any) -> Any:
-    if _tracing_a_step() and not symbolic():
+    synced = getattr(variable, _SYNCED)
+    tracing = _tracing_a_step()
+    if (tracing or synced is not None) and not symbolic():
       scope = get_scope()
       mapped = scope is not None and scope.get_current_value(variable) is not None
       if not mapped and getattr(variable, "_value", None) is not None:  # None: Keras's placeholder
-        _refuse_stateful_use(variable, "read")
+        if tracing:
+          _refuse_stateful_use(variable, "read")
+        now = _clock()
+        if _stale(variable, synced, now):
+          _refuse_stale_read(variable, synced, now)
     return fget(variable)
 
   @functools.wraps(assign)
   def guarded_assign(variable: Any, new: Any) -> Any:
-    if _tracing_a_step() and not symbolic() and get_scope() is None:
-      _refuse_stateful_use(variable, "written")
-    return assign(variable, new)
+    if _tracing_a_step() and not symbolic():
+      if get_scope() is None:
+        _refuse_stateful_use(variable, "written")
+      setattr(variable, _STEPPED, True)  # a step changes it: stale on the host once steps run
+    result = assign(variable, new)
+    if getattr(variable, _SYNCED) is not None and get_scope() is None and not symbolic():
+      setattr(variable, _SYNCED, _clock())  # written on the host: it holds what was written, current
+      setattr(variable, _SHARED, False)  # (`assign` marks its writes shared again)
+    return result
 
   guarded_value = property(functools.wraps(fget)(value), prop.fset, prop.fdel, prop.__doc__)
   reader.value = guarded_value  # type: ignore[attr-defined]
@@ -784,6 +856,109 @@ def _refuse_stateful_use(variable: Any, what: str) -> None:
             "The write would reach nothing the step returns and would leave a traced value in the variable.")
   raise RuntimeError(f"tpustrat.keras: the Keras variable {variable.path!r} is {what} while strategy.run "
                      f"traces a step, outside a keras.StatelessScope that maps it{where}. {effect} {fix}")
+
+
+# -- Keras objects stale on the host while a custom loop's state moves on ------------------------------------
+
+
+def _clock() -> tuple[int, int]:
+  """What moves a custom loop's state on without its Keras objects, as two counts of this process: the
+  training steps dispatched (`profiler.steps_dispatched`: `run` 1, `experimental_run_steps` k, which every
+  dispatch counts already: nothing is added to a step) less those of Keras's own loops (`keras_loop`; frozen
+  while one runs), and the checkpoints restored (`CheckpointManager.restore`)."""
+  depth, began, theirs = _KERAS_LOOPS
+  steps = began if depth else profiler.steps_dispatched()
+  manager = sys.modules.get("tpustrat._src.checkpoint.manager")
+  return steps - theirs, manager.RESTORES[0] if manager is not None else 0
+
+
+def _watch_keras_loops() -> None:
+  """Keras's own ``fit`` / ``evaluate`` / ``predict`` of any model run inside `keras_loop` from now on
+  (`keras_fit.install`, once per process; it wraps them on ``keras.Model`` for every model)."""
+  from tpustrat._src import keras_fit  # pylint: disable=import-outside-toplevel  # it imports this module
+  keras_fit.install()
+
+
+def _mark_current(variables: Sequence[Any], shared: bool = False) -> None:
+  """Records that `variables` hold their state's values now (`state` exported them, `assign` wrote them;
+  `shared`: maybe as the state's own arrays): a host read of one raises `StaleVariableError` once the clock
+  (`_clock`) has moved, until it is written again (`assign`, or any host ``variable.assign``)."""
+  now = _clock()
+  for variable in variables:
+    setattr(variable, _SYNCED, now)
+    setattr(variable, _SHARED, shared)
+  if shared:
+    _ANY_SHARED[0] = True
+
+
+def _stale(variable: Any, synced: tuple[int, int], now: tuple[int, int]) -> bool:
+  """Whether `variable`, current at clock `synced`, is stale at `now`: a checkpoint was restored since
+  (into a state of it, maybe), or steps ran since and a step writes it (`_STEPPED`). A variable no step
+  writes (a learning rate, a model the steps only evaluate) holds what the state holds."""
+  return now[1] != synced[1] or (now[0] != synced[0] and getattr(variable, _STEPPED))
+
+
+@contextlib.contextmanager
+def keras_loop(model: Any) -> Any:
+  """While Keras's own ``fit`` / ``evaluate`` / ``predict`` (or ``*_on_batch``) runs `model` (`keras_fit`
+  wraps them): the steps it dispatches under a strategy leave no Keras object stale (Keras keeps its state
+  in its own pytree and writes it back into the variables, which makes them current), and the clock stands
+  still meanwhile, so that its callbacks' reads of objects made current before it began pass. A read at its
+  start of an object that was stale already (``fit`` would start from the values before the custom loop's
+  steps) raises. Keras donates the arrays it reads to its steps: the model's (and its optimizer's)
+  current variables whose arrays a custom loop's state may hold too (`_SHARED`) get a copy first, once, or
+  Keras would delete the state's arrays (the next `strategy.run` of it: "Array has been deleted")."""
+  _unshare(model)
+  loops = _KERAS_LOOPS
+  if not loops[0]:
+    loops[1] = profiler.steps_dispatched()
+  loops[0] += 1
+  try:
+    yield
+  finally:
+    loops[0] -= 1
+    if not loops[0]:
+      loops[2] += profiler.steps_dispatched() - loops[1]
+
+
+def _unshare(model: Any) -> None:
+  """Each current variable of `model` and its optimizer whose array a custom loop's state may hold too
+  (`_SHARED`) gets a copy of it (see `keras_loop`). Stale ones are left for Keras's read to refuse."""
+  if not _ANY_SHARED[0]:  # a process that never exported a state: nothing to look at
+    return
+  variables = list(getattr(model, "variables", ()))
+  optimizer = getattr(model, "optimizer", None)
+  if optimizer is not None and getattr(optimizer, "built", False):
+    variables += list(optimizer.variables)
+  shared = [v for v in variables if getattr(v, _SHARED, False) and getattr(v, "_value", None) is not None]
+  if not shared:
+    return
+  now = _clock()
+  for variable in shared:
+    if not _stale(variable, getattr(variable, _SYNCED), now):
+      variable.assign(jnp.copy(variable.value))  # a host write: no longer shared, current
+
+
+def _refuse_stale_read(variable: Any, synced: tuple[int, int], now: tuple[int, int]) -> None:
+  """Raises `StaleVariableError` for a host read of `variable`, exported or written at clock `synced`,
+  now that the clock is at `now`."""
+  moved = []
+  if now[0] != synced[0] and getattr(variable, _STEPPED):
+    steps = now[0] - synced[0]
+    moved.append(f"strategy.run / experimental_run_steps dispatched {steps} step{'s' if steps != 1 else ''}, and "
+                 "steps that write it have been traced (steps are counted, not which program ran: after steps "
+                 "that only read the state, an evaluation, assign all the same)")
+  if now[1] != synced[1]:
+    moved.append("a checkpoint was restored (CheckpointManager.restore)")
+  raise StaleVariableError(
+      f"tpustrat.keras: the Keras variable {variable.path!r} is stale: tpustrat.keras.state handed its value to "
+      f"a state pytree (or tpustrat.keras.assign wrote one into it), and since then {' and '.join(moved)}. A "
+      "custom loop's progress is in that state, not in the Keras objects, so this read would give the value "
+      "from before (TF's `optimizer.iterations.numpy()` after a restore would read 0, model.predict / save / "
+      "get_weights and callbacks the old weights). Write the state back first: "
+      "`tpustrat.keras.assign(model, optimizer, state)`, after a restore and at the end of each loop of steps; "
+      "the step count alone is `tpustrat.keras.iterations(optimizer, state['optimizer'])`. A model whose "
+      "values the steps do not change (evaluated only): `tpustrat.keras.state(model)` again marks it current.")
 
 
 # -- SyncBatchNormalization -------------------------------------------------------------------------------

@@ -48,6 +48,9 @@ _REPLACED_MARK = ".replaced"  # in the name a replaced step's previous checkpoin
 _INSTANCES: collections.Counter[str] = collections.Counter()  # managers per directory in this process
 _OPEN: collections.Counter[str] = collections.Counter()  # of them, those not closed yet
 _INSTANCES_LOCK = threading.Lock()
+# Restores of this process, by any manager (one-element list): `tpustrat.keras` reads it to tell a Keras
+# object whose values a restored state has replaced (`keras_models.StaleVariableError`).
+RESTORES = [0]
 
 
 # -- iterator states ------------------------------------------------------------------------------
@@ -493,6 +496,7 @@ class CheckpointManager:
           if iterator is not None:
             _set_iterator_state(iterator, restored[ITERATOR])
           self._last_restored_step = candidate
+          RESTORES[0] += 1
           self._ops.progress(op, f"restored step {candidate}")
           return restored[STATE]
         problems.append((candidate, problem))

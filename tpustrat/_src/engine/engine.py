@@ -128,7 +128,8 @@ class Engine:
     # skipped: the lookup, one sharding comparison per leaf and the dispatch (`dispatch_default_hooks`) are
     # all the Python that runs (tests/test_engine.py checks that such a call runs no per-signature check).
     fast_key: Any = None
-    if type(args) is tuple and kwargs is None and _CONTEXT.replica_context is None:
+    if type(args) is tuple and (kwargs is None or (type(kwargs) is dict and not kwargs)) and (
+        _CONTEXT.replica_context is None):
       try:
         fn_key = _weakref(fn) if type(fn) is _FunctionType else weak_key(fn)
         leaves, in_tree = _flatten((args, _NO_KWARGS))
