@@ -15,6 +15,7 @@ import pytest
 
 import tpustrat
 from tpustrat._src import host_memory
+from tpustrat._src.input.dataset import STAGING_SPARE
 
 ROWS, COLS, STEPS = 16, 1024, 6
 
@@ -40,8 +41,9 @@ def _reusing_source(buf, steps=STEPS, rows=ROWS):
     yield {"x": buf[:rows], "y": np.full((rows,), i, np.int32)}
 
 
-# Both ways a distributed iterator reads: in the caller's thread (0) and in a prefetch thread (1).
-BUFFERS = pytest.mark.parametrize("buffer", [0, 1], ids=["no_thread", "thread"])
+# Both ways a distributed iterator reads: in the caller's thread (0) and in a prefetch thread (1), and a
+# thread that keeps four batches' transfers in flight (4): the source is read again only after them.
+BUFFERS = pytest.mark.parametrize("buffer", [0, 1, 4], ids=["no_thread", "thread", "thread_depth4"])
 
 
 def _options(buffer):
@@ -420,19 +422,28 @@ def test_run_with_an_object_array_raises_jax_error(strategy):
 
 
 @BUFFERS
-def test_staging_buffers_are_reused_only_once_nothing_uses_them(strategy, buffer):
+def test_staging_buffers_are_reused_only_once_nothing_uses_them(strategy, buffer, monkeypatch):
   # On XLA:CPU the copies of an aligned source batch go into reused staging buffers, which the devices
   # then alias. Batches kept alive (here: every one, to the end) must keep their values; batches
-  # dropped as the loop goes free their buffers for reuse.
+  # dropped as the loop goes free their buffers for reuse. The pool keeps a buffer for every batch that
+  # can hold one at a time (`depth` read ahead, the one being read, the one the loop holds, the steps in
+  # flight's), so that a long pass allocates a fixed number of them, at any prefetch depth.
   steps = 12
   dist = strategy.experimental_distribute_dataset(_reusing_source(_buffer(0), steps=steps), _options(buffer))
   kept = list(dist)
   for i, b in enumerate(kept):
     np.testing.assert_array_equal(_rows_of(strategy, b["x"])[:, 0], _expected(i))
+  allocated = []
+  owned_copy = host_memory.owned_copy
+  monkeypatch.setattr(host_memory, "owned_copy", lambda x: allocated.append(x.shape) or owned_copy(x))
+  steps = 24
   dist = strategy.experimental_distribute_dataset(_reusing_source(_buffer(0), steps=steps), _options(buffer))
   seen = set()
   for i, b in enumerate(dist):
     seen |= _device_pointers(b["x"].tree)
     total = float(strategy.reduce("SUM", strategy.run(lambda v: v["x"][:, 0], args=(b,)), axis=0))
     assert total == _expected(i).sum()
-  assert len(seen) <= 8 * 4  # at most 4 staging buffers of 8 shards each, reused
+  # Fresh staging buffers for the x batches (8 replicas x 2 rows x COLS): at most depth + 4 in the pass (a
+  # pool of 4 at depth 4 allocated 10-11 here), each of 8 shards.
+  assert 0 < allocated.count((8, ROWS // 8, COLS)) <= buffer + STAGING_SPARE
+  assert len(seen) <= 8 * (buffer + STAGING_SPARE)

@@ -180,3 +180,116 @@ def test_next_inside_the_step_function_of_run_is_an_error(strategy):
   # Eager transformations are not staging: jax.grad of a function that reads a batch reads it each call.
   got = [float(jax.grad(lambda w: w * strategy.reduce("sum", next(iterator), axis=0))(1.0)) for _ in range(2)]
   assert got == [0.0, 8.0]
+
+
+# -- prefetch depth (InputOptions.experimental_per_replica_buffer_size): the next `depth` batches' transfers
+# are in flight while the current step runs; order, padding, bounds and positions stay as without a thread.
+
+DEPTHS = pytest.mark.parametrize("depth", [1, 2, 4])
+
+
+def _global_batches(sizes, cols=3, seed=0):
+  """Global batches of random float32 values and int32 labels, `sizes[i]` rows each."""
+  rng = np.random.default_rng(seed)
+  return [{"x": rng.standard_normal((n, cols)).astype(np.float32), "y": rng.integers(0, 100, n).astype(np.int32)}
+          for n in sizes]
+
+
+def _padded(x, replicas, k):
+  """What the iterator places for global batch `x`: ``[replicas, k, ...]``, rows past the real ones filled
+  with the batch's first row (`InputOptions.experimental_padding="first_row"`, the default)."""
+  out = np.repeat(x[:1], replicas * k, axis=0)
+  out[:len(x)] = x
+  return out.reshape((replicas, k) + x.shape[1:])
+
+
+@DEPTHS
+def test_prefetch_depth_keeps_batches_in_order_with_the_partial_last_one_padded_exactly(strategy, depth):
+  # 16 rows per batch over 8 replicas (k = 2); the last batch has 5: replicas 0-1 get 2 real rows, 2 one,
+  # 3-7 none. Compared with numpy on the same inputs: the placed arrays, the counts, the local results
+  # (real rows only) and a step's output, batch by batch, at each depth and without a thread.
+  sizes = [16] * 7 + [5]
+  data = _global_batches(sizes)
+  got = {}
+  for d in (0, depth):
+    options = tpustrat.InputOptions(experimental_per_replica_buffer_size=d)
+    got[d] = []
+    for batch in strategy.experimental_distribute_dataset(iter(data), options=options):  # a one-shot source
+      doubled = strategy.run(lambda b: b["x"] * 2.0 + b["y"][:, None].astype(np.float32), args=(batch,))
+      got[d].append((np.asarray(batch["x"].tree), np.asarray(batch["y"].tree), batch["x"].host_real_rows(),
+                     _rows_of(strategy, batch["x"]), _rows_of(strategy, doubled)))
+  assert len(got[depth]) == len(sizes)
+  for i, (b, n) in enumerate(zip(data, sizes)):
+    counts = np.clip(n - 2 * np.arange(8), 0, 2)
+    for d in (0, depth):
+      x, y, real, local_x, local_doubled = got[d][i]
+      np.testing.assert_array_equal(x, _padded(b["x"], 8, 2))
+      np.testing.assert_array_equal(y, _padded(b["y"], 8, 2))
+      np.testing.assert_array_equal(real, counts)
+      np.testing.assert_array_equal(local_x, b["x"])
+      np.testing.assert_allclose(local_doubled, b["x"] * 2.0 + b["y"][:, None], rtol=1e-6)
+
+
+def _rows_of(strategy, value):
+  """The real rows of a distributed value, in replica order, as one host array."""
+  return np.concatenate([np.asarray(r) for r in strategy.experimental_local_results(value)])
+
+
+@DEPTHS
+def test_prefetch_depth_bounds_the_batches_in_flight(strategy, depth):
+  # The thread takes a free place before it reads an element and places it, so while the loop holds its
+  # batches (it keeps all of them here), exactly `depth` batches are read and on (or on their way to) the
+  # devices beyond those handed out: never more, at every point of the pass.
+  pulled = []
+  options = tpustrat.InputOptions(experimental_per_replica_buffer_size=depth)
+  it = iter(strategy.experimental_distribute_dataset(_counting_source(pulled, n=20), options=options))
+  held = []
+  for handed in range(1, 6):
+    held.append(next(it))
+    prefetcher = wait_until_read_ahead(it)
+    assert len(pulled) == handed + depth
+    assert prefetcher._queue.qsize() == depth  # pylint: disable=protected-access
+  assert [_values(strategy, b)[0] for b in held] == [0.0, 1.0, 2.0, 3.0, 4.0]
+  assert all(isinstance(b.tree, jax.Array) and len(b.tree.sharding.device_set) == 8 for b in held)
+  it.close()
+  prefetcher.join(10)
+  assert not prefetcher.is_alive() and len(pulled) == 5 + depth
+
+
+@DEPTHS
+def test_prefetch_depth_state_counts_only_the_batches_handed_out(strategy, depth):
+  # Batches placed ahead but not handed out are neither lost nor counted twice: the state saved after 3
+  # batches (with `depth` more read ahead) resumes at batch 3, in a new iterator and in the old one, the
+  # partial last batch padded as in the uninterrupted pass.
+  sizes = [16] * 9 + [5]
+  data = _global_batches(sizes, seed=1)
+  options = tpustrat.InputOptions(experimental_per_replica_buffer_size=depth)
+  dist = strategy.experimental_distribute_dataset(data, options=options)
+  it = iter(dist)
+  for _ in range(3):
+    next(it)
+  wait_until_read_ahead(it)
+  state = it.get_state()
+  assert (state["batches"], state["elements"]) == (3, 3)
+  restored = iter(dist)
+  restored.set_state(state)
+  for source in (restored, it):
+    rest = list(source)
+    assert len(rest) == len(sizes) - 3
+    for b, batch in zip(data[3:], rest):
+      np.testing.assert_array_equal(_rows_of(strategy, batch["x"]), b["x"])
+      np.testing.assert_array_equal(_rows_of(strategy, batch["y"]), b["y"])
+    np.testing.assert_array_equal(np.asarray(rest[-1]["x"].tree), _padded(data[-1]["x"], 8, 2))
+    np.testing.assert_array_equal(rest[-1]["x"].host_real_rows(), [2, 2, 1, 0, 0, 0, 0, 0])
+    assert source.get_state()["batches"] == len(sizes)
+    with pytest.raises(StopIteration):
+      next(source)
+
+
+@pytest.mark.parametrize(("depth", "error"), [(-1, ValueError), (-4, ValueError), (1.5, TypeError),
+                                              (True, TypeError), ("2", TypeError)])
+def test_prefetch_depth_is_checked_naming_the_bad_value(depth, error):
+  with pytest.raises(error) as raised:
+    tpustrat.InputOptions(experimental_per_replica_buffer_size=depth)
+  message = str(raised.value)
+  assert "experimental_per_replica_buffer_size" in message and repr(depth) in message, message

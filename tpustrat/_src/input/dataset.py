@@ -55,6 +55,10 @@ from tpustrat._src.values import ElementTag, PerReplica
 
 __all__ = ["DistributedDataset", "distribute_dataset", "distribute_datasets_from_function"]
 
+# Staging buffers kept per shape beyond the prefetch depth: the batch being read, the one the loop holds, and
+# the batches of the steps in flight (`engine.DEFAULT_STEPS_IN_FLIGHT`, 2), which alias theirs on XLA:CPU.
+STAGING_SPARE = 4
+
 
 class StrategyLike(Protocol):
   """What a distributed dataset needs of its strategy."""
@@ -134,7 +138,9 @@ class DistributedDataset:
     self._layout: tuple[Any, list[np.ndarray]] | None = None  # (treedef, 0-row leaves) of a local part
     # XLA:CPU aliases aligned host memory on transfer (see "host memory"): None where it always copies.
     self._alias_align = host_memory.mesh_alias_alignment(mesh)
-    self._staging = StagingBuffers()  # where those copies go
+    # Where those copies go: enough buffers for every batch that can use one at a time (those read ahead,
+    # the one being read, the one the loop holds, and the steps in flight's), so that none is allocated anew.
+    self._staging = StagingBuffers(per_shape=self._buffer_size + STAGING_SPARE)
     self._local_index = {r: i for i, r in enumerate(self._local)}  # replica -> its row in local arrays
     self._k = 0  # padded rows per replica (the first batch's); only grows
     self._batch_rows = 0  # rows of a full batch (global, or per replica for from_function)

@@ -65,8 +65,9 @@ class DistributedIterator:
   stacked for a multi-step program. With `InputOptions.experimental_fetch_to_device` (the default)
   batches are put on the devices; with a buffer size >= 1 (the default on GPU and TPU) by a background
   thread (started by the first request), at most `experimental_per_replica_buffer_size` elements ahead
-  (with `take_steps(k)`, an element is a group of ``k`` batches); with 0 (the default on XLA:CPU) in the
-  caller's thread, when asked for. `close()` stops that thread early (it also stops when the iterator
+  (the prefetch depth: their transfers are in flight while the current step runs; with `take_steps(k)`,
+  an element is a group of ``k`` batches); with 0 (the default on XLA:CPU) in the caller's thread, when
+  asked for. `close()` stops that thread early (it also stops when the iterator
   is garbage-collected).
 
   `get_state()` / `set_state(state)` save and restore the position in the data (as grain's iterators

@@ -22,8 +22,9 @@ __all__ = ["DEFAULT_BUFFER_SIZE", "PADDINGS", "InputContext", "InputOptions", "b
 # Batches read ahead by default, per platform (`InputOptions.experimental_per_replica_buffer_size=None`).
 # XLA:CPU: none. Its host-to-device "transfer" is a memory copy on the same cores as the steps' compute,
 # so a thread cannot overlap it with anything; the thread only adds a hand-over per batch and competes
-# for those cores (benchmarks/bench_input.py: the loop without it is the faster one). GPU and TPU: one,
-# as in TF: the copy runs on the device's DMA engines while the previous step computes.
+# for those cores (benchmarks/bench_input.py --depths 1 2 4 on 2 cores, three runs: 0.78-0.86, 0.77-0.82
+# and 0.74-0.78 of the loop on batches already on the devices, against 0.82-0.85 without a thread). GPU
+# and TPU: one, as in TF: the copy runs on the device's DMA engines while the previous step computes.
 DEFAULT_BUFFER_SIZE = {"cpu": 0}
 _ACCELERATOR_BUFFER_SIZE = 1
 PADDINGS = ("first_row", "zeros")  # `InputOptions.experimental_padding`
@@ -38,12 +39,17 @@ class InputOptions:
       use, in a background thread, when the buffer size is >= 1). If False, it yields `PerReplica` values
       over host numpy arrays and `strategy.run` transfers them when it is called (in a multi-process
       job batches are always global device arrays).
-    experimental_per_replica_buffer_size: how many batches a background thread keeps ready on the
-      devices ahead of the one being used (each holds one component per replica); 0: no thread, each
-      batch is read and put on the devices when it is asked for. None (default): per platform, 1 on GPU
-      and TPU (as in TF: the transfer overlaps the previous steps) and 0 on XLA:CPU (there the transfer
-      is a memory copy on the cores that compute the steps, so a thread cannot hide it and only costs:
-      see `DEFAULT_BUFFER_SIZE`). An int >= 0 or None.
+    experimental_per_replica_buffer_size: the prefetch depth: how many batches a background thread keeps
+      ready on the devices ahead of the one being used (each holds one component per replica), so that
+      the next batches' host-to-device transfers are in flight while the current step runs. At most that
+      many batches beyond the one handed out are read, placed or being placed (the thread takes a free
+      place before it reads): device memory for ``depth`` more batches. 0: no thread, each batch is read
+      and put on the devices when it is asked for. None (default): per platform, 1 on GPU and TPU (as in
+      TF: the transfer overlaps the previous steps) and 0 on XLA:CPU (there the transfer is a memory copy
+      on the cores that compute the steps, so a thread cannot hide it and only costs: see
+      `DEFAULT_BUFFER_SIZE`). An int >= 0 or None. Raise it on an accelerator when the input is bursty
+      (a source that is sometimes slower than a step); a transfer longer than a step is not hidden by
+      any depth (`InputBoundWarning`: send a smaller dtype, or do the work on the devices).
     drop_remainder: if True, a batch with fewer rows than the largest batch read before it in the same
       pass (epoch) is dropped instead of padded. For a dataset of equal batches this drops exactly the
       partial last batch, as TF's ``drop_remainder`` does; a first batch smaller than later ones is
