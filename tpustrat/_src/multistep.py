@@ -428,6 +428,7 @@ def _check_call(strategy: Strategy, iterator: Any, batches: Any, steps: int | No
   return k, as_carry(strategy, init)
 
 
+_NOT_ITERATORS: set[type] = set()  # types of `run_steps`' batches seen not to be iterators (an ABC check)
 # `run_steps`' fast path: (function key, options, structure of (init, batches)) -> `_Fast`, per engine
 # (`Engine.run_steps_fast`), made by a checked call on batches already stacked.
 MISS = object()
@@ -440,25 +441,32 @@ class _Fast:
   argument leaf's aval and sharding, the steps, the dispatch wrapper (the output to wait on chosen once),
   whether its outputs need their replica axis named (one replica)."""
 
-  __slots__ = ("avals", "shardings", "k", "dispatched", "limit", "donate", "one_replica", "notes")
+  __slots__ = ("avals", "shardings", "k", "dispatched", "limit", "donate", "one_replica", "notes", "in_flight",
+               "traced")
 
   def __init__(self, avals: tuple[Any, ...], shardings: tuple[Any, ...], k: int, dispatched: Any,
-               limit: int | None, donate: tuple[int, ...], one_replica: bool, notes: list[Any]) -> None:
+               limit: int | None, donate: tuple[int, ...], one_replica: bool, notes: list[Any],
+               engine: Any) -> None:
     self.avals, self.shardings, self.k, self.dispatched = avals, shardings, k, dispatched
     self.limit, self.donate, self.one_replica, self.notes = limit, donate, one_replica, notes
+    self.in_flight, self.traced = engine.in_flight, engine.traced_numerics  # the engine's, read once
 
 
-def run_steps_fast(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: int | None, init: Any,
+def run_steps_fast(engine: Any, fn: Callable[..., Any], iterator: Any, steps: int | None, init: Any,
                    options: RunOptions | None) -> Any:
   """`run_steps` for a call like an earlier checked one (batches already stacked, the same function,
   options and structure, every leaf a placed `jax.Array` of the same aval and sharding, `init` laid out as
   the carry), with the default step hooks and no profile mark to make: none of the per-signature checks,
-  the dispatch written out (`engine.dispatch_default_hooks`). `MISS` for any other call."""
-  engine = strategy.extended.engine
-  if engine is None or isinstance(iterator, collections.abc.Iterator) or (
-      _CONTEXT.replica_context is not None) or not engine_lib.STEP_HOOKS.unchanged or _MARK_OPEN[0] or (
-      _PROFILE[0] is not None) or _collecting():
+  the dispatch written out (`engine.dispatch_default_hooks`). `engine`: the strategy's (None: the default
+  strategy's, none). `MISS` for any other call."""
+  if engine is None or _CONTEXT.replica_context is not None or not engine_lib.STEP_HOOKS.unchanged or (
+      _MARK_OPEN[0] or _PROFILE[0] is not None or _collecting()):
     return MISS
+  kind = type(iterator)
+  if kind not in _NOT_ITERATORS:  # an iterator is no pytree (and JAX warns when it flattens one)
+    if isinstance(iterator, collections.abc.Iterator):
+      return MISS
+    _NOT_ITERATORS.add(kind)
   try:
     leaves, tree = _flatten((init, iterator))
     fast = engine.run_steps_fast.get(
@@ -482,10 +490,10 @@ def run_steps_fast(strategy: Strategy, fn: Callable[..., Any], iterator: Any, st
       carry_leaves = leaves[:len(fast.donate)]
       engine_lib.check_donatable(None, (), leaves, fast.donate,
                                  lambda i: f"experimental_run_steps: leaf {i} of init and the batches")
-      engine.in_flight.forget(carry_leaves)
+      fast.in_flight.forget(carry_leaves)
   carry, outputs = engine_lib.dispatch_default_hooks(
-      fast.dispatched, (init, iterator, leaves), engine.in_flight, fast.limit or engine.max_steps_in_flight, k,
-      None, engine.traced_numerics)
+      fast.dispatched, (init, iterator, leaves), fast.in_flight, fast.limit or engine.max_steps_in_flight, k,
+      None, fast.traced)
   if fast.notes and any(n.get("padding_reads") for n in fast.notes):
     engine_lib.warn_padding_reads_stacked(fast.notes, iterator)
   if fast.one_replica:  # XLA's layouts do not say which outputs are stacked steps (see stacked_steps)
@@ -512,7 +520,8 @@ def _remember(engine: Any, strategy: Strategy, fn: Callable[..., Any], options: 
   one = mesh is not None and mesh.shape[REPLICA_AXIS] == 1 and not _names_outputs(mesh)
   donated = tuple(range(len(jax.tree.leaves(init)))) if donate else ()
   cache[key] = _Fast(tuple(x.aval for x in leaves), tuple(x.sharding for x in leaves), k, dispatched,
-                     options.max_steps_in_flight if options is not None else None, donated, one, notes)
+                     options.max_steps_in_flight if options is not None else None, donated, one, notes,
+                     engine)
 
 
 def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: int | None, init: Any,

@@ -245,7 +245,7 @@ class Strategy:
     """
     # TF captures numpy values when they are handed over, as `run` does its arguments: the program reads
     # `init` and stacked batches after this returns (on XLA:CPU, in place), so they are copied first.
-    fast = multistep.run_steps_fast(self, fn, iterator, steps, init, options)  # placed arrays only: no copies
+    fast = multistep.run_steps_fast(getattr(self, "_engine", None), fn, iterator, steps, init, options)
     if fast is not multistep.MISS:
       return fast
     if not isinstance(iterator, Iterator):
