@@ -526,3 +526,37 @@ def test_with_donated_state(strategy):
   strategy.experimental_run_wait()
   np.testing.assert_array_equal(np.asarray(strategy.experimental_local_results(state["w"])[0]),
                                 np.full(4, numerics_lib.GROUP + 1.0))
+
+
+def test_checks_of_two_programs_interleaved_report_the_first_bad_step_once(strategy):
+  """A checked `train` step makes a NaN at its step 3, which a checked `evaluate` step reads right after:
+  the error names train's step 3 (the cause, dispatched first), not evaluate's, and comes by the wait for
+  it (a group of `run` steps ends where another program's checked step is dispatched between them); the
+  steps after it are reported as not checked and never raise again, and later steps are checked afresh."""
+  options = tpustrat.RunOptions(check_numerics=True, max_steps_in_flight=3)
+  x = per_replica(strategy, [np.ones(4)] * N)
+
+  def train(v, b):
+    return v * b
+
+  def evaluate(y):
+    return jnp.sum(y)
+
+  errors = []
+  for t in range(1, 25):
+    try:
+      y = strategy.run(train, args=(x, jnp.float32(np.nan if t == 3 else 1.0)), options=options)
+      if t == 3:
+        strategy.run(evaluate, args=(y,), options=options)
+    except tpustrat.NumericsError as e:
+      errors.append((t, e))
+  strategy.experimental_run_wait()  # nothing revived
+  assert [t for t, _ in errors] == [5], errors  # train 1, 2, 3, evaluate 1, train 4 in flight; call 5 waits
+  e = errors[0][1]
+  assert e.step == 3 and "strategy.run(train)" in str(e) and e.replicas == tuple(range(N))
+  assert "2 step(s) dispatched after it" in str(e)  # evaluate's step 1 and train's step 4, not before it
+  bad = per_replica(strategy, [np.full(4, np.inf)] * N)
+  strategy.run(train, args=(bad, jnp.float32(1.0)), options=options)  # a later step: checked afresh
+  # calls 1-24, the one at 5 not dispatched: this is train's step 24
+  with pytest.raises(tpustrat.NumericsError, match=r"step 24 \(call 24 of strategy.run\(train\)"):
+    strategy.experimental_run_wait()

@@ -944,3 +944,6 @@ def _predict_step(fit: _Fit, state: Any, batch: Any) -> Any:
   kwargs: dict[str, Any] = {"training": False} if model._call_has_training_arg else {}  # noqa: SLF001
   outputs, new_non_trainable, _ = keras_models.stateless_call(model, trainable, non_trainable, x, **kwargs)
   return (trainable, new_non_trainable), padding.per_example(outputs)
+
+
+keras_models.ON_EXPORT.append(install)  # `keras_models.state` / `assign` wrap Keras's loops first

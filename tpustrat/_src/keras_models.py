@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpustrat._src import context, jax_compat, profiler, replica_random
+from tpustrat._src import context, jax_compat, profiler, replica_random, step_stats
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.values import DistributedValues, Mirrored, PerReplica
 
@@ -868,15 +867,20 @@ def _clock() -> tuple[int, int]:
   while one runs), and the checkpoints restored (`CheckpointManager.restore`)."""
   depth, began, theirs = _KERAS_LOOPS
   steps = began if depth else profiler.steps_dispatched()
-  manager = sys.modules.get("tpustrat._src.checkpoint.manager")
-  return steps - theirs, manager.RESTORES[0] if manager is not None else 0
+  return steps - theirs, step_stats.RESTORES[0]
+
+
+# Called before `state` / `assign` hand a state out (`_watch_keras_loops`): `keras_fit.install` registers
+# itself here when it is imported (as `tpustrat.keras` does), so this module imports nothing above it.
+ON_EXPORT: list[Any] = []
 
 
 def _watch_keras_loops() -> None:
   """Keras's own ``fit`` / ``evaluate`` / ``predict`` of any model run inside `keras_loop` from now on
-  (`keras_fit.install`, once per process; it wraps them on ``keras.Model`` for every model)."""
-  from tpustrat._src import keras_fit  # pylint: disable=import-outside-toplevel  # it imports this module
-  keras_fit.install()
+  (`keras_fit.install`, once per process, through `ON_EXPORT`; it wraps them on ``keras.Model`` for every
+  model)."""
+  for hook in ON_EXPORT:
+    hook()
 
 
 def _mark_current(variables: Sequence[Any], shared: bool = False) -> None:

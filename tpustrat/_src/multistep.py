@@ -481,8 +481,8 @@ def run_steps_fast(engine: Any, fn: Callable[..., Any], iterator: Any, steps: in
     if type(x) not in placed or x.aval != avals[i] or x.sharding != shardings[i]:
       return MISS
   k = fast.k
-  if steps is not None and steps != k:
-    return MISS  # the checked path raises, naming both
+  if steps is not None and (type(steps) is not int or steps != k):
+    return MISS  # the checked path checks it (a wrong count or type raises there)
   if engine_lib.DONATION_USED[0]:
     where = lambda i: "experimental_run_steps: an array of init or of the batches"  # noqa: E731
     engine_lib.check_not_deleted(leaves, where)

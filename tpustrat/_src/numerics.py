@@ -99,7 +99,6 @@ class Outputs:
   """Whether each dispatch starts copying the flags to the host (`copy_ahead`); None until the first one."""
   calls: int = 0  # concrete dispatches so far
   steps: int = 0  # steps run by them (more than `calls` for experimental_run_steps)
-  group: Check | None = None  # the `Check` the next dispatch of a `run` program joins, unless full or run
 
 
 def replica_processes(mesh: jax.sharding.Mesh, axis: str) -> tuple[int, ...]:
@@ -302,11 +301,12 @@ class Check:
   called once the newest of them has finished (`engine.InFlight`), it raises `NumericsError` for the first
   one with a flag set.
 
-  One `Check` covers up to `GROUP` consecutive dispatches of one `run` program (`add`; the bound keys it by
-  the newest's token, so it runs once that one has finished: all of their flags are on the host then, read
-  with one Python call per dispatch and no other), or one dispatch of a run-steps program. The report of a
-  bad step ``t`` therefore comes with the wait for the last dispatch of its group: by call
-  ``t + GROUP - 1 + max_steps_in_flight`` at the latest, or at `experimental_run_wait`."""
+  The bound merges the checks of up to `GROUP` consecutive checked dispatches of one `run` program into one
+  (`absorb`, when no other check was registered on that bound in between, so that errors still come in
+  dispatch order), kept under the newest's token: it runs once that one has finished, all of their flags on
+  the host then, read with one Python call per dispatch and no other. A run-steps dispatch's check is never
+  merged. The report of a bad step ``t`` therefore comes with the wait for the last dispatch of its group:
+  by call ``t + GROUP - 1 + max_steps_in_flight`` at the latest, or at `experimental_run_wait`."""
 
   __slots__ = ("_flags", "_steps", "_outputs", "_call", "_later", "ran", "key")
 
@@ -315,13 +315,18 @@ class Check:
     dispatch of the program it was (from 1)."""
     self._flags, self._steps, self._outputs, self._call = [flags], [step], outputs, call
     self._later = 0  # steps of this group after its bad one (once found)
-    self.ran = False  # called already: a later dispatch starts a new check
+    self.ran = False  # called (or dropped) already: it takes no more dispatches
     self.key: int | None = None  # the token it is kept under by the bound (`InFlight.add_check`)
 
-  def add(self, flags: jax.Array, step: int) -> None:
-    """One more dispatch's flags (step `step`), checked with the others."""
-    self._flags.append(flags)
-    self._steps.append(step)
+  def absorb(self, other: Any) -> bool:
+    """Takes `other`'s dispatch into this check (the bound's next checked dispatch), if both are one `run`
+    program's checks, this one has not run and holds fewer than `GROUP`; whether it did."""
+    if (self.ran or type(other) is not Check or other._outputs is not self._outputs or self._call is not None
+        or other._call is not None or len(self._flags) >= GROUP):
+      return False
+    self._flags.append(other._flags[0])
+    self._steps.append(other._steps[0])
+    return True
 
   @property
   def size(self) -> int:
@@ -339,7 +344,12 @@ class Check:
       # where `make_check` started its copy at dispatch (or, on the CPU, host memory already).
       # `addressable_data(0)` would make one more `jax.Array` per step (about 15 us on a 2-core CPU) and
       # numpy's `any` on a few bytes costs more than comparing them.
-      local = np.asarray(flags)
+      try:
+        local = np.asarray(flags)
+      except Exception:  # pylint: disable=broad-except
+        # Its program failed: the bound raised that error when it waited for it (its flags are its token,
+        # waited for before this check, kept under a newer one); the other dispatches are still checked.
+        continue
       raw = local.tobytes()
       if raw.count(0) != len(raw):
         # Kept: the bad step alone, and how many of the group came after it (the bound calls the check
@@ -366,8 +376,9 @@ class Check:
              if dropped else "")
     return NumericsError(
         f"{out.what} with RunOptions(check_numerics=True): {where} produced non-finite values:\n"
-        + "\n".join(lines) + f"\nThe error is raised once that step has finished, by the next call that waits "
-        f"for it (run / experimental_run_steps past the steps-in-flight bound, or experimental_run_wait).{after}",
+        + "\n".join(lines) + "\nThe error is raised once that step has finished, by the call that waits for it "
+        f"or, for strategy.run, for the last of the up to {GROUP} consecutive steps read with it (run / "
+        f"experimental_run_steps past the steps-in-flight bound, or experimental_run_wait).{after}",
         step=step, inner_step=None if inner is None else inner + 1, outputs=bad, replicas=replicas,
         processes=processes)
 
@@ -490,14 +501,7 @@ def make_check(outputs: Outputs, steps: int = 1, stacked: bool = False,
     first = outputs.steps + 1
     outputs.calls += 1
     outputs.steps += steps
-    if stacked:
-      return Check(flags, outputs, first, outputs.calls)
-    group = outputs.group
-    if group is None or group.ran or group.size >= GROUP:  # a new group of dispatches
-      group = outputs.group = Check(flags, outputs, first)
-    else:
-      group.add(flags, first)
-    return group  # kept by the bound under this dispatch's token (`InFlight.add_check`)
+    return Check(flags, outputs, first, outputs.calls if stacked else None)  # the bound may merge it
 
   return checker
 

@@ -51,6 +51,11 @@ RETRACE_LIMIT = 5  # compiles of one function before the next one warns
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../tpustrat
 
+# Checkpoints this process has restored (`CheckpointManager.restore` counts them): `keras_models` tells a
+# Keras object that a restored state has moved past (`tpustrat.keras.StaleVariableError`). Kept here, below
+# both, with the other per-process counts of the loop.
+RESTORES = [0]
+
 
 class InputBoundWarning(UserWarning):
   """The training loop spends most of its time waiting for input: the devices are idle between steps."""

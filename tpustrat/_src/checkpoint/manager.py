@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from tpustrat._src import context as context_lib
-from tpustrat._src import names
+from tpustrat._src import names, step_stats
 from tpustrat._src.checkpoint import checksums
 from tpustrat._src.checkpoint.deadlines import KEY, Operation, Store, abort, check_timeout
 from tpustrat._src.checkpoint.handlers import (
@@ -48,9 +48,6 @@ _REPLACED_MARK = ".replaced"  # in the name a replaced step's previous checkpoin
 _INSTANCES: collections.Counter[str] = collections.Counter()  # managers per directory in this process
 _OPEN: collections.Counter[str] = collections.Counter()  # of them, those not closed yet
 _INSTANCES_LOCK = threading.Lock()
-# Restores of this process, by any manager (one-element list): `tpustrat.keras` reads it to tell a Keras
-# object whose values a restored state has replaced (`keras_models.StaleVariableError`).
-RESTORES = [0]
 
 
 # -- iterator states ------------------------------------------------------------------------------
@@ -496,7 +493,7 @@ class CheckpointManager:
           if iterator is not None:
             _set_iterator_state(iterator, restored[ITERATOR])
           self._last_restored_step = candidate
-          RESTORES[0] += 1
+          step_stats.RESTORES[0] += 1  # `tpustrat.keras`: Keras objects a restored state moved past
           self._ops.progress(op, f"restored step {candidate}")
           return restored[STATE]
         problems.append((candidate, problem))

@@ -64,6 +64,7 @@ class InFlight:
     self._pending: collections.deque[jax.Array] = collections.deque()
     # id(token) -> the check to run once it is ready (`RunOptions.check_numerics`; empty without it)
     self._checks: dict[int, Callable[..., None]] = {}
+    self._last_check: Any = None  # the check registered last (`add_check`: it may take the next one in)
     self.stats = stats
     if stats is not None:  # an iterator's transfer that waits for a running step is device time (`step_stats`)
       stats.programs = self._pending
@@ -89,7 +90,12 @@ class InFlight:
         # An earlier step failed (its outputs raise the same error wherever they are read). It is out of
         # the queue now, so the next call dispatches; this one raises, naming what happened.
         forget_failed_programs()
-        self._checks.pop(id(oldest), None)
+        check = self._checks.pop(id(oldest), None)
+        if check is not None:  # the steps it covers that did finish are still checked (`numerics.Check`)
+          try:
+            check()
+          except Exception as found:  # pylint: disable=broad-except  # told with the error raised here
+            e.add_note(f"tpustrat: an earlier step's check found this too: {found}")
         e.add_note("tpustrat: this error is a step's dispatched before this call, raised while the call waited "
                    f"for it (at most {limit} steps in flight); the step of this call was not dispatched.")
         raise
@@ -111,10 +117,19 @@ class InFlight:
       check()
     except Exception:
       dropped = sum(getattr(c, "size", 1) for c in self._checks.values())  # dispatches each covers
-      self._checks.clear()
+      self._drop_checks()
       if dropped:
         check(dropped)  # the same error, saying how many later steps are not checked
       raise
+
+  def _drop_checks(self) -> None:
+    """Drops every check kept (they ran on a failed step's results), marked as run: none takes more
+    dispatches (`numerics.Check.absorb`)."""
+    for dropped in self._checks.values():
+      if hasattr(dropped, "ran"):
+        dropped.ran = True
+    self._checks.clear()
+    self._last_check = None
 
   def after_dispatch(self, token: Any, check: Callable[..., None] | None = None, steps: int = 0,
                      now: float | None = None) -> bool:
@@ -142,15 +157,24 @@ class InFlight:
 
   def add_check(self, token: Any, check: Callable[..., None]) -> None:
     """Runs `check` once the program of `token` (recorded by `after_dispatch`) has finished: when the bound
-    waits for it, or `drain` (`RunOptions.check_numerics`: `numerics.StepChecks`). A check handed again with
-    a newer token (a `numerics.Check` of several dispatches, keeping its ``key``) runs after that one only."""
+    waits for it, or `drain` (`RunOptions.check_numerics`: `numerics.StepChecks`). When the check registered
+    last on this bound takes this one in (its ``absorb``: `numerics.Check`, one `run` program's consecutive
+    dispatches), that one is kept under `token` instead, and runs once this program has finished; checks of
+    other programs in between end such a group, so checks run in dispatch order."""
     key = id(token)
-    previous = getattr(check, "key", None)
-    if previous is not None and self._checks.get(previous) is check:
-      del self._checks[previous]
+    last = self._last_check
+    absorb = getattr(last, "absorb", None)
+    if absorb is not None and absorb(check):
+      held = last.key  # the token it was kept under: now this newer one
+      if self._checks.get(held) is last:
+        del self._checks[held]
+      self._checks[key] = last
+      last.key = key
+      return
     self._checks[key] = check
-    if previous is not None or hasattr(check, "key"):
-      check.key = key  # type: ignore[attr-defined]
+    self._last_check = check
+    if hasattr(check, "key"):
+      check.key = key
 
   def drain(self) -> None:
     start = time.perf_counter()
