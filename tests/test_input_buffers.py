@@ -15,6 +15,7 @@ import pytest
 
 import tpustrat
 from tpustrat._src import host_memory
+from tpustrat._src.input import staging
 from tpustrat._src.input.dataset import STAGING_SPARE
 
 ROWS, COLS, STEPS = 16, 1024, 6
@@ -407,6 +408,30 @@ def test_may_alias_only_for_arrays_the_transfer_would_alias():
     aliased = put.unsafe_buffer_pointer() == x.ctypes.data
     assert host_memory.may_alias(x, 1, align) == aliased, name
     assert aliased == (name == "contiguous"), name
+
+
+
+@pytest.mark.parametrize("parts", [1, 8])
+def test_alias_residues_are_may_alias_with_the_address_left_open(parts):
+  """`staging.alias_residues` (a batch layout's half of the aliasing test, computed once per layout) gives
+  `host_memory.may_alias`'s answer at every address: arrays of several layouts, at each offset mod 64."""
+  align = 64
+  raw = host_memory.host_empty((4096,), np.uint8)
+  layouts = [((8, 2, 3), np.float32), ((8, 16), np.float32), ((8, 4), np.int32), ((8,), np.int8),
+             ((8, 8), np.bool_), ((8, 2), np.float16), ((8, 3), np.float64), ((8, 5), np.int64),
+             ((8, 1), np.complex64)]
+  for shape, dtype in layouts:
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    for offset in range(0, align, dtype.itemsize):
+      x = raw[offset:offset + nbytes].view(dtype).reshape(shape)
+      for view in (x, x[:, ::2] if x.ndim > 1 else x[::2]):
+        residues = staging.alias_residues(view, parts, align)
+        expected = host_memory.may_alias(view, parts, align)
+        if residues is None:  # 64-bit dtypes: the answer depends on jax_enable_x64, asked each time
+          assert dtype.itemsize == 8, (shape, dtype)
+          continue
+        assert (view.ctypes.data % align in residues) == expected, (shape, dtype, offset, view.strides)
 
 
 def test_run_with_an_object_array_raises_jax_error(strategy):

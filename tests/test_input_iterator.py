@@ -293,3 +293,49 @@ def test_prefetch_depth_is_checked_naming_the_bad_value(depth, error):
     tpustrat.InputOptions(experimental_per_replica_buffer_size=depth)
   message = str(raised.value)
   assert "experimental_per_replica_buffer_size" in message and repr(depth) in message, message
+
+
+@pytest.mark.parametrize("replicas", [1, 8])
+def test_a_known_signature_runs_none_of_its_checks_but_reads_its_values(strategy, monkeypatch, replicas):
+  """What depends only on a global batch's structure, shapes, dtypes and strides is checked once per
+  signature (`flatten_batch`, `alias_residues`); a later batch like it runs none of that. Its values are
+  still read: every batch arrives as numpy has it, the partial one (a new signature) padded exactly, and a
+  later int64 value out of the int32 range still raises."""
+  from tpustrat._src.input import dataset as dataset_lib
+
+  calls = {"flatten_batch": 0, "alias_residues": 0}
+  for name in calls:
+    real = getattr(dataset_lib, name)
+
+    def counting(*args, _real=real, _name=name, **kwargs):
+      calls[_name] += 1
+      return _real(*args, **kwargs)
+
+    monkeypatch.setattr(dataset_lib, name, counting)
+  chosen = strategy if replicas == 8 else tpustrat.MirroredStrategy(jax.devices()[:1])
+  k = 16 // replicas
+  rng = np.random.default_rng(7)
+  data = [{"x": rng.normal(size=(n, 3)).astype(np.float32), "ids": np.arange(n, dtype=np.int64) + 100 * i}
+          for i, n in enumerate([16, 16, 16, 5])]
+  it = iter(chosen.experimental_distribute_dataset(data))
+  got = [next(it)]
+  once = dict(calls)
+  assert once["flatten_batch"] == 1 and once["alias_residues"] in (0, 2)  # 0: a backend that copies
+  got += [next(it), next(it)]
+  assert calls == once  # the same signature: no check of its structure again
+  got.append(next(it))  # 5 rows: another signature, checked once
+  assert calls["flatten_batch"] == 2
+  for batch, b in zip(got, data):
+    n = len(b["x"])
+    np.testing.assert_array_equal(np.asarray(batch["x"].tree), _padded(b["x"], replicas, k))
+    ids = _padded(b["ids"], replicas, k).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(batch["ids"].tree), ids)
+    np.testing.assert_array_equal(batch["x"].host_real_rows(), np.clip(n - k * np.arange(replicas), 0, k))
+    np.testing.assert_array_equal(_rows_of(chosen, batch["x"]), b["x"])
+  wrapping = [data[0], {"x": data[1]["x"], "ids": data[1]["ids"] + 2**40}]
+  it = iter(chosen.experimental_distribute_dataset(wrapping))
+  next(it)
+  before = calls["flatten_batch"]
+  with pytest.raises(OverflowError, match=r"batch 1: the leaf at \['ids'\] is int64"):
+    next(it)
+  assert calls["flatten_batch"] == before  # a known signature: only the values were read

@@ -6,10 +6,16 @@
 next element, in the prefetch thread or (without one: the default on XLA:CPU) in the caller's.
 
 For one step the dataset reads the raw batch(es) from the source (`sources`), checks and pads them into
-``[N, k, ...]`` host arrays with their real-row counts (`padding`), and places them: one `jax.device_put`
-per leaf onto ``NamedSharding(mesh, P('replica'))`` (stacked steps: ``P(None, 'replica')``), each leaf a
-`PerReplica`. The source is read again only once nothing still needs its memory (see
+``[N, k, ...]`` host arrays with their real-row counts (`padding`), and places them: one transfer per leaf
+onto ``NamedSharding(mesh, P('replica'))`` (stacked steps: ``P(None, 'replica')``; `staging.put_split`),
+each leaf a `PerReplica`. The source is read again only once nothing still needs its memory (see
 `tpustrat._src.host_memory`).
+
+What depends only on a global batch's signature (its tree structure and each numpy leaf's shape, dtype and
+strides) is checked and computed once per signature (`BatchSignature`): `flatten_batch`'s checks, the
+real-row counts and their device copy, the padded shapes, the leaves' element tags and the layout half of
+the aliasing test. Each batch still gets what depends on its values: the int64 range check, its padding,
+the aliasing test on its address, and its transfer.
 
 In a multi-process job each process needs only its own replicas' rows. From a grain ``MapDataset`` batched
 with ``.batch(B)`` (random access over examples, see `sources.batched_examples`) a process reads only the
@@ -44,12 +50,14 @@ from tpustrat._src.input.sources import (
   ACCEPTED,
   BatchedExamples,
   batched_examples,
+  check_narrowing,
   detached_copy,
   flatten_batch,
   index_iterator,
   iterable,
+  wide_leaves,
 )
-from tpustrat._src.input.staging import StagingBuffers
+from tpustrat._src.input.staging import StagingBuffers, alias_residues, put_split
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.values import ElementTag, PerReplica
 
@@ -106,6 +114,7 @@ class DistributedDataset:
     elif not isinstance(options, InputOptions):
       raise TypeError(f"{what}: `options` must be a tpustrat.InputOptions or None, got {options!r:.100}.")
     self._what = what
+    self._batch_what = f"{what}: batch"  # for flatten_batch's messages
     self._options = options
     # Padding rows of a partial batch: copies of a real row (the default), or zeros (`InputOptions`).
     self._pad_first = options.experimental_padding == "first_row"
@@ -148,6 +157,7 @@ class DistributedDataset:
     self._spec_tree: Any = None
     self._valid_cache: dict[Any, tuple[jax.Array, np.ndarray]] = {}  # counts -> on the devices, int64 host
     self._counts_cache: dict[tuple[int, int], np.ndarray] = {}  # (rows, k) -> this process's counts
+    self._signatures: dict[Any, BatchSignature] = {}  # global batches' signatures seen (`_flatten_global`)
     self._lock = threading.Lock()
 
   @property
@@ -415,8 +425,13 @@ class DistributedDataset:
     spec."""
     if self._examples is not None:
       return self._prepare_local(raw[0], count_only)
-    what = f"{self._what}: per-replica batch" if self._per_replica else f"{self._what}: batch"
-    parts = [flatten_batch(b, index + i, what) for i, b in enumerate(raw)]
+    signature = None
+    if self._per_replica:
+      what = f"{self._what}: per-replica batch"
+      parts = [flatten_batch(b, index + i, what) for i, b in enumerate(raw)]
+    else:
+      part, signature = self._flatten_global(raw[0], index)
+      parts = [part]
     treedef = parts[0][1]
     for i, (leaves, tdef, _) in enumerate(parts[1:], 1):
       if tdef != treedef:
@@ -460,13 +475,55 @@ class DistributedDataset:
       return Prepared(treedef, leaves, counts, True)
     rows = parts[0][2]
     n = self._num_replicas
-    counts = self._counts(rows, k)
-    owned = rows != n * k  # padded: a copy; else the source's memory
-    leaves = [pad_rows(x, n * k, self._pad_first).reshape((n, k) + x.shape[1:]) for x in parts[0][0]]
+    layout = None if signature is None else signature.layout
+    if layout is not None and layout.k == k:
+      leaves = [pad_rows(x, n * k, self._pad_first).reshape(shape)
+                for x, shape in zip(parts[0][0], layout.shapes)]
+      counts, owned = layout.counts, layout.owned
+    else:
+      counts = self._counts(rows, k)
+      owned = rows != n * k  # padded: a copy; else the source's memory
+      leaves = [pad_rows(x, n * k, self._pad_first).reshape((n, k) + x.shape[1:]) for x in parts[0][0]]
+      if signature is not None:
+        layout = signature.layout = self._new_layout(treedef, leaves, counts, owned, k)
     if self._multi_process:
       leaves = [take_rows(x, self._local) for x in leaves]
       owned = True
-    return Prepared(treedef, leaves, counts, owned)
+    return Prepared(treedef, leaves, counts, owned, layout)
+
+  def _flatten_global(self, batch: Any,
+                      index: int) -> tuple[tuple[list[np.ndarray], Any, int], BatchSignature | None]:
+    """`flatten_batch` of global batch `index`, its checks run once per signature: a batch of numpy leaves
+    with the tree structure and the leaves' shapes, dtypes and strides of one seen before has only its
+    int64 / uint64 values checked (`sources.check_narrowing`). Returns ``(leaves, treedef, rows)`` and the
+    batch's `BatchSignature` (None for a batch with other leaves than numpy arrays: checked in full)."""
+    leaves, treedef = jax.tree.flatten(batch)
+    try:
+      key: Any = (treedef, *[(type(x), x.shape, x.dtype, x.strides) for x in leaves])
+      signature = self._signatures.get(key)
+    except (AttributeError, TypeError):  # a leaf without them (a jax.Array, a scalar, ...): checked in full
+      key = signature = None
+    if signature is not None:
+      if signature.wide:
+        check_narrowing(leaves, batch, index, self._batch_what, signature.wide)
+      return (leaves, treedef, signature.rows), signature
+    part = flatten_batch(batch, index, self._batch_what)
+    if key is not None and all(type(x) is np.ndarray for x in leaves):  # flatten_batch took them as they are
+      signature = BatchSignature(part[2], wide_leaves(part[0]))
+      if len(self._signatures) >= 16:
+        self._signatures.clear()
+      self._signatures[key] = signature
+    return part, signature
+
+  def _new_layout(self, treedef: Any, leaves: list[np.ndarray], counts: np.ndarray, owned: bool,
+                  k: int) -> Layout:
+    """The `Layout` of one signature's batches padded to per-replica size `k`, from such a batch's `leaves`
+    (``[N, k, ...]``, before `take_rows`)."""
+    align = self._alias_align
+    residues = None if align is None else [alias_residues(x, self._num_replicas, align) for x in leaves]
+    valid = None if self._mesh is None or self._multi_process else self._valid_array(counts)
+    return Layout(k, counts, [x.shape for x in leaves], owned, residues, valid,
+                  element_tags(treedef, not self._pad_first))
 
   def _dropped(self, parts: list[Any], state: ProduceState) -> bool:
     """`drop_remainder`: whether this step's batch is a remainder, against the batches before it in this
@@ -599,10 +656,11 @@ class DistributedDataset:
     a transfer out of the source's memory is left in `state.pending`."""
     steps = stacks is not None
     treedef = prepared[0].treedef
+    layout = None
     if stacks is not None:
       leaves, owned = stacks, True
     else:
-      leaves, owned = prepared[0].leaves, prepared[0].owned
+      leaves, owned, layout = prepared[0].leaves, prepared[0].owned, prepared[0].layout
     fetch = self._options.experimental_fetch_to_device
     splits = self._splits
     if splits is None:  # default strategy (no mesh): the batches as they came, without padding
@@ -610,27 +668,32 @@ class DistributedDataset:
       leaves = [x[:, 0, :rows] if steps else x[0, :rows] for x in leaves]
       if not fetch:
         return jax.tree.unflatten(treedef, leaves)
-      arrays = self._transfer(state, jax.device_put, self._unaliased(leaves, owned, 1))
+      host = self._unaliased(leaves, owned, 1)
+      arrays = self._transfer(state, jax.device_put, host)
       if not owned:
-        state.pending = arrays
+        state.pending = _from_source(arrays, host, leaves)
       return jax.tree.unflatten(treedef, arrays)
     counts = np.stack([p.counts for p in prepared]) if steps else prepared[0].counts
     host_counts: np.ndarray | None
-    valid, host_counts = self._valid_array(counts)  # tiny and mostly the same every step: cached
+    if layout is not None and layout.valid is not None:
+      valid, host_counts = layout.valid
+    else:
+      valid, host_counts = self._valid_array(counts)  # tiny and mostly the same every step: cached
     if self._multi_process:  # a global array needs every process's part: always placed
       arrays = self._transfer(state, lambda: [self._from_local(x, steps) for x in leaves])
     elif fetch:
-      arrays = self._transfer(state, jax.device_put, self._unaliased(leaves, owned, self._num_replicas),
-                              splits[steps])
+      host = self._unaliased(leaves, owned, self._num_replicas, None if layout is None else layout.residues)
+      arrays = self._transfer(state, put_split, host, splits[steps])
       if not owned:
-        state.pending = arrays
+        state.pending = _from_source(arrays, host, leaves)
     else:  # without fetch_to_device the arrays stay on the host; `run` transfers them
       arrays = leaves
     if steps or self._multi_process:
       host_counts = None
+    tags = element_tags(treedef, not self._pad_first) if layout is None else layout.tags
     # Each leaf is its own PerReplica (like `run`'s outputs), so that the batch keeps the user's pytree.
     return jax.tree.unflatten(treedef, [PerReplica.from_stacked(x, valid, host_real_rows=host_counts, tag=tag)
-                                        for x, tag in zip(arrays, element_tags(treedef, not self._pad_first))])
+                                        for x, tag in zip(arrays, tags)])
 
   def _transfer(self, state: ProduceState, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, a transfer to the devices (or a wait for one). A transfer made while a step runs (on
@@ -643,13 +706,19 @@ class DistributedDataset:
     state.device_seconds += on_devices
     return result
 
-  def _unaliased(self, leaves: list[np.ndarray], owned: bool, parts: int) -> list[np.ndarray]:
+  def _unaliased(self, leaves: list[np.ndarray], owned: bool, parts: int,
+                 residues: list[frozenset[int] | None] | None = None) -> list[np.ndarray]:
     """`leaves`, with those in the source's memory that a transfer would alias (XLA:CPU, aligned)
-    copied first (into reused staging buffers: `tpustrat._src.input.staging`)."""
+    copied first (into reused staging buffers: `tpustrat._src.input.staging`). `residues`: the leaves'
+    `alias_residues` (their layout's, computed once), so that only their addresses are tested here."""
     align = self._alias_align
     if owned or align is None:
       return leaves
-    return [self._staging.copy(x) if host_memory.may_alias(x, parts, align) else x for x in leaves]
+    if residues is None:
+      return [self._staging.copy(x) if host_memory.may_alias(x, parts, align) else x for x in leaves]
+    return [self._staging.copy(x) if (host_memory.may_alias(x, parts, align) if r is None else
+                                      r and x.ctypes.data % align in r) else x
+            for x, r in zip(leaves, residues)]
 
   def _valid_array(self, counts: np.ndarray) -> tuple[jax.Array, np.ndarray]:
     """The real-row counts on the devices, and as a read-only int64 host array (cached by value)."""
@@ -708,6 +777,43 @@ class Prepared(NamedTuple):
   leaves: list[np.ndarray]  # [N_local, k, ...] each
   counts: np.ndarray  # [N_local] real rows per replica
   owned: bool  # the leaves are the library's copies (else they may be the source's memory)
+  layout: Layout | None = None  # a global batch's, when its signature is known (`BatchSignature`)
+
+
+class Layout(NamedTuple):
+  """What `_place` needs of the batches of one `BatchSignature` padded to per-replica size `k`, computed
+  once (`DistributedDataset._new_layout`)."""
+  k: int
+  counts: np.ndarray  # [N_local] real rows per replica (read-only)
+  shapes: list[tuple[int, ...]]  # each leaf's [N, k, ...]
+  owned: bool  # padded into the library's copies (else the leaves are the source's memory)
+  residues: list[frozenset[int] | None] | None  # each leaf's `alias_residues`; None: the backend copies
+  valid: tuple[jax.Array, np.ndarray] | None  # `_valid_array(counts)`; None: no mesh, or several processes
+  tags: tuple[ElementTag, ...]  # `element_tags` of the leaves
+
+
+class BatchSignature:
+  """What every global batch of one signature (its tree structure and each numpy leaf's shape, dtype and
+  strides) shares, checked and computed once by `DistributedDataset._flatten_global`: `flatten_batch`'s
+  checks passed for it, its leading size `rows`, the indices of its int64 / uint64 leaves (whose values
+  are checked in every batch), and the `Layout` it was last prepared with (None before, or replaced when
+  the per-replica size grows)."""
+
+  __slots__ = ("rows", "wide", "layout")
+
+  def __init__(self, rows: int, wide: tuple[int, ...]) -> None:
+    self.rows = rows
+    self.wide = wide
+    self.layout: Layout | None = None
+
+
+def _from_source(arrays: list[jax.Array], host: list[np.ndarray],
+                 leaves: list[np.ndarray]) -> list[jax.Array] | None:
+  """The device arrays transferred out of the source's memory (`leaves`, sent as `host` except those
+  copied into staging buffers first): the transfers to wait for before the source is read again; None
+  when every leaf went through a staging copy."""
+  pending = [a for a, h, x in zip(arrays, host, leaves) if h is x]
+  return pending or None
 
 
 def device_dtype(x: np.ndarray) -> np.dtype:

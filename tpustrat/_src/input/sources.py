@@ -28,8 +28,8 @@ import numpy as np
 from tpustrat._src import host_memory
 from tpustrat._src.validation import check_fits_32_bits, tree_path
 
-__all__ = ["ACCEPTED", "OK_DTYPES", "BatchedExamples", "batched_examples", "detached_copy", "flatten_batch",
-           "index_iterator", "iterable", "make_numpy_dataset"]
+__all__ = ["ACCEPTED", "OK_DTYPES", "BatchedExamples", "batched_examples", "check_narrowing", "detached_copy",
+           "flatten_batch", "index_iterator", "iterable", "make_numpy_dataset", "wide_leaves"]
 
 ACCEPTED = ("a grain MapDataset or IterDataset, a list, a generator, a tf.data.Dataset or a "
             "PyTorch-style loader")
@@ -93,7 +93,7 @@ def flatten_batch(batch: Any, index: int, what: str) -> tuple[list[np.ndarray], 
   if leaves and all(type(x) is np.ndarray and x.ndim and x.dtype in OK_DTYPES for x in leaves):
     sizes = {x.shape[0] for x in leaves}  # the common case: numpy arrays, checked cheaply
     if len(sizes) == 1:
-      _check_narrowing(leaves, batch, index, what)
+      check_narrowing(leaves, batch, index, what)
       return leaves, treedef, sizes.pop()
   leaves_with_paths = jax.tree_util.tree_flatten_with_path(batch)[0]
   if not leaves_with_paths:
@@ -106,18 +106,26 @@ def flatten_batch(batch: Any, index: int, what: str) -> tuple[list[np.ndarray], 
     raise ValueError(
         f"{what} {index} has leaves with different leading (batch) sizes ({detail}); every array of a "
         "batch must have the same number of rows on its leading axis.")
-  _check_narrowing(leaves, batch, index, what)
+  check_narrowing(leaves, batch, index, what)
   return leaves, treedef, sizes.pop()
 
 
 _WIDE_INTS = frozenset((np.dtype(np.int64), np.dtype(np.uint64)))
 
 
-def _check_narrowing(leaves: list[np.ndarray], batch: Any, index: int, what: str) -> None:
+def wide_leaves(leaves: list[np.ndarray]) -> tuple[int, ...]:
+  """The indices of the int64 / uint64 leaves: the only ones whose values `check_narrowing` reads."""
+  return tuple(i for i, x in enumerate(leaves) if x.dtype in _WIDE_INTS)
+
+
+def check_narrowing(leaves: list[np.ndarray], batch: Any, index: int, what: str,
+                    wide: tuple[int, ...] | None = None) -> None:
   """Raises `OverflowError` (before the batch is padded or transferred) if a 64-bit integer leaf holds a
   value that JAX, without ``jax_enable_x64``, would wrap into 32 bits; see `validation.check_fits_32_bits`.
-  A dtype test per leaf; a min and max only over int64 / uint64 leaves."""
-  for i, x in enumerate(leaves):
+  A dtype test per leaf (none with `wide`, the `wide_leaves` of a batch of the same dtypes); a min and max
+  only over int64 / uint64 leaves."""
+  for i in range(len(leaves)) if wide is None else wide:
+    x = leaves[i]
     if x.dtype in _WIDE_INTS:
       def where(i: int = i) -> str:
         return f"{what} {index}: the leaf at {_leaf_path(batch, i)}"
