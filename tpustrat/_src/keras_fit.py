@@ -371,6 +371,7 @@ class _Fit:
     self.log_zeros: dict[str, Any] = {}
     self.backup: Any = None  # a tpustrat.keras.BackupAndRestore while its fit runs
     self.options = RunOptions()  # set_run_options
+    self._donating: tuple[RunOptions, RunOptions] | None = None  # (options, them donating the state)
     # What a traced step cannot make exact on a padded batch (`_ReplicaLoss`, `_forward_losses`), said
     # once each (`PaddingReadWarning`) when a partial batch has run; `padded`: one has been read.
     self.hazards: set[str] = set()
@@ -550,7 +551,7 @@ class _Fit:
       warnings.simplefilter("ignore", PaddingReadWarning)
       # The state is donated, as Keras's JAX trainer donates it: Keras reads it back from the step's
       # results (the model's variables were purged of it), so the old and new state are not both kept.
-      options = self.options if kind == "predict" else dataclasses.replace(self.options, donate_argnums=0)
+      options = self.options if kind == "predict" else self._donating_options()
       if k == 1:
         state, outputs = self.strategy.run(self.steps[kind], args=(state, next(ours)), options=options)
         steps = 1
@@ -576,6 +577,14 @@ class _Fit:
     if kind == "predict":
       return _predictions(self.strategy, outputs, stacked=k > 1), state, steps
     return _arrays(outputs), state, steps
+
+  def _donating_options(self) -> RunOptions:
+    """`options` with the state donated, made once per `set_run_options` (a `RunOptions` is checked when
+    made: one per step cost more than the step's own host work on a small model)."""
+    made = self._donating
+    if made is None or made[0] is not self.options:
+      made = self._donating = (self.options, dataclasses.replace(self.options, donate_argnums=0))
+    return made[1]
 
   def _host_logs(self, model: Any, metrics: Any) -> Any:
     keras = keras_models.import_keras()
