@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_close
+from conftest import assert_close, backend_compiles
 
 import tpustrat
 from tpustrat._src.values import Mirrored, PerReplica
@@ -466,3 +466,30 @@ def test_a_plain_array_on_the_one_device_is_not_placed_again(monkeypatch, rng):
   out = one.run(fn, args=(arr,))
   assert puts == []
   np.testing.assert_allclose(np.asarray(one.experimental_local_results(out)[0]), a * 3.0 + 1.0, rtol=1e-6)
+
+
+def test_a_plain_array_and_the_replicated_result_share_one_compiled_program(rng):
+  """On a one-device strategy a plain array on that device and `run`'s replicated result are the same
+  layout under two names: `run` renames the first (no copy, no `jax.device_put`) so that both calls run
+  one program, traced and compiled once (passed as it was, it compiled the step once more: a Keras model's
+  second `fit`). The values are numpy's."""
+  device = jax.devices()[0]
+  one = tpustrat.MirroredStrategy(devices=[device])
+  traces = []
+
+  def fn(v):
+    traces.append(1)
+    return v * 2.0 + 1.0
+
+  a = rng.normal(size=(3,)).astype(np.float32)
+  plain = jnp.asarray(a)  # uncommitted, on the default device (as Keras makes its optimizer's scalars)
+
+  def calls():
+    out = one.run(fn, args=(plain,))  # a plain array: renamed
+    out = one.run(fn, args=(out,))  # the Mirrored result
+    return one.run(fn, args=(plain,))
+
+  out, compiles = backend_compiles(calls)
+  assert len(traces) == 1 and compiles == 1
+  assert plain.sharding == jax.sharding.SingleDeviceSharding(device)  # the caller's array is untouched
+  np.testing.assert_allclose(np.asarray(one.experimental_local_results(out)[0]), a * 2.0 + 1.0, rtol=1e-6)
