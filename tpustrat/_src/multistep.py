@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
 from tpustrat._src import engine as engine_lib
-from tpustrat._src import jax_compat, profiler
+from tpustrat._src import jax_compat
 from tpustrat._src import numerics as numerics_lib
 from tpustrat._src.engine import RunOptions
 from tpustrat._src.jax_compat import varying_axes
@@ -51,8 +51,6 @@ __all__ = ["MISS", "as_carry", "check_not_stacked", "run_steps", "run_steps_fast
 
 _CACHE_SIZE = 64
 _CONTEXT = context_lib.thread_state()
-_collecting = profiler._collecting  # pylint: disable=protected-access
-_MARK_OPEN, _PROFILE = profiler.OPEN, profiler.SESSION
 
 
 class Strategy(Protocol):
@@ -459,8 +457,7 @@ def run_steps_fast(engine: Any, fn: Callable[..., Any], iterator: Any, steps: in
   the carry), with the default step hooks and no profile mark to make: none of the per-signature checks,
   the dispatch written out (`engine.dispatch_default_hooks`). `engine`: the strategy's (None: the default
   strategy's, none). `MISS` for any other call."""
-  if engine is None or _CONTEXT.replica_context is not None or not engine_lib.STEP_HOOKS.unchanged or (
-      _MARK_OPEN[0] or _PROFILE[0] is not None or _collecting()):
+  if engine is None or _CONTEXT.replica_context is not None or not engine_lib.default_hooks_apply():
     return MISS
   kind = type(iterator)
   if kind not in _NOT_ITERATORS:  # an iterator is no pytree (and JAX warns when it flattens one)

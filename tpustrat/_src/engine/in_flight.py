@@ -36,7 +36,8 @@ from tpustrat._src import step_stats as step_stats_lib
 from tpustrat._src.jax_compat import forget_failed_programs
 from tpustrat._src.step_hooks import Step, StepHooks
 
-__all__ = ["DEFAULT_STEPS_IN_FLIGHT", "InFlight", "STEP_HOOKS", "dispatch", "dispatch_default_hooks", "wait_leaf"]
+__all__ = ["DEFAULT_STEPS_IN_FLIGHT", "InFlight", "STEP_HOOKS", "default_hooks_apply", "dispatch",
+           "dispatch_default_hooks", "wait_leaf"]
 
 DEFAULT_STEPS_IN_FLIGHT = 2
 _MAX_WAIT_BYTES = 64 * 1024  # waiting on an output keeps it alive two steps longer: only small ones
@@ -228,7 +229,7 @@ def dispatch(program: Callable[..., tuple[Any, Any]], *args: Any, in_flight: InF
   (`numerics.make_check`); `traced`: the dispatching engine's `numerics.TracedChecks`. Every per-step
   concern is a hook of `STEP_HOOKS`, told of this dispatch by one `step_hooks.Step`."""
   bound = _PROCESS_IN_FLIGHT if in_flight is None else in_flight
-  if STEP_HOOKS.unchanged and not _MARK_OPEN[0] and _PROFILE[0] is None and not _collecting():
+  if default_hooks_apply():
     return dispatch_default_hooks(program, args, bound, DEFAULT_STEPS_IN_FLIGHT if limit is None else limit,
                                   steps, numerics, traced)
   # `Step(...)` without the named tuple's Python-level `__new__` (one frame less per dispatch).
@@ -245,6 +246,13 @@ def dispatch(program: Callable[..., tuple[Any, Any]], *args: Any, in_flight: InF
     now = None  # only traced inside another program: no steps on the devices to note
   hooks.after(step, began, token, now)
   return result
+
+
+def default_hooks_apply() -> bool:
+  """Whether `dispatch_default_hooks` may stand for the registry now: `STEP_HOOKS` holds the hooks it was
+  made with, and no profile step mark is to be made (no profile session, nothing collecting, no mark open).
+  `Engine.run`'s fast path tests the same, written out (one call less per step)."""
+  return STEP_HOOKS.unchanged and not _MARK_OPEN[0] and _PROFILE[0] is None and not _collecting()
 
 
 def dispatch_default_hooks(program: Callable[..., tuple[Any, Any]], args: Sequence[Any], bound: InFlight,
