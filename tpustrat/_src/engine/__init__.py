@@ -50,7 +50,8 @@ from tpustrat._src.engine.weak_keys import weak_callable, weak_key
 
 _same_over_replicas = same_over_replicas  # the name tests/test_logical.py imports
 
-__all__ = ["RunOptions", "Engine", "InFlight", "check_not_deleted", "dispatch", "default_hooks_apply", "dispatch_default_hooks",
+__all__ = ["RunOptions", "Engine", "InFlight", "check_not_deleted", "dispatch", "default_hooks_apply",
+           "dispatch_default_hooks",
            "donated_leaves",
            "donation_used", "wait_leaf", "donate_argnums_of", "DEFAULT_STEPS_IN_FLIGHT", "DONATION_USED",
            "STEP_HOOKS", "FlatProgram", "StepJaxpr", "batch_group", "check_donatable", "check_run_call",
