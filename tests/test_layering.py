@@ -16,7 +16,8 @@ LAYERS: list[tuple[str, ...]] = [
     # The version; JAX compatibility; names and validation shared with the launcher; host buffers.
     ("tpustrat._version", "tpustrat._src.jax_compat", "tpustrat._src.names", "tpustrat._src.validation",
      "tpustrat._src.host_memory", "tpustrat._src.watchdog", "tpustrat._src.termination_notice", "tpustrat._src.profiler",
-     "tpustrat._src.compilation_cache", "tpustrat._src.step_hooks", "tpustrat._src.step_stats"),
+     "tpustrat._src.compilation_cache", "tpustrat._src.step_hooks", "tpustrat._src.step_stats",
+     "tpustrat._src.conv_layouts"),
     # Values (replicated, per replica, sharded) and the reduce op.
     ("tpustrat._src.values", "tpustrat._src.sharded_variable", "tpustrat._src.reduce_op"),
     # The context: thread-local state only.

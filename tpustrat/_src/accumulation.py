@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tpustrat._src import context as context_lib
+from tpustrat._src import conv_layouts
 from tpustrat._src.input.padding import batch_of
 from tpustrat._src.jax_compat import to_varying, varying_axes
 from tpustrat._src.losses import global_examples, micro_batches
@@ -217,6 +218,9 @@ def accumulate_gradients(loss_fn: Callable[..., Any], params: Any, batch: Any, *
       acc = [a + gi.astype(a.dtype) for a, gi in zip(acc, jax.tree.leaves(g))]
       return acc, out
 
+    mesh = ctx.strategy.mesh
+    if conv_layouts.on_cpu(None if mesh is None else mesh.devices):  # convolutions in a loop on XLA:CPU
+      body = conv_layouts.canonical_convolutions(body)
     acc, outs = lax.scan(body, acc0, (jnp.arange(k, dtype=jnp.int32), micro))
     losses, aux = (outs if has_aux else (outs, None))
     loss = jnp.sum(losses.astype(_accumulator_dtype(losses.dtype)), axis=0).astype(losses.dtype)

@@ -54,6 +54,9 @@ __all__ = [
     "is_var",
     "jaxpr_from_equations",
     "literal_value",
+    "new_equation",
+    "new_var",
+    "rewrite_equations",
     "open_jaxpr",
     "profiler_collecting",
     "reset_compilation_cache",
@@ -249,6 +252,69 @@ def bind_equation(eqn: Any, args: Sequence[Any]) -> list[Any]:
     args = [*subfuns, *args]
   ans = eqn.primitive.bind(*args, **params)
   return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def new_var(aval: Any) -> Any:
+  """A fresh jaxpr variable of abstract value `aval` (`jax.extend.core.Var(aval)`, JAX 0.10.2 and 0.12.0.1)."""
+  return jex_core.Var(aval)
+
+
+def new_equation(invars: Sequence[Any], outvars: Sequence[Any], primitive: Any, params: dict[str, Any],
+                 like: Any) -> Any:
+  """A new equation binding `primitive` with `params`, with no effects, placed where the equation `like`
+  is (its source information and context: name stack, abstract mesh). `jax.extend.core.new_jaxpr_eqn`,
+  the same signature in JAX 0.10.2 and 0.12.0.1."""
+  return jex_core.new_jaxpr_eqn(list(invars), list(outvars), primitive, params, set(), like.source_info, like.ctx)
+
+
+def _with_equations(jaxpr: Any, eqns: list[Any]) -> Any:
+  # `Jaxpr.replace` keeps the constvars, invars and outvars (and, in JAX 0.12, the consts).
+  return jaxpr.replace(eqns=eqns)
+
+
+def rewrite_equations(jaxpr: Any, rewrite: Callable[[Any], list[Any] | None]) -> Any:
+  """`jaxpr` (open or closed) with each equation, at any depth (the bodies of calls, loops, branches and
+  `shard_map`s in the equations' parameters), replaced by ``rewrite(eqn)`` where that is not None: a list of
+  equations that reads the equation's inputs and defines its outputs, with the same types. The same
+  object where nothing changed; a sub-jaxpr met twice is rewritten once (and stays shared).
+
+  The parameters that hold jaxprs are found by type: a `Jaxpr`, a `ClosedJaxpr` (JAX 0.10.2's own class,
+  one class with `Jaxpr` in 0.12.0.1) or a tuple of them (`cond`'s branches). Equations and jaxprs are
+  rebuilt with their ``replace`` method (both versions)."""
+  memo: dict[int, tuple[Any, Any]] = {}
+  closed_class = getattr(jex_core, "ClosedJaxpr", jex_core.Jaxpr)
+
+  def value(v: Any) -> Any:
+    if closed_class is not jex_core.Jaxpr and isinstance(v, closed_class):  # JAX 0.10: jaxpr + consts
+      new = walk(v.jaxpr)
+      return v if new is v.jaxpr else v.replace(jaxpr=new)
+    if isinstance(v, jex_core.Jaxpr):
+      return walk(v)
+    if isinstance(v, tuple) and any(isinstance(x, _JAXPR_TYPES) for x in v):
+      new_items = tuple(value(x) for x in v)
+      return v if all(a is b for a, b in zip(new_items, v)) else new_items
+    return v
+
+  def walk(j: Any) -> Any:
+    known = memo.get(id(j))
+    if known is not None:
+      return known[1]
+    eqns, changed = [], False
+    for eqn in j.eqns:
+      params = {k: value(v) for k, v in eqn.params.items()}
+      if any(params[k] is not eqn.params[k] for k in params):
+        eqn, changed = eqn.replace(params=params), True
+      replaced = rewrite(eqn)
+      if replaced is None:
+        eqns.append(eqn)
+      else:
+        eqns.extend(replaced)
+        changed = True
+    new = _with_equations(j, eqns) if changed else j
+    memo[id(j)] = (j, new)  # `j` kept alive: its id is not reused while the walk runs
+    return new
+
+  return value(jaxpr)
 
 
 # -- primitives by name ------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
+from tpustrat._src import conv_layouts
 from tpustrat._src import engine as engine_lib
 from tpustrat._src import jax_compat
 from tpustrat._src import numerics as numerics_lib
@@ -210,6 +211,9 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
                                    f"experimental_run_steps({step.__name__})")
 
   padding_notes: list[dict[str, str | None]] = []
+  # In a loop on XLA:CPU the step's convolutions are laid out for its fast kernel first (`conv_layouts`:
+  # XLA does it in the entry computation only); unrolled, every step is in the entry computation.
+  canonical = unroll is not True and conv_layouts.on_cpu(None if strategy.mesh is None else strategy.mesh.devices)
 
   def run_steps_program(carry: Any, batches: Any) -> Any:
     owner = strategy_ref()
@@ -230,7 +234,8 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
       return _drop_counts(c), (out, flags)
 
     with engine_lib.inner_padding_notes() as found:  # the inner run's padding-read warning, said by run_steps
-      result = lax.scan(body, carry, batches, unroll=unroll)  # RunOptions.scan_unroll
+      loop_body = conv_layouts.canonical_convolutions(body) if canonical else body
+      result = lax.scan(loop_body, carry, batches, unroll=unroll)  # RunOptions.scan_unroll
     padding_notes.extend(n for n in found if not any(n is m for m in padding_notes))
     if outputs is not None:  # the stacked flags: the output to wait on (a donating program's too)
       carry, (outs, flags) = result
