@@ -27,7 +27,7 @@ devices: the script reports whether it raises (tpustrat pads it).
 Reproduce from the repository root (8 emulated CPU devices)::
 
     .venv/bin/python benchmarks/bench_keras_fit.py
-    .venv/bin/python benchmarks/bench_keras_fit.py --models convnet --spes 10 --scan-unroll   # the steps unrolled
+    .venv/bin/python benchmarks/bench_keras_fit.py --models convnet --spes 10 --scan-unroll   # the steps written out
     .venv/bin/python benchmarks/bench_keras_fit.py --host --cpu-devices 0 --trials 5   # one device: per-step host cost
     .venv/bin/python benchmarks/bench_keras_fit.py --models mlp --batches 64 --spes 1 --steps 4 --trials 1  # smoke
 """
@@ -54,8 +54,8 @@ def add_flags(parser):
                            "model, batch 8, 300 steps, MirroredStrategy([device 0]) fit against plain Keras fit")
   parser.add_argument("--scan-unroll", action="store_true",
                       help="tpustrat's fit with RunOptions(scan_unroll=True) (tpustrat.keras.set_run_options): "
-                           "the steps of one execution written out, not a loop (XLA:CPU runs convolutions in "
-                           "a loop 5-9x slower; see the many-steps guide)")
+                           "the steps of one execution written out, not a loop (as Keras's own JAX trainer "
+                           "writes them; see the many-steps guide)")
 
 
 ARGS = h.parse_args(__doc__, add_flags) if __name__ == "__main__" else None

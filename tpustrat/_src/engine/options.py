@@ -59,11 +59,11 @@ class RunOptions:
     scan_unroll: `experimental_run_steps` only (`run` ignores it): the steps written out in each iteration
       of its `lax.scan` (JAX's ``unroll``): 1 (the default) compiles a loop of ``steps`` iterations; an int
       ``u`` >= 1, a loop of ``ceil(steps / u)`` iterations of ``u`` steps; True, the steps one after another
-      with no loop. The numbers are the same. On XLA:CPU a convolutional step inside the loop ran 5-9x
-      slower than as a program of its own (a one-device `jax.jit(lax.scan)` too) and unrolling fully
-      recovered it, while it made a transformer step slower (`benchmarks/bench_multistep.py`, "Many steps
-      per program" guide); compiling takes longer with every step written out. Not measured on GPU or
-      TPU. Must be an int >= 1 or a bool (False is 1).
+      with no loop. The numbers are the same. On XLA:CPU the loop's convolutions are laid out for XLA's
+      fast kernel before the loop is compiled (XLA does it outside loops only), so a convolutional step
+      needs no unrolling there; unrolling made a transformer step slower (`benchmarks/bench_multistep.py`,
+      "Many steps per program" guide), and compiling takes longer with every step written out. Not
+      measured on GPU or TPU. Must be an int >= 1 or a bool (False is 1).
 
   >>> RunOptions(donate_argnums=0).donate_argnums
   (0,)
