@@ -203,8 +203,9 @@ def replica_step(params, batch):
   return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), None
 
 
-def test_run_steps_of_a_convnet_compile_canonical_convolutions_in_the_loop_and_equal_one_device():
-  strategy = tpustrat.TPUStrategy()
+@pytest.mark.parametrize("replicas", [1, 8])
+def test_run_steps_of_a_convnet_compile_canonical_convolutions_in_the_loop_and_equal_one_device(replicas):
+  strategy = tpustrat.MirroredStrategy(jax.devices()[:replicas])
   data = batches(6)
   stacked = iter(strategy.experimental_distribute_dataset(data)).take_steps(3)
   carry = strategy.experimental_mirror(jax.tree.map(jnp.asarray, init_params()))

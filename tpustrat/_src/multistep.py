@@ -35,9 +35,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
-from tpustrat._src import conv_layouts
+from tpustrat._src import conv_layouts, jax_compat
 from tpustrat._src import engine as engine_lib
-from tpustrat._src import jax_compat
 from tpustrat._src import numerics as numerics_lib
 from tpustrat._src.engine import RunOptions
 from tpustrat._src.jax_compat import varying_axes
