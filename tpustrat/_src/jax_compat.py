@@ -282,7 +282,7 @@ def rewrite_equations(jaxpr: Any, rewrite: Callable[[Any], list[Any] | None]) ->
   one class with `Jaxpr` in 0.12.0.1) or a tuple of them (`cond`'s branches). Equations and jaxprs are
   rebuilt with their ``replace`` method (both versions)."""
   memo: dict[int, tuple[Any, Any]] = {}
-  closed_class = getattr(jex_core, "ClosedJaxpr", jex_core.Jaxpr)
+  closed_class: Any = getattr(jex_core, "ClosedJaxpr", jex_core.Jaxpr)
 
   def value(v: Any) -> Any:
     if closed_class is not jex_core.Jaxpr and isinstance(v, closed_class):  # JAX 0.10: jaxpr + consts
