@@ -734,3 +734,25 @@ def test_the_step_watchdog_notes_fits_programs(strategy, rng):
     watchdog.activate(previous)
     dog.stop()
   assert dog.steps == 4 and len(dog._recent) == 2 and not fired  # noqa: SLF001
+
+
+def test_step_results_unwrapped_as_jax_tree_map_would():
+  """The state and logs a step returns, without their DistributedValues (`keras_fit._arrays`, which walks
+  lists, tuples and dicts itself): the same tree as ``jax.tree.map`` gives, dict keys in JAX's sorted order,
+  real-row counts dropped, other nodes (a namedtuple) as JAX rebuilds them."""
+  import collections  # noqa: PLC0415
+
+  from tpustrat._src import keras_fit  # noqa: PLC0415
+  from tpustrat._src.values import DistributedValues, Mirrored, PerReplica  # noqa: PLC0415
+
+  a, b, counts = jax.numpy.ones(3), jax.numpy.zeros((2, 4)), jax.numpy.array([2, 1])
+  pair = collections.namedtuple("pair", "p q")
+  tree = ([Mirrored.from_global(a), b], (), {"z": Mirrored.from_global({"k": a}), "a": None, "m": [b]},
+          PerReplica.from_stacked(b, counts), pair(Mirrored.from_global(a), b), np.arange(2), None)
+  got = keras_fit._arrays(tree)  # noqa: SLF001
+  want = jax.tree.map(lambda v: v.tree if isinstance(v, DistributedValues) else v, tree,
+                      is_leaf=lambda v: isinstance(v, DistributedValues))
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  assert list(got[2]) == list(want[2]) == ["a", "m", "z"]
+  assert all(x is y for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+  assert type(got[4]) is pair and type(got[0]) is list and type(got[1]) is tuple

@@ -616,10 +616,18 @@ class _GlobalBatches:
     data = next(self.iterator)
     if not isinstance(data, tuple):
       data = (data,)
-    data = tuple(_host(d) for d in data)
-    leaves = jax.tree.leaves(data)
-    if leaves and np.ndim(leaves[0]):
-      rows = int(np.shape(leaves[0])[0])
+    first = None
+    for d in data:  # Keras's array adapters give numpy arrays (and Nones): nothing to convert
+      if type(d) is np.ndarray:
+        if first is None:
+          first = d
+      elif d is not None:
+        data = tuple(_host(d) for d in data)
+        leaves = jax.tree.leaves(data)
+        first = leaves[0] if leaves else None
+        break
+    if first is not None and np.ndim(first):
+      rows = int(np.shape(first)[0])
       if self.first_rows is None:
         self.first_rows = rows
       if rows % self.fit.replicas or rows != self.first_rows:  # padded: a partial batch
@@ -649,7 +657,29 @@ def _array(v: Any) -> Any:
   return v.tree if isinstance(v, DistributedValues) else v
 
 
+# Leaves `_arrays` returns as they are (a model's state is hundreds of them: one `jax.tree.map` call each
+# would cost more than the walk saves).
+_ARRAY_TYPES = frozenset({type(jnp.zeros(())), np.ndarray})
+
+
 def _arrays(tree: Any) -> Any:
+  """`tree` with each `DistributedValues` replaced by its global arrays (`_array`). The lists, tuples and
+  dicts of the state and logs a step returns are walked here (a dict's keys sorted, as `jax.tree.map`
+  rebuilds it), arrays and None kept; any other node, by `jax.tree.map`."""
+  kind = type(tree)
+  if kind is list or kind is tuple:
+    return kind([_arrays(v) for v in tree])
+  if tree is None or kind in _ARRAY_TYPES:
+    return tree
+  if isinstance(tree, DistributedValues):
+    return tree.tree
+  if kind is dict:
+    try:
+      keys = sorted(tree)
+    except TypeError:  # keys that cannot be sorted: JAX's own error
+      keys = None
+    if keys is not None:
+      return {k: _arrays(tree[k]) for k in keys}
   return jax.tree.map(_array, tree, is_leaf=lambda v: isinstance(v, DistributedValues))
 
 

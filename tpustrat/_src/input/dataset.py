@@ -66,6 +66,12 @@ __all__ = ["DistributedDataset", "distribute_dataset", "distribute_datasets_from
 # Staging buffers kept per shape beyond the prefetch depth: the batch being read, the one the loop holds, and
 # the batches of the steps in flight (`engine.DEFAULT_STEPS_IN_FLIGHT`, 2), which alias theirs on XLA:CPU.
 STAGING_SPARE = 4
+# A leaf of the source's memory of at most this many bytes is copied into a staging buffer on a backend that
+# aliases host memory (XLA:CPU) even where its transfer would copy it: a copy of a small batch takes
+# microseconds, while a transfer out of the source's memory must have completed before the source is read
+# again, and on XLA:CPU it waits for the step that runs meanwhile (a wait each step, longer than a small
+# model's step on one device). The staged copy is aliased by the devices: no transfer to wait for.
+STAGE_BYTES = 1 << 20
 
 
 class StrategyLike(Protocol):
@@ -520,7 +526,7 @@ class DistributedDataset:
     """The `Layout` of one signature's batches padded to per-replica size `k`, from such a batch's `leaves`
     (``[N, k, ...]``, before `take_rows`)."""
     align = self._alias_align
-    residues = None if align is None else [alias_residues(x, self._num_replicas, align) for x in leaves]
+    residues = None if align is None else [_staged_residues(x, self._num_replicas, align) for x in leaves]
     valid = None if self._mesh is None or self._multi_process else self._valid_array(counts)
     return Layout(k, counts, [x.shape for x in leaves], owned, residues, valid,
                   element_tags(treedef, not self._pad_first))
@@ -708,16 +714,17 @@ class DistributedDataset:
 
   def _unaliased(self, leaves: list[np.ndarray], owned: bool, parts: int,
                  residues: list[frozenset[int] | None] | None = None) -> list[np.ndarray]:
-    """`leaves`, with those in the source's memory that a transfer would alias (XLA:CPU, aligned)
-    copied first (into reused staging buffers: `tpustrat._src.input.staging`). `residues`: the leaves'
-    `alias_residues` (their layout's, computed once), so that only their addresses are tested here."""
+    """`leaves`, with those in the source's memory that a transfer would alias (XLA:CPU, aligned), and
+    the small ones (`STAGE_BYTES`), copied first (into reused staging buffers: `tpustrat._src.input.staging`).
+    `residues`: the leaves' `_staged_residues` (their layout's, computed once), so that only their addresses
+    are tested here (not even those where every address is: ``x.ctypes`` costs microseconds)."""
     align = self._alias_align
     if owned or align is None:
       return leaves
     if residues is None:
-      return [self._staging.copy(x) if host_memory.may_alias(x, parts, align) else x for x in leaves]
+      return [self._staging.copy(x) if _small(x) or host_memory.may_alias(x, parts, align) else x for x in leaves]
     return [self._staging.copy(x) if (host_memory.may_alias(x, parts, align) if r is None else
-                                      r and x.ctypes.data % align in r) else x
+                                      r and (len(r) >= align or x.ctypes.data % align in r)) else x
             for x, r in zip(leaves, residues)]
 
   def _valid_array(self, counts: np.ndarray) -> tuple[jax.Array, np.ndarray]:
@@ -787,7 +794,7 @@ class Layout(NamedTuple):
   counts: np.ndarray  # [N_local] real rows per replica (read-only)
   shapes: list[tuple[int, ...]]  # each leaf's [N, k, ...]
   owned: bool  # padded into the library's copies (else the leaves are the source's memory)
-  residues: list[frozenset[int] | None] | None  # each leaf's `alias_residues`; None: the backend copies
+  residues: list[frozenset[int] | None] | None  # each leaf's `_staged_residues`; None: the backend copies
   valid: tuple[jax.Array, np.ndarray] | None  # `_valid_array(counts)`; None: no mesh, or several processes
   tags: tuple[ElementTag, ...]  # `element_tags` of the leaves
 
@@ -814,6 +821,19 @@ def _from_source(arrays: list[jax.Array], host: list[np.ndarray],
   when every leaf went through a staging copy."""
   pending = [a for a, h, x in zip(arrays, host, leaves) if h is x]
   return pending or None
+
+
+def _small(x: np.ndarray) -> bool:
+  """Whether a source's leaf is copied into a staging buffer whatever its address (`STAGE_BYTES`): a
+  small array of a dtype that numpy copies as it is."""
+  return x.nbytes <= STAGE_BYTES and not x.dtype.hasobject and x.dtype.kind not in "OSUMm"
+
+
+def _staged_residues(x: np.ndarray, parts: int, align: int) -> frozenset[int] | None:
+  """The data addresses modulo `align` at which a leaf of `x`'s layout is copied into a staging buffer
+  before its transfer: every one for a small leaf (`_small`), else `alias_residues` (None: ask
+  `host_memory.may_alias` each time)."""
+  return frozenset(range(align)) if _small(x) else alias_residues(x, parts, align)
 
 
 def device_dtype(x: np.ndarray) -> np.dtype:
