@@ -657,11 +657,6 @@ def _array(v: Any) -> Any:
   return v.tree if isinstance(v, DistributedValues) else v
 
 
-# Leaves `_arrays` returns as they are (a model's state is hundreds of them: one `jax.tree.map` call each
-# would cost more than the walk saves).
-_ARRAY_TYPES = frozenset({type(jnp.zeros(())), np.ndarray})
-
-
 def _arrays(tree: Any) -> Any:
   """`tree` with each `DistributedValues` replaced by its global arrays (`_array`). The lists, tuples and
   dicts of the state and logs a step returns are walked here (a dict's keys sorted, as `jax.tree.map`
@@ -669,7 +664,9 @@ def _arrays(tree: Any) -> Any:
   kind = type(tree)
   if kind is list or kind is tuple:
     return kind([_arrays(v) for v in tree])
-  if tree is None or kind in _ARRAY_TYPES:
+  # Arrays are returned as they are (a model's state is hundreds of them: a `jax.tree.map` call each would
+  # cost more than the walk saves).
+  if tree is None or kind is np.ndarray or isinstance(tree, jax.Array):
     return tree
   if isinstance(tree, DistributedValues):
     return tree.tree
