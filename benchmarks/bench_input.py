@@ -63,6 +63,7 @@ Reproduce (repository root; 8 emulated CPU devices unless ``--cpu-devices`` says
     .venv/bin/python benchmarks/bench_input.py --steps 40 --trials 21 --extra-rows --prefetch-row
     .venv/bin/python benchmarks/bench_input.py --steps 40 --trials 21 --buffer 2 --extra-rows
     .venv/bin/python benchmarks/bench_input.py --steps 24 --trials 15 --depths 0 1 2 4 --ceiling-rows
+    .venv/bin/python benchmarks/bench_input.py --per-batch --trials 5 --cpu-devices 0   # host time per batch
 
 On a 2-core machine with 8 emulated devices host-to-"device" transfers are memory copies that compete
 with the step's compute for the same 2 cores; on a TPU or GPU host they use separate DMA engines.
@@ -106,6 +107,10 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--depths", type=int, nargs="*", default=[],
                       help="also time the iterator at these prefetch depths "
                            "(InputOptions.experimental_per_replica_buffer_size; 0: no thread)")
+  parser.add_argument("--per-batch", action="store_true",
+                      help="instead: the host time of next(it) per batch over small batches (8 x 16 float32, "
+                           "int32 labels), the transfer through tpustrat's cached batched put against "
+                           "jax.make_array_from_callback per leaf, paired rounds")
   parser.add_argument("--ceiling-rows", action="store_true",
                       help="also time the on-device loop plus a host copy of each batch, and plus a put of "
                            "pre-copied aligned memory (no copy): what the machine allows a capturing pipeline")
@@ -175,7 +180,60 @@ def _seconds(fn: Callable[[], Any]) -> float:
   return time.perf_counter() - t0
 
 
+def per_batch(args: argparse.Namespace) -> int:
+  """``--per-batch``: microseconds of host time per `next(it)` (the batch handed out, its transfer
+  dispatched; not waited for) over a list of 2,000 small batches, with the transfer through
+  `jax_compat.sharded_put` (the default) and through `jax.make_array_from_callback` per leaf."""
+  from tpustrat._src import jax_compat  # noqa: PLC0415
+  from tpustrat._src.input import staging  # noqa: PLC0415
+
+  strategy = tpustrat.TPUStrategy()
+  print(h.machine_line(strategy.num_replicas_in_sync))
+  rng = np.random.default_rng(0)
+  batches = [{"x": rng.standard_normal((8, 16)).astype(np.float32), "y": rng.integers(0, 10, 8).astype(np.int32)}
+             for _ in range(2000)]
+  dataset = strategy.experimental_distribute_dataset(batches)
+
+  def public(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Callable[[Any], Any]:
+    return lambda x: jax.make_array_from_callback(shape, sharding, x.__getitem__)
+
+  class Variant:
+    def __init__(self, name: str, make: Callable[..., Any]) -> None:
+      self.name, self.make = name, make
+
+    def measure(self) -> float:
+      staging._PUTS.clear()  # noqa: SLF001
+      made = jax_compat.sharded_put
+      jax_compat.sharded_put = self.make
+      try:
+        it = iter(dataset)
+        next(it)  # the first batch of a signature is checked in full: left out
+        t0 = time.perf_counter()
+        for b in it:
+          last = b
+        seconds = time.perf_counter() - t0
+        jax.block_until_ready(last)
+      finally:
+        jax_compat.sharded_put = made
+        staging._PUTS.clear()  # noqa: SLF001
+      return seconds / (len(batches) - 1) * 1e6
+
+  variants = [Variant("batched put", jax_compat.sharded_put), Variant("make_array_from_callback", public)]
+  for v in variants:
+    v.measure()
+  times = h.time_rounds(variants, args.trials, h.permutation_schedule(variants), lambda v: v.measure())
+  med = {k: statistics.median(t) for k, t in times.items()}
+  ratio = h.spread(h.paired_ratios(times["make_array_from_callback"], times["batched put"]))
+  print(f"# next(it) host time per batch: batched put {med['batched put']:.1f} us, "
+        f"make_array_from_callback {med['make_array_from_callback']:.1f} us")
+  h.figure("iterator per-batch host time, make_array_from_callback / batched put (8x16 float32 + int32)",
+           h.format_spread(ratio, 2, "x"))
+  return 0
+
+
 def main(args: argparse.Namespace) -> int:
+  if args.per_batch:
+    return per_batch(args)
   strategy = tpustrat.TPUStrategy()
   n = strategy.num_replicas_in_sync
   print(h.machine_line(n))

@@ -279,3 +279,52 @@ def test_scan_signature_of_an_unknown_layout_is_a_clear_error():
   params = {k: v for k, v in eqn.params.items() if k not in ("num_consts", "num_carry", "ft_in", "ft_out")}
   with pytest.raises(NotImplementedError, match="scan_signature needs updating"):
     compat.scan_signature(types.SimpleNamespace(primitive=eqn.primitive, params=params))
+
+
+def test_rewrite_equations_replaces_equations_at_any_depth_and_keeps_the_rest():
+  """An equation replaced inside a scan inside a cond inside a jit: the rewritten jaxpr evaluates to the
+  replacement's values; the same object when nothing is replaced; a sub-jaxpr used twice rewritten once."""
+  def f(x):
+    inner = jax.jit(lambda y: jnp.sin(y) * 2.0)
+    body = lambda c, y: (c + inner(y).sum(), inner(y))
+    return lax.cond(x.sum() > 0, lambda: lax.scan(body, 0.0, x), lambda: (0.0, x)), inner(x)
+
+  x = jnp.arange(1.0, 7.0).reshape(3, 2)
+  closed = jax.make_jaxpr(f)(x)
+
+  def cos_for_sin(eqn):
+    if eqn.primitive is not lax.sin_p:
+      return None
+    return [eqn.replace(primitive=lax.cos_p, params={k: v for k, v in eqn.params.items() if k == "accuracy"})]
+
+  rewritten = compat.rewrite_equations(closed, cos_for_sin)
+  assert compat.rewrite_equations(closed, lambda eqn: None) is closed
+  jaxpr, consts = compat.open_jaxpr(rewritten)
+  (carry, ys), direct = jax.tree.unflatten(jax.tree.structure(f(x)), compat.eval_closed_jaxpr(jaxpr, consts, [x]))
+  cos = np.cos(np.asarray(x)) * 2.0
+  np.testing.assert_allclose(ys, cos, rtol=1e-6)
+  np.testing.assert_allclose(direct, cos, rtol=1e-6)
+  np.testing.assert_allclose(carry, cos.sum(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_sharded_put_makes_the_array_make_array_from_callback_makes(n):
+  """JAX's private batched transfer (`sharded_put`) is found on the tested JAX versions (no warning, which
+  the suite turns into an error), and gives the array of `jax.make_array_from_callback` (values, dtype,
+  sharding, each device's slice, committed) for split and replicated shardings and every kind of dtype,
+  those that fall back to the public call (64-bit, narrowed by JAX) included."""
+  assert compat._batched_put() is not None  # noqa: SLF001
+  mesh = Mesh(np.array(jax.devices()[:n]), ("replica",))
+  rng = np.random.default_rng(0)
+  for spec in (P("replica"), P(None, "replica"), P()):
+    sharding = NamedSharding(mesh, spec)
+    for dtype in (np.float32, np.int32, np.bool_, np.int8, np.uint8, np.float16, jnp.bfloat16, np.complex64,
+                  np.float64, np.int64):
+      x = (rng.normal(size=(8, 16, 3)) * 10).astype(dtype)
+      got = compat.sharded_put(x.shape, x.dtype, sharding)(x)
+      want = jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
+      assert (got.dtype, got.shape, got.sharding, got.committed) == (want.dtype, want.shape, want.sharding, True)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(x).astype(want.dtype))
+      for a, b in zip(got.addressable_shards, want.addressable_shards):
+        assert (a.device, a.index) == (b.device, b.index)
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))

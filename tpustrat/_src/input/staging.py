@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
-from tpustrat._src import host_memory
+from tpustrat._src import host_memory, jax_compat
 
 __all__ = ["StagingBuffers", "alias_residues", "put_split"]
 
@@ -107,10 +107,24 @@ def alias_residues(x: np.ndarray, parts: int, align: int) -> frozenset[int] | No
   return frozenset((-i * step) % align for i in range(parts))
 
 
+_PUTS: dict[tuple[tuple[int, ...], np.dtype, jax.sharding.Sharding], Callable[[np.ndarray], jax.Array]] = {}
+_PUTS_SIZE = 256  # layouts kept; forgotten all at once when full
+
+
 def put_split(leaves: Sequence[np.ndarray], sharding: jax.sharding.Sharding) -> list[jax.Array]:
-  """``jax.device_put(leaves, sharding)`` for host numpy leaves, through `jax.make_array_from_callback`:
-  the same transfers of the same slices (``jax.device_put`` ends in the same batched transfer; the same
-  dtype narrowing, and on XLA:CPU the same aliasing of aligned memory), without ``device_put``'s per-call
-  dispatch (a primitive bind, abstractification and sharding inference for each leaf: about 90 us of a
-  small batch's 150 us on XLA:CPU, see docs/guides/input.md)."""
-  return [jax.make_array_from_callback(x.shape, sharding, x.__getitem__) for x in leaves]
+  """``jax.device_put(leaves, sharding)`` for host numpy leaves, as `jax.make_array_from_callback` makes
+  them: the same transfers of the same slices (``jax.device_put`` ends in the same batched transfer; the
+  same dtype narrowing, and on XLA:CPU the same aliasing of aligned memory), without ``device_put``'s
+  per-call dispatch (a primitive bind, abstractification and sharding inference for each leaf: about 90 us
+  of a small batch's 150 us on XLA:CPU, see docs/guides/input.md), and with what depends only on a leaf's
+  (shape, dtype) and the sharding worked out once (`jax_compat.sharded_put`)."""
+  out = []
+  for x in leaves:
+    key = (x.shape, x.dtype, sharding)
+    put = _PUTS.get(key)
+    if put is None:
+      if len(_PUTS) >= _PUTS_SIZE:
+        _PUTS.clear()
+      put = _PUTS[key] = jax_compat.sharded_put(x.shape, x.dtype, sharding)
+    out.append(put(x))
+  return out
