@@ -33,20 +33,6 @@ from tpustrat._src import jax_compat
 
 __all__ = ["canonical_convolutions", "on_cpu"]
 
-# `lax.transpose`'s equation parameters (JAX 0.10.2 and 0.12.0.1: the permutation alone), checked once
-# against a traced transpose so that a JAX version that changes them fails here, loudly, not in XLA.
-_TRANSPOSE_PARAMS: tuple[str, ...] = ("permutation",)
-
-
-@functools.cache
-def _check_transpose_params() -> None:
-  eqn = jax.make_jaxpr(lambda x: lax.transpose(x, (1, 0)))(jax.ShapeDtypeStruct((2, 3), np.float32)).eqns[0]
-  if eqn.primitive is not lax.transpose_p or tuple(sorted(eqn.params)) != _TRANSPOSE_PARAMS:
-    raise NotImplementedError(
-        f"tpustrat.conv_layouts: this JAX version ({jax.__version__}) traces lax.transpose as "
-        f"{eqn.primitive} with parameters {sorted(eqn.params)} (expected {list(_TRANSPOSE_PARAMS)}); "
-        "tpustrat._src.conv_layouts needs updating.")
-
 
 def on_cpu(devices: Any) -> bool:
   """Whether the program runs on XLA:CPU: `devices` (a mesh's, or None for JAX's default backend)."""
@@ -67,10 +53,6 @@ def _unsharded(aval_or_sharding: Any) -> bool:
   sharding = getattr(aval_or_sharding, "sharding", aval_or_sharding)
   spec = getattr(sharding, "spec", None)
   return spec is None or all(s is None for s in spec)
-
-
-def _transpose(x: Any, permutation: tuple[int, ...], out: Any, like: Any) -> Any:
-  return jax_compat.new_equation([x], [out], lax.transpose_p, {"permutation": permutation}, like)
 
 
 def _permuted(var: Any, permutation: tuple[int, ...]) -> Any:
@@ -94,7 +76,6 @@ def _canonical(eqn: Any) -> list[Any] | None:
   if (jax_compat.is_drop_var(out) or not (jax_compat.is_var(lhs) and jax_compat.is_var(rhs))
       or not _unsharded(eqn.params.get("out_sharding")) or not all(_unsharded(v.aval) for v in (lhs, rhs, out))):
     return None
-  _check_transpose_params()
   lhs_order = (lhs_spec[0], *lhs_spec[2:], lhs_spec[1])  # (batch, spatial..., feature)
   rhs_order = (*rhs_spec[2:], rhs_spec[1], rhs_spec[0])  # (spatial..., in, out)
   out_order = (out_spec[0], *out_spec[2:], out_spec[1])
@@ -103,9 +84,10 @@ def _canonical(eqn: Any) -> list[Any] | None:
   params = dict(eqn.params, dimension_numbers=lax.ConvDimensionNumbers(lhs_spec=lhs_c, rhs_spec=rhs_c,
                                                                        out_spec=out_c))
   back = tuple(int(i) for i in np.argsort(out_order))
-  return [_transpose(lhs, lhs_order, lhs_t, eqn), _transpose(rhs, rhs_order, rhs_t, eqn),
+  transpose = jax_compat.transpose_equation
+  return [transpose(lhs, lhs_order, lhs_t, eqn), transpose(rhs, rhs_order, rhs_t, eqn),
           eqn.replace(invars=[lhs_t, rhs_t], outvars=[out_t], params=params),
-          _transpose(out_t, back, out, eqn)]
+          transpose(out_t, back, out, eqn)]
 
 
 def canonical_convolutions(fn: Callable[..., Any]) -> Callable[..., Any]:

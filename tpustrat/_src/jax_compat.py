@@ -63,6 +63,7 @@ __all__ = [
     "reset_compilation_cache",
     "scan_signature",
     "sharded_put",
+    "transpose_equation",
     "sub_jaxprs",
     "to_varying",
     "unnamed_debug_info",
@@ -267,6 +268,27 @@ def new_equation(invars: Sequence[Any], outvars: Sequence[Any], primitive: Any, 
   is (its source information and context: name stack, abstract mesh). `jax.extend.core.new_jaxpr_eqn`,
   the same signature in JAX 0.10.2 and 0.12.0.1."""
   return jex_core.new_jaxpr_eqn(list(invars), list(outvars), primitive, params, set(), like.source_info, like.ctx)
+
+
+# `lax.transpose`'s equation parameters (JAX 0.10.2 and 0.12.0.1: the permutation alone), checked once
+# against a traced transpose, so that a JAX version that changes them fails here, loudly, not in XLA.
+_TRANSPOSE_PARAMS: tuple[str, ...] = ("permutation",)
+_TRANSPOSE_CHECKED: list[bool] = []
+
+
+def transpose_equation(x: Any, permutation: tuple[int, ...], out: Any, like: Any) -> Any:
+  """A `lax.transpose` equation from the variable `x` to the variable `out` (its abstract value `x`'s,
+  permuted), placed where the equation `like` is (`new_equation`)."""
+  if not _TRANSPOSE_CHECKED:
+    traced = jax.make_jaxpr(lambda v: jax.lax.transpose(v, (1, 0)))(jax.ShapeDtypeStruct((2, 3), np.float32))
+    eqn = traced.eqns[0]
+    if eqn.primitive is not jax.lax.transpose_p or tuple(sorted(eqn.params)) != _TRANSPOSE_PARAMS:
+      raise NotImplementedError(
+          f"tpustrat: this JAX version ({jax.__version__}) traces lax.transpose as {eqn.primitive} with "
+          f"parameters {sorted(eqn.params)} (expected {list(_TRANSPOSE_PARAMS)}); "
+          "tpustrat._src.jax_compat.transpose_equation needs updating.")
+    _TRANSPOSE_CHECKED.append(True)
+  return new_equation([x], [out], jax.lax.transpose_p, {"permutation": tuple(permutation)}, like)
 
 
 def _with_equations(jaxpr: Any, eqns: list[Any]) -> Any:
