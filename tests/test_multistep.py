@@ -201,6 +201,28 @@ def test_scan_unroll_writes_the_steps_out(strategy):
   assert "while" in rolled and "while" in by_two and "while" not in unrolled
 
 
+def test_scan_unroll_true_is_not_one(strategy):
+  """``scan_unroll=True`` (no loop) and ``scan_unroll=1`` (a rolled loop) are different options, though
+  ``True == 1`` in Python: a call with one after a call with the other (same function, same batches) runs
+  its own program, not the one `experimental_run_steps`' fast path kept for the other."""
+  from tpustrat._src import multistep
+
+  assert tpustrat.RunOptions(scan_unroll=True) != tpustrat.RunOptions(scan_unroll=1)
+  assert tpustrat.RunOptions(scan_unroll=False) == tpustrat.RunOptions(scan_unroll=1)
+  assert hash(tpustrat.RunOptions(max_steps_in_flight=3)) == hash(tpustrat.RunOptions(max_steps_in_flight=3))
+  stacked = iter(strategy.experimental_distribute_dataset(dataset(64))).take_steps(4)
+  carry = strategy.experimental_mirror(init_state())
+
+  def step(state, batch):
+    return scan_step(state, batch)
+
+  for unroll in (1, 1, True, True):
+    carry, _ = strategy.experimental_run_steps(step, stacked, init=carry,
+                                               options=tpustrat.RunOptions(scan_unroll=unroll))
+  keys = [k for k in multistep._PROGRAMS[strategy] if k == step or (isinstance(k, tuple) and k[0] == step)]
+  assert keys == [step, (step, "scan_unroll", "all")]
+
+
 @pytest.mark.parametrize("unroll, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), ("2", TypeError)])
 def test_scan_unroll_is_checked(unroll, error):
   with pytest.raises(error, match=r"RunOptions: `scan_unroll` must be an int >= 1"):

@@ -560,3 +560,30 @@ def test_checks_of_two_programs_interleaved_report_the_first_bad_step_once(strat
   # calls 1-24, the one at 5 not dispatched: this is train's step 24
   with pytest.raises(tpustrat.NumericsError, match=r"step 24 \(call 24 of strategy.run\(train\)"):
     strategy.experimental_run_wait()
+
+
+def test_consecutive_checked_dispatches_share_one_open_check(strategy):
+  """The fast path of a checked `run`: up to GROUP consecutive dispatches of one program are one open
+  `Check` on the bound (a list append each, no check made per dispatch); the GROUP + 1-th opens a new one,
+  and the full group waits, closed, under its newest token until the bound has waited for that step. A
+  second checked program's dispatch ends the first program's group (errors stay in dispatch order)."""
+  good = per_replica(strategy, [np.full(4, 2.0)] * N)
+  bound = strategy.extended.engine.in_flight
+  strategy.experimental_run_wait()
+  w = jnp.zeros(())
+  group = numerics_lib.GROUP
+  for call in range(1, group + 2):
+    w = strategy.run(log_step, args=(w, good), options=CHECK)["w"]
+    assert type(bound._open) is numerics_lib.Check
+    assert len(bound._open.flags) == (call - 1) % group + 1
+  closed = list(bound._checks.values())
+  assert len(closed) == 1 and len(closed[0].flags) == group and not closed[0].ran
+  first_group = closed[0]
+  # Another program: its dispatch waits for step GROUP (2 in flight), which runs the full group, and closes
+  # the group of step GROUP + 1.
+  strategy.run(lambda w, x: {"w": w + jnp.sum(x)}, args=(w, good), options=CHECK)
+  assert first_group.ran and len(bound._open.flags) == 1
+  assert [len(c.flags) for c in bound._checks.values()] == [1] and bound._open.outputs is not first_group.outputs
+  strategy.experimental_run_wait()
+  assert bound._open is None and not bound._checks
+  np.testing.assert_allclose(np.asarray(w.values[0]), (group + 1) * N * 4 * np.log(2.0), rtol=1e-5)

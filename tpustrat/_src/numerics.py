@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -50,7 +50,7 @@ from jax import lax
 from tpustrat._src.jax_compat import all_gather_invariant, to_varying, varying_axes
 from tpustrat._src.step_hooks import Step, StepHook
 
-__all__ = ["NumericsError", "StepChecks", "Outputs", "Check", "TracedChecks", "replica_flags", "gather_flags",
+__all__ = ["NumericsError", "StepChecks", "Outputs", "Check", "Checker", "TracedChecks", "replica_flags", "gather_flags",
            "collecting", "collect", "replica_processes"]
 
 NAN, INF = 1, 2
@@ -301,47 +301,47 @@ class Check:
   called once the newest of them has finished (`engine.InFlight`), it raises `NumericsError` for the first
   one with a flag set.
 
-  The bound merges the checks of up to `GROUP` consecutive checked dispatches of one `run` program into one
-  (`absorb`, when no other check was registered on that bound in between, so that errors still come in
-  dispatch order), kept under the newest's token: it runs once that one has finished, all of their flags on
-  the host then, read with one Python call per dispatch and no other. A run-steps dispatch's check is never
+  The bound merges up to `GROUP` consecutive checked dispatches of one `run` program into one check (no
+  other check registered on that bound in between, so that errors still come in dispatch order): the check
+  registered last stays open and takes the next dispatch of its program in (`InFlight.add_flags`: one list
+  append, no check made per dispatch); it runs once its newest dispatch has finished, all of their flags
+  read on the host then, one Python call per dispatch and no other. Its dispatches are steps ``first``,
+  ``first + 1``, ...: one `run` program's consecutive dispatches. A run-steps dispatch's check is never
   merged. The report of a bad step ``t`` therefore comes with the wait for the last dispatch of its group:
   by call ``t + GROUP - 1 + max_steps_in_flight`` at the latest, or at `experimental_run_wait`."""
 
-  __slots__ = ("_flags", "_steps", "_outputs", "_call", "_later", "ran", "key")
+  __slots__ = ("flags", "_first", "outputs", "_call", "_later", "ran")
 
   def __init__(self, flags: jax.Array, outputs: Outputs, step: int, call: int | None = None) -> None:
     """`step`: the (first) step of this program, from 1; `call`: for stacked flags (``[k, N, L]``), the
     dispatch of the program it was (from 1)."""
-    self._flags, self._steps, self._outputs, self._call = [flags], [step], outputs, call
+    self.flags, self._first, self.outputs, self._call = [flags], step, outputs, call
     self._later = 0  # steps of this group after its bad one (once found)
     self.ran = False  # called (or dropped) already: it takes no more dispatches
-    self.key: int | None = None  # the token it is kept under by the bound (`InFlight.add_check`)
 
   def absorb(self, other: Any) -> bool:
     """Takes `other`'s dispatch into this check (the bound's next checked dispatch), if both are one `run`
     program's checks, this one has not run and holds fewer than `GROUP`; whether it did."""
-    if (self.ran or type(other) is not Check or other._outputs is not self._outputs or self._call is not None
-        or other._call is not None or len(self._flags) >= GROUP):
+    if (self.ran or type(other) is not Check or other.outputs is not self.outputs or self._call is not None
+        or other._call is not None or len(self.flags) >= GROUP):
       return False
-    self._flags.append(other._flags[0])
-    self._steps.append(other._steps[0])
+    self.flags.append(other.flags[0])
     return True
 
   @property
   def size(self) -> int:
     """The dispatches it covers."""
-    return len(self._flags)
+    return len(self.flags)
 
   def __call__(self, dropped: int = 0) -> None:
     self.ran = True
-    count = len(self._flags)
-    for i, flags in enumerate(self._flags):
+    count = len(self.flags)
+    for i, flags in enumerate(self.flags):
       if flags.is_deleted():
         continue
       # Replicated (the invariant all-gather's output; one replica's own, split over the one device, with
       # one replica), so `np.asarray` reads this process's first copy, in every process: already on the host
-      # where `make_check` started its copy at dispatch (or, on the CPU, host memory already).
+      # where `Checker` started its copy at dispatch (or, on the CPU, host memory already).
       # `addressable_data(0)` would make one more `jax.Array` per step (about 15 us on a 2-core CPU) and
       # numpy's `any` on a few bytes costs more than comparing them.
       try:
@@ -354,12 +354,13 @@ class Check:
       if raw.count(0) != len(raw):
         # Kept: the bad step alone, and how many of the group came after it (the bound calls the check
         # again, with the steps of the other checks dropped after it).
-        self._flags, self._steps = self._flags[i:i + 1], self._steps[i:i + 1]
+        self.flags = self.flags[i:i + 1]
+        self._first += i
         self._later += count - 1 - i
-        raise self._error(local, self._steps[0], dropped + self._later)
+        raise self._error(local, self._first, dropped + self._later)
 
   def _error(self, flags: np.ndarray, first: int, dropped: int) -> NumericsError:
-    out = self._outputs
+    out = self.outputs
     inner = None
     k = flags.shape[0]
     if self._call is not None:  # [k, N, L]: the first inner step with a flag
@@ -483,27 +484,45 @@ def copy_ahead(flags: jax.Array) -> bool:
 
 
 def make_check(outputs: Outputs, steps: int = 1, stacked: bool = False,
-               traced: TracedChecks | None = None) -> Callable[[Any], Check | None]:
-  """For `engine.dispatch`: given the dispatched program's flags (its token), the `Check` to run once it
-  has finished (the program runs `steps` steps; `stacked`: its flags are ``[steps, N, L]``), or, for a
-  tracer (traced inside another program), None after handing the flags to `collect` (and so to
-  `traced`, the engine's `TracedChecks`, inside a user's own `jax.jit` / `lax.scan`)."""
+               traced: TracedChecks | None = None) -> Checker:
+  """For `engine.dispatch`: the `Checker` of a program's dispatches (it runs `steps` steps; `stacked`: its
+  flags are ``[steps, N, L]``; `traced`: the engine's `TracedChecks`)."""
+  return Checker(outputs, steps, stacked, traced)
 
-  def checker(flags: Any) -> Check | None:
-    if isinstance(flags, jax.core.Tracer):
-      collect(flags, outputs, traced, stacked)
-      return None
-    copy = outputs.copy_ahead
+
+class Checker:
+  """Makes the check of a dispatched program's flags (its token): called with them, the `Check` to run
+  once the program has finished, or, for a tracer (traced inside another program), None after handing the
+  flags to `collect` (and so to `traced`, the engine's `TracedChecks`, inside a user's own `jax.jit` /
+  `lax.scan`). The bound's `InFlight.add_flags` does the same for a dispatched program without making a
+  check when the open one takes the dispatch in (`started` and `copy` are what it reads)."""
+
+  __slots__ = ("outputs", "steps", "stacked", "traced", "copy")
+
+  def __init__(self, outputs: Outputs, steps: int, stacked: bool, traced: TracedChecks | None) -> None:
+    self.outputs, self.steps, self.stacked, self.traced = outputs, steps, stacked, traced
+    self.copy: bool | None = None  # whether to start the flags' copy to the host (`copy_ahead`), once known
+
+  def started(self, flags: jax.Array) -> int:
+    """Counts a dispatch of the program, whose flags are `flags`, and starts their copy to the host where
+    that helps (`copy_ahead`, decided at the first dispatch); returns its first step (from 1)."""
+    copy = self.copy
     if copy is None:  # the first dispatch: where the flags live decides
-      copy = outputs.copy_ahead = copy_ahead(flags)
+      copy = self.copy = self.outputs.copy_ahead = copy_ahead(flags)
     if copy:
       flags.copy_to_host_async()  # on the host by the time the bound reads it (`Check`)
+    outputs = self.outputs
     first = outputs.steps + 1
     outputs.calls += 1
-    outputs.steps += steps
-    return Check(flags, outputs, first, outputs.calls if stacked else None)  # the bound may merge it
+    outputs.steps += self.steps
+    return first
 
-  return checker
+  def __call__(self, flags: Any) -> Check | None:
+    if isinstance(flags, jax.core.Tracer):
+      collect(flags, self.outputs, self.traced, self.stacked)
+      return None
+    first = self.started(flags)
+    return Check(flags, self.outputs, first, self.outputs.calls if self.stacked else None)
 
 
 class StepChecks(StepHook):
@@ -526,8 +545,9 @@ class StepChecks(StepHook):
     return None
 
   def after(self, step: Step, state: Any, token: Any, now: float | None) -> None:
-    make = step.numerics
-    if make is not None:
-      check = make(token)
-      if check is not None:
-        step.in_flight.add_check(token, check)
+    checker = step.numerics
+    if checker is not None:
+      if isinstance(token, jax.core.Tracer):
+        checker(token)  # hands the flags on (`collect`)
+      else:
+        step.in_flight.add_flags(token, checker)

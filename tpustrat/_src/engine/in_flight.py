@@ -45,6 +45,7 @@ _Tracer = jax.core.Tracer
 _make_step = tuple.__new__
 _collecting = profiler._collecting  # pylint: disable=protected-access
 _PROFILE_STEPS, _MARK_OPEN, _PROFILE = profiler.STEPS, profiler.OPEN, profiler.SESSION
+_Check, _GROUP = numerics_lib.Check, numerics_lib.GROUP
 
 # The per-step hooks of every dispatch, in order (`step_hooks.StepHooks`; `STEP_HOOKS.register` adds one).
 STEP_HOOKS = StepHooks((numerics_lib.StepChecks(), profiler.StepMarks(), step_stats_lib.StepCounting(),
@@ -63,9 +64,13 @@ class InFlight:
 
   def __init__(self, stats: step_stats_lib.StepCounters | None = None) -> None:
     self._pending: collections.deque[jax.Array] = collections.deque()
-    # id(token) -> the check to run once it is ready (`RunOptions.check_numerics`; empty without it)
+    # id(token) -> the check to run once it is ready (`RunOptions.check_numerics`; empty without it): the
+    # checks closed, each kept under its newest dispatch's token
     self._checks: dict[int, Callable[..., None]] = {}
-    self._last_check: Any = None  # the check registered last (`add_check`: it may take the next one in)
+    # The check registered last (`add_check`, `add_flags`), open: it may take the next dispatch in. It runs
+    # once the program of token `_open_key` (its newest dispatch: `id(token)`; 0 when none) has finished.
+    self._open: Any = None
+    self._open_key = 0
     self.stats = stats
     if stats is not None:  # an iterator's transfer that waits for a running step is device time (`step_stats`)
       stats.programs = self._pending
@@ -91,7 +96,7 @@ class InFlight:
         # An earlier step failed (its outputs raise the same error wherever they are read). It is out of
         # the queue now, so the next call dispatches; this one raises, naming what happened.
         forget_failed_programs()
-        check = self._checks.pop(id(oldest), None)
+        check = self._take_check(id(oldest))
         if check is not None:  # the steps it covers that did finish are still checked (`numerics.Check`)
           try:
             check()
@@ -100,7 +105,7 @@ class InFlight:
         e.add_note("tpustrat: this error is a step's dispatched before this call, raised while the call waited "
                    f"for it (at most {limit} steps in flight); the step of this call was not dispatched.")
         raise
-      if self._checks:
+      if self._checks or self._open_key == id(oldest):
         self._check(oldest)
     if stats is None:
       return None
@@ -111,13 +116,14 @@ class InFlight:
   def _check(self, token: Any) -> None:
     """Runs the check of `token`'s program (it has finished). When it raises, the checks of the programs
     dispatched after it are dropped: they ran on its results, and the error names the first bad step."""
-    check = self._checks.pop(id(token), None)
+    check = self._take_check(id(token))
     if check is None:
       return
     try:
       check()
     except Exception:
-      dropped = sum(getattr(c, "size", 1) for c in self._checks.values())  # dispatches each covers
+      later = list(self._checks.values()) + ([self._open] if self._open is not None else [])
+      dropped = sum(getattr(c, "size", 1) for c in later)  # dispatches each covers
       self._drop_checks()
       if dropped:
         check(dropped)  # the same error, saying how many later steps are not checked
@@ -126,11 +132,20 @@ class InFlight:
   def _drop_checks(self) -> None:
     """Drops every check kept (they ran on a failed step's results), marked as run: none takes more
     dispatches (`numerics.Check.absorb`)."""
-    for dropped in self._checks.values():
+    for dropped in [*self._checks.values(), self._open]:
       if hasattr(dropped, "ran"):
         dropped.ran = True
     self._checks.clear()
-    self._last_check = None
+    self._open, self._open_key = None, 0
+
+  def _take_check(self, key: int) -> Any:
+    """The check to run now that the program of token ``id == key`` has finished (None: none), out of the
+    bound's keeping."""
+    if key == self._open_key:
+      check = self._open
+      self._open, self._open_key = None, 0
+      return check
+    return self._checks.pop(key, None) if self._checks else None
 
   def after_dispatch(self, token: Any, check: Callable[..., None] | None = None, steps: int = 0,
                      now: float | None = None) -> bool:
@@ -160,22 +175,35 @@ class InFlight:
     """Runs `check` once the program of `token` (recorded by `after_dispatch`) has finished: when the bound
     waits for it, or `drain` (`RunOptions.check_numerics`: `numerics.StepChecks`). When the check registered
     last on this bound takes this one in (its ``absorb``: `numerics.Check`, one `run` program's consecutive
-    dispatches), that one is kept under `token` instead, and runs once this program has finished; checks of
-    other programs in between end such a group, so checks run in dispatch order."""
-    key = id(token)
-    last = self._last_check
-    absorb = getattr(last, "absorb", None)
-    if absorb is not None and absorb(check):
-      held = last.key  # the token it was kept under: now this newer one
-      if self._checks.get(held) is last:
-        del self._checks[held]
-      self._checks[key] = last
-      last.key = key
+    dispatches), that one runs instead once this program has finished; checks of other programs in between
+    end such a group, so checks run in dispatch order."""
+    last = self._open
+    if last is not None:
+      absorb = getattr(last, "absorb", None)
+      if absorb is not None and absorb(check):
+        self._open_key = id(token)
+        return
+      self._checks[self._open_key] = last  # closed: it takes no more in
+    self._open, self._open_key = check, id(token)
+
+  def add_flags(self, flags: Any, checker: Any) -> None:
+    """``add_check(flags, checker(flags))`` for a dispatched (not traced) checked program, its flags its
+    token (`numerics.Checker`), without making a check when the open one takes the dispatch in: the same
+    `run` program's next dispatch, the open check not run and holding fewer than `numerics.GROUP`."""
+    outputs = checker.outputs
+    if checker.copy is not False:  # `numerics.Checker.started`, written out (one call less per step)
+      first = checker.started(flags)
+    else:
+      first = outputs.steps + 1
+      outputs.calls += 1
+      outputs.steps += checker.steps
+    last = self._open
+    if (last is not None and type(last) is _Check and last.outputs is outputs and not checker.stacked
+        and not last.ran and len(last.flags) < _GROUP):
+      last.flags.append(flags)
+      self._open_key = id(flags)
       return
-    self._checks[key] = check
-    self._last_check = check
-    if hasattr(check, "key"):
-      check.key = key
+    self.add_check(flags, _Check(flags, outputs, first, outputs.calls if checker.stacked else None))
 
   def drain(self) -> None:
     start = time.perf_counter()
@@ -186,7 +214,7 @@ class InFlight:
         except IndexError:
           break
         _wait(oldest)
-        if self._checks:
+        if self._checks or self._open_key == id(oldest):
           self._check(oldest)
     finally:
       if self.stats is not None:
@@ -295,9 +323,10 @@ def dispatch_default_hooks(program: Callable[..., tuple[Any, Any]], args: Sequen
       bound._pending.append(token)  # pylint: disable=protected-access  # `InFlight.after_dispatch`
     # numerics.StepChecks.after
     if numerics is not None:
-      check = numerics(token)
-      if check is not None:
-        bound.add_check(token, check)
+      if only_traced:
+        numerics(token)  # hands the flags on (`numerics.collect`)
+      else:
+        bound.add_flags(token, numerics)
     # step_stats.StepCounting.after
     if now is not None and bound.stats is not None:
       bound.stats.note_steps(steps, now)

@@ -97,6 +97,24 @@ class RunOptions:
     if len(set(checked)) != len(checked):
       raise ValueError(f"RunOptions: donate_argnums {tuple(checked)} names an argument twice.")
     object.__setattr__(self, "donate_argnums", tuple(sorted(checked)))
+    # What equality and the hash compare, made once: `run`'s fast path hashes the options at every call (the
+    # dataclass's own hash of every field costs microseconds there). `scan_unroll=True` (no loop) is told
+    # apart from `scan_unroll=1` (a rolled loop), which Python's ``True == 1`` would make equal.
+    key = (*(getattr(self, f.name) for f in dataclasses.fields(self)), type(self.scan_unroll) is bool)
+    object.__setattr__(self, "_key", key)
+    try:
+      object.__setattr__(self, "_hash", hash(key))
+    except TypeError:  # an unhashable field: `__hash__` raises the TypeError
+      object.__setattr__(self, "_hash", None)
+
+  def __eq__(self, other: object) -> bool:
+    if type(other) is not RunOptions:
+      return NotImplemented
+    return self._key == other._key  # type: ignore[attr-defined]
+
+  def __hash__(self) -> int:
+    h = self._hash  # type: ignore[attr-defined]
+    return hash(self._key) if h is None else h  # type: ignore[attr-defined]
 
 
 def donate_argnums_of(options: RunOptions | None) -> tuple[int, ...]:
