@@ -2,7 +2,7 @@
 
 What is measured
 ----------------
-Two steps, each written twice and timed side by side in one process:
+Steps, each written twice and timed side by side in one process:
 
 * ``tiny``: a dispatch-bound step. ``w`` is a replicated float32 scalar, ``x`` one float32 scalar per
   replica; each step computes ``w <- w - 0.01 * pmean(x * w)`` and returns the new ``w`` (replicated:
@@ -13,6 +13,11 @@ Two steps, each written twice and timed side by side in one process:
   next step. Each replica's loss is ``sum(cross_entropy) / global_batch``; under ``check_vma`` the
   gradient with respect to replicated parameters comes back already summed over replicas, so both
   variants compute the gradient of the global mean loss. The step also returns ``psum`` of the losses.
+* ``wide`` (only with ``--only wide``): a state of 256 float32 ``[16]`` arrays (`Mirrored` each, as many
+  leaves as a mid-sized model's parameters and optimizer slots), each moved by the replicas' mean of one
+  scalar per replica. No compute to speak of: what it shows is the host work `run` adds per leaf of its
+  arguments and results (flattening them, checking each leaf's layout, rebuilding each `Mirrored`), against
+  `jax.jit`'s own; the last column says it per leaf.
 
 The ``tpustrat`` variant calls ``strategy.run(step, args=(...))`` with `Mirrored` / `PerReplica`
 arguments and feeds the returned `Mirrored` back. The ``hand-written`` variant is
@@ -50,6 +55,7 @@ machine with accelerators `TPUStrategy` uses those instead)::
     .venv/bin/python benchmarks/bench_run.py --only mlp --check-numerics   # NaN / Inf checks' cost
     .venv/bin/python benchmarks/bench_run.py --only tiny --step-stats   # the step counters' cost
     .venv/bin/python benchmarks/bench_run.py --devices 1 --only tiny --steps 500 --trials 31   # host cost per call
+    .venv/bin/python benchmarks/bench_run.py --devices 1 --only wide   # host cost per leaf (a state of 256 leaves)
 
 ``--devices 1`` uses no emulated devices: a `MirroredStrategy` on the one CPU device, with the step watchdog
 on (the step counters and the in-flight bound are always on), against the same hand-written program on
@@ -97,7 +103,8 @@ import _harness as h  # noqa: E402
 def _add_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--steps", type=int, default=None, help="chained steps per trial (default: per benchmark)")
   parser.add_argument("--trials", type=int, default=None, help="timed trials per variant (default: per benchmark)")
-  parser.add_argument("--only", choices=("tiny", "mlp"), default=None, help="run one benchmark only")
+  parser.add_argument("--only", choices=("tiny", "mlp", "wide"), default=None,
+                      help="run one benchmark only (wide: only when named)")
   parser.add_argument("--noise-floor", action="store_true",
                       help="also time a second copy of the hand-written step (A/A comparison)")
   parser.add_argument("--watchdog", action="store_true",
@@ -123,15 +130,18 @@ from tpustrat._src import watchdog as watchdog_lib  # noqa: E402
 AXIS = "replica"
 IN_FLIGHT = 2
 DEFAULTS = {"tiny": (200, 101), "mlp": (3, 101)}  # (steps, trials)
-TARGETS = {"tiny": 1.05, "mlp": 1.02}
+WIDE_DEFAULTS = {"wide": (50, 31)}  # `--only wide`
+TARGETS: dict[str, float | None] = {"tiny": 1.05, "mlp": 1.02, "wide": None}
 WATCHDOG_TARGET = 1.02  # `run` with the step watchdog on, against `run` without it
 NUMERICS_TARGET = 1.1  # `run` with RunOptions(check_numerics=True), against `run` without it (issue 45 item 3)
 NUMERICS = "tpustrat + check_numerics"
 STEP_STATS_TARGET = 1.01  # `run` (step counters always on) against `run` with them switched off
 ONE_DEVICE_TARGETS = {"tiny": 10.0}  # --devices 1: us per call over the hand-written jax.jit (issue 45)
-ONE_DEVICE_RATIO = {"mlp": 1.05}  # --devices 1: paired ratio to the hand-written jax.jit
+ONE_DEVICE_RATIO: dict[str, float | None] = {"mlp": 1.05, "wide": None}  # --devices 1: paired ratio to jax.jit
 NO_STATS = "tpustrat, step counters off"
-LABELS = {"tiny": "tiny step (dispatch-bound)", "mlp": "MLP 784-1024-1024-10, batch 512"}
+WIDE_LEAVES = 256
+LABELS = {"tiny": "tiny step (dispatch-bound)", "mlp": "MLP 784-1024-1024-10, batch 512",
+          "wide": f"state of {WIDE_LEAVES} leaves (dispatch-bound)"}
 
 
 # -- the steps ----------------------------------------------------------------------------------------
@@ -147,6 +157,19 @@ def tiny_body(w, x):
   """Hand-written shard_map body: `x` arrives as this replica's [1] block of the stacked array."""
   y = x[0] * w
   return w - 0.01 * lax.pmean(y, AXIS), y[None]
+
+
+def wide_step(params, x):
+  """tpustrat: a state of `WIDE_LEAVES` small arrays (as many leaves as a mid-sized model's parameters and
+  optimizer slots), each moved by the replicas' mean of `x`: no compute to speak of, the host work per leaf."""
+  g = tpustrat.get_replica_context().all_reduce("mean", x)
+  return jax.tree.map(lambda p: p - 0.01 * g, params), g
+
+
+def wide_body(params, x):
+  """Hand-written shard_map body of `wide_step`: `x` arrives as this replica's [1] block."""
+  g = lax.pmean(x[0], AXIS)
+  return jax.tree.map(lambda p: p - 0.01 * g, params), g
 
 
 LAYERS = (784, 1024, 1024, 10)
@@ -305,6 +328,26 @@ def make_tiny(strategy: tpustrat.Strategy, copies: int, numerics: bool = False) 
   return variants
 
 
+def make_wide(strategy: tpustrat.Strategy, copies: int, numerics: bool = False) -> list[Variant]:
+  n = strategy.num_replicas_in_sync
+  mesh = strategy.mesh
+  replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+  p0 = {f"v{i:03d}": np.full((16,), i / WIDE_LEAVES, np.float32) for i in range(WIDE_LEAVES)}
+  xs = (1.0 + np.arange(n, dtype=np.float32)) / n
+  x_pr = strategy.experimental_distribute_values_from_function(lambda ctx: xs[ctx.replica_id_in_sync_group])
+  init = lambda: strategy.experimental_mirror(jax.device_put(p0, replicated))  # noqa: E731  # a Mirrored per leaf
+  variants = [tpustrat_variant(strategy, wide_step, init, (x_pr,))]
+  x_stacked = jax.device_put(xs, split)
+  for c in range(copies):
+    program = jax.jit(jax.shard_map(wide_body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()),
+                                    check_vma=True))
+    variants.append(handwritten_variant("hand-written" + " (copy 2)" * c, program,
+                                        lambda: jax.device_put(p0, replicated), (x_stacked,)))
+  if numerics:
+    variants.append(numerics_variant(strategy, wide_step, init, (x_pr,)))
+  return variants
+
+
 def make_mlp(strategy: tpustrat.Strategy, copies: int, numerics: bool = False) -> list[Variant]:
   n = strategy.num_replicas_in_sync
   if GLOBAL_BATCH % n:
@@ -392,14 +435,14 @@ def main(args: argparse.Namespace) -> int:
   print(h.machine_line(strategy.num_replicas_in_sync) + (" (--devices 1: step watchdog on)" if one else ""))
   rows = []
   t_start = time.perf_counter()
-  for name, steps, trials in h.selected_benchmarks(args, DEFAULTS):
-    variants = (make_tiny if name == "tiny" else make_mlp)(strategy, 2 if args.noise_floor else 1,
-                                                          args.check_numerics)
+  makers = {"tiny": make_tiny, "mlp": make_mlp, "wide": make_wide}
+  for name, steps, trials in h.selected_benchmarks(args, WIDE_DEFAULTS if args.only == "wide" else DEFAULTS):
+    variants = makers[name](strategy, 2 if args.noise_floor else 1, args.check_numerics)
     if args.watchdog:
       variants.append(watchdog_variant(variants[0]))
     if args.step_stats:
       variants.append(no_stats_variant(strategy, variants[0]))
-    tol = dict(rtol=1e-6, atol=1e-7) if name == "tiny" else dict(rtol=1e-5, atol=1e-6)
+    tol = dict(rtol=1e-6, atol=1e-7) if name != "mlp" else dict(rtol=1e-5, atol=1e-6)
     check_same(strategy, name, variants, 3, **tol)
     print(f"# {name}: results allclose; timing {trials} trials x {steps} steps per variant ...", flush=True)
     times = bench(variants, steps, trials)
@@ -427,11 +470,13 @@ def main(args: argparse.Namespace) -> int:
       verdict = h.verdict(f"<= +{limit:.0f} us", r["overhead"] <= limit)
       h.figure(f"one device: strategy.run, {LABELS[r['name']]}: host cost per call over jax.jit",
                f"{r['overhead']:+.1f} us", f"<= +{limit:.0f} us", r["overhead"] <= limit)
-    elif one and r["variant"] == "tpustrat":
+    elif one and r["variant"] == "tpustrat" and ONE_DEVICE_RATIO[r["name"]] is not None:
       limit = ONE_DEVICE_RATIO[r["name"]]
       verdict = h.verdict(f"<= {limit:.2f}", r["paired"][0] <= limit)
       h.figure(f"one device: strategy.run, {LABELS[r['name']]}: paired ratio to jax.jit",
                f"{r['paired'][0]:.3f}x", f"<= {limit:.2f}x", r["paired"][0] <= limit)
+    elif target is None:  # the wide step: what each leaf costs, no target of its own
+      verdict = f"(no target: {r['overhead'] / WIDE_LEAVES:+.2f} us a leaf)"
     elif r["variant"].startswith("tpustrat"):
       verdict = h.verdict(f"<= {target:.2f}", r["paired"][0] <= target)
       h.figure(f"strategy.run, {LABELS[r['name']]}: {r.get('label', r['variant'])}, paired ratio to its baseline",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import functools
+import operator
 import types
 import weakref
 from collections.abc import Callable
@@ -436,6 +437,8 @@ _NOT_ITERATORS: set[type] = set()  # types of `run_steps`' batches seen not to b
 MISS = object()
 _flatten = jax.tree_util.default_registry.flatten
 _FunctionType = types.FunctionType
+_aval_of, _sharding_of = operator.attrgetter("aval"), operator.attrgetter("sharding")
+_is_deleted = operator.methodcaller("is_deleted")
 
 
 class _Fast:
@@ -476,17 +479,18 @@ def run_steps_fast(engine: Any, fn: Callable[..., Any], iterator: Any, steps: in
     return MISS
   if fast is None:
     return MISS
-  avals, shardings = fast.avals, fast.shardings
-  placed = _PLACED_TYPES
-  for i, x in enumerate(leaves):
-    if type(x) not in placed or x.aval != avals[i] or x.sharding != shardings[i]:
-      return MISS
+  # Each leaf a placed array of the aval and sharding of the call kept: compared by `map` and tuple
+  # equality, no Python loop over a model's hundreds of leaves.
+  if not (_PLACED_TYPES.issuperset(map(type, leaves)) and tuple(map(_aval_of, leaves)) == fast.avals
+          and tuple(map(_sharding_of, leaves)) == fast.shardings):
+    return MISS
   k = fast.k
   if steps is not None and (type(steps) is not int or steps != k):
     return MISS  # the checked path checks it (a wrong count or type raises there)
   if engine_lib.DONATION_USED[0]:
     where = lambda i: "experimental_run_steps: an array of init or of the batches"  # noqa: E731
-    engine_lib.check_not_deleted(leaves, where)
+    if any(map(_is_deleted, leaves)):
+      engine_lib.check_not_deleted(leaves, where)  # names the deleted one
     if fast.donate:
       carry_leaves = leaves[:len(fast.donate)]
       engine_lib.check_donatable(None, (), leaves, fast.donate,

@@ -58,8 +58,13 @@ def _device_order(x: jax.Array) -> list[Any]:
 class DistributedValues:
   """Base class of values that hold one component per replica (TF's `tf.distribute.DistributedValues`)."""
 
-  __slots__ = ("_value",)
+  # `_children`, `_aux`: what `tree_flatten` returns, kept with the value (never reassigned), so that JAX
+  # flattens it through `operator.attrgetter` without a Python call per value (`_FLAT`, below) and
+  # `tree_unflatten` keeps the children JAX hands it without making anything but the value.
+  __slots__ = ("_value", "_children", "_aux")
   _value: Any
+  _children: tuple[Any, ...]
+  _aux: Any
 
   def __init__(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - abstract
     raise TypeError("DistributedValues is abstract: use PerReplica or Mirrored.")
@@ -68,6 +73,7 @@ class DistributedValues:
   def _wrap(cls, value: Any):
     obj = object.__new__(cls)
     obj._value = value
+    obj._children, obj._aux = (value,), None
     return obj
 
   @property
@@ -82,17 +88,16 @@ class DistributedValues:
     return type(self)._wrap(jax.tree.map(fn, self._value))
 
   def tree_flatten(self):
-    return (self._value,), None
+    return self._children, self._aux
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    del aux
     obj = object.__new__(cls)  # `_wrap`, written out: every `run` result is rebuilt here
     obj._value = children[0]
+    obj._children, obj._aux = children, aux
     return obj
 
 
-@jax.tree_util.register_pytree_node_class
 class PerReplica(DistributedValues):
   """A value with one (possibly different) component per replica.
 
@@ -128,12 +133,14 @@ class PerReplica(DistributedValues):
     obj._host_valid = host_valid
     obj._per_example = per_example
     obj._tag = tag
+    if valid is None:
+      obj._children, obj._aux = (value,), None
+    else:
+      obj._children, obj._aux = (value, valid), (_PADDED if per_example else _BATCH_ROWS, tag)
     return obj
 
   def tree_flatten(self):
-    if self._valid is None:
-      return (self._value,), None
-    return (self._value, self._valid), (_PADDED if self._per_example else _BATCH_ROWS, self._tag)
+    return self._children, self._aux
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -142,6 +149,7 @@ class PerReplica(DistributedValues):
       obj._value = children[0]
       obj._valid = obj._host_valid = obj._tag = None
       obj._per_example = True
+      obj._children, obj._aux = children, None
       return obj
     return cls._wrap(children[0], children[1], per_example=aux[0] == _PADDED, tag=aux[1])
 
@@ -170,6 +178,7 @@ class PerReplica(DistributedValues):
       _check_component_dtypes(parts, i, values[0])
       stacked.append(jnp.stack(parts))
     self._value = jax.tree.unflatten(treedef, stacked)
+    self._children, self._aux = (self._value,), None
 
   @property
   def values(self) -> tuple[Any, ...]:
@@ -409,7 +418,6 @@ def unstack_replicas(x: Any) -> list[Any]:
   return [blocks[d] for d in devices]
 
 
-@jax.tree_util.register_pytree_node_class
 class Mirrored(DistributedValues):
   """A value that is identical on every replica, stored once per device with a replicated sharding.
 
@@ -440,6 +448,7 @@ class Mirrored(DistributedValues):
     else:
       value = values
     self._value = value
+    self._children, self._aux = (value,), None
 
   @property
   def values(self) -> tuple[Any, ...]:
@@ -702,3 +711,12 @@ def name_replica_axis(tree: Any, steps: bool) -> Any:
 def is_distributed(x: Any) -> bool:
   """Whether `x` is a `PerReplica` or `Mirrored` value (used as `is_leaf` in tree maps)."""
   return isinstance(x, DistributedValues)
+
+
+# JAX flattens a `PerReplica` / `Mirrored` by reading its `_children` and `_aux` (`operator.attrgetter`,
+# called by JAX's C++ pytree code without a Python frame): `run` flattens every argument and rebuilds every
+# result each call, one node per leaf of a model's state.
+_FLAT = operator.attrgetter("_children", "_aux")
+for _cls in (PerReplica, Mirrored):
+  jax.tree_util.register_pytree_node(_cls, _FLAT, _cls.tree_unflatten)
+del _cls

@@ -24,6 +24,7 @@ the output to wait on (`in_flight.wait_leaf` picks it).
 from __future__ import annotations
 
 import collections
+import operator
 import types
 import weakref
 from collections.abc import Callable
@@ -64,6 +65,8 @@ _CONTEXT = context_lib.thread_state()  # this thread's replica context (`run` in
 _NO_KWARGS: dict[str, Any] = {}
 _PYTHON_SCALARS = frozenset({int, float, bool, complex})
 _flatten = jax.tree_util.default_registry.flatten
+_sharding_of = operator.attrgetter("sharding")
+_is_deleted = operator.methodcaller("is_deleted")
 _weakref = weakref.ref
 _FunctionType = types.FunctionType
 _collecting = profiler._collecting  # pylint: disable=protected-access
@@ -142,17 +145,16 @@ class Engine:
           not _collecting()):
         program, targets, limit, numerics, donate = fast
         array_types = self._array_types
-        for i, x in enumerate(leaves):
-          kind = type(x)
-          if kind in array_types:
-            if x.sharding != targets[i]:
-              break
-          elif kind not in _PYTHON_SCALARS:
-            break
-        else:
+        # Every leaf an array laid out as the program wants it: the types and the shardings compared by
+        # `map` and list equality (no Python loop over a model's hundreds of leaves); with a Python scalar
+        # among them, leaf by leaf.
+        arrays = array_types.issuperset(map(type, leaves))
+        if list(map(_sharding_of, leaves)) == targets if arrays else _placed_with_scalars(leaves, targets,
+                                                                                          array_types):
           if DONATION_USED[0]:
             where = _where(in_tree)
-            check_not_deleted(leaves, where)
+            if not arrays or any(map(_is_deleted, leaves)):
+              check_not_deleted(leaves, where)  # names the deleted one
             if donate:
               check_donatable(None, (), leaves, donate, where)
               self._in_flight.forget([leaves[i] for i in donate])
@@ -394,6 +396,18 @@ class Engine:
   def in_flight(self) -> InFlight:
     """The bound on this engine's programs in flight (`dispatch` goes through it)."""
     return self._in_flight
+
+
+def _placed_with_scalars(leaves: list[Any], targets: list[NamedSharding], array_types: set[type]) -> bool:
+  """Whether each leaf is an array of `array_types` laid out by its target, or a Python scalar."""
+  for i, x in enumerate(leaves):
+    kind = type(x)
+    if kind in array_types:
+      if x.sharding != targets[i]:
+        return False
+    elif kind not in _PYTHON_SCALARS:
+      return False
+  return True
 
 
 def _where(in_tree: Any) -> Callable[[int], str]:
