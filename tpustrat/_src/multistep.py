@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpustrat._src import context as context_lib
-from tpustrat._src import conv_layouts, jax_compat
+from tpustrat._src import conv_layouts, jax_compat, profiler
 from tpustrat._src import engine as engine_lib
 from tpustrat._src import numerics as numerics_lib
 from tpustrat._src.engine import RunOptions
@@ -438,6 +438,9 @@ MISS = object()
 _flatten = jax.tree_util.default_registry.flatten
 _FunctionType = types.FunctionType
 _aval_of, _sharding_of = operator.attrgetter("aval"), operator.attrgetter("sharding")
+_STEP_HOOKS = engine_lib.STEP_HOOKS
+_MARK_OPEN, _PROFILE = profiler.OPEN, profiler.SESSION
+_collecting = profiler._collecting  # pylint: disable=protected-access
 _is_deleted = operator.methodcaller("is_deleted")
 
 
@@ -453,8 +456,13 @@ class _Fast:
                limit: int | None, donate: tuple[int, ...], one_replica: bool, notes: list[Any],
                engine: Any) -> None:
     self.avals, self.shardings, self.k, self.dispatched = avals, shardings, k, dispatched
-    self.limit, self.donate, self.one_replica, self.notes = limit, donate, one_replica, notes
+    self.limit, self.donate, self.one_replica = limit, donate, one_replica
+    self.notes = [n for n in notes if n]  # the program's padding notes (dicts filled when it is traced)
     self.in_flight, self.traced = engine.in_flight, engine.traced_numerics  # the engine's, read once
+
+  def padding_reads(self) -> bool:
+    """Whether a padding-read warning of the program is to be said (`engine.warn_padding_reads_stacked`)."""
+    return any(n.get("padding_reads") for n in self.notes)
 
 
 def run_steps_fast(engine: Any, fn: Callable[..., Any], iterator: Any, steps: int | None, init: Any,
@@ -464,7 +472,9 @@ def run_steps_fast(engine: Any, fn: Callable[..., Any], iterator: Any, steps: in
   the carry), with the default step hooks and no profile mark to make: none of the per-signature checks,
   the dispatch written out (`engine.dispatch_default_hooks`). `engine`: the strategy's (None: the default
   strategy's, none). `MISS` for any other call."""
-  if engine is None or _CONTEXT.replica_context is not None or not engine_lib.default_hooks_apply():
+  # `engine_lib.default_hooks_apply()`, written out (one call less per step)
+  if engine is None or _CONTEXT.replica_context is not None or not _STEP_HOOKS.unchanged or _MARK_OPEN[0] or (
+      _PROFILE[0] is not None or _collecting()):
     return MISS
   kind = type(iterator)
   if kind not in _NOT_ITERATORS:  # an iterator is no pytree (and JAX warns when it flattens one)
@@ -499,7 +509,7 @@ def run_steps_fast(engine: Any, fn: Callable[..., Any], iterator: Any, steps: in
   carry, outputs = engine_lib.dispatch_default_hooks(
       fast.dispatched, (init, iterator, leaves), fast.in_flight, fast.limit or engine.max_steps_in_flight, k,
       None, fast.traced)
-  if fast.notes and any(n.get("padding_reads") for n in fast.notes):
+  if fast.notes and fast.padding_reads():
     engine_lib.warn_padding_reads_stacked(fast.notes, iterator)
   if fast.one_replica:  # XLA's layouts do not say which outputs are stacked steps (see stacked_steps)
     return name_replica_axis(carry, steps=False), name_replica_axis(outputs, steps=True)
@@ -639,11 +649,12 @@ def _with_token(program: Callable[..., Any]) -> Callable[..., tuple[Any, Any]]:
     i = chosen[0] if chosen else None
     if isinstance(program, _NamedOutputs):
       jitted, out_tree = program.for_leaves(carry, batches)
+      tokened = len(out_tree.children()) == 3  # a donating program's own token (see `_make_program`)
 
       def again(carry: Any, batches: Any, leaves: list[Any]) -> tuple[Any, Any]:
         out = jitted(*leaves)
         result = out_tree.unflatten(out)
-        if len(result) == 3:
+        if tokened:
           return result[:2], result[2]
         return result, None if i is None else out[i]
     else:
