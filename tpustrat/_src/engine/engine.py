@@ -385,12 +385,10 @@ class Engine:
     found = placed.get(key)
     if found is not None and found[0]() is x:
       copy = found[1]
-      if copy is not None and not copy.is_deleted():
-        placed.move_to_end(key)
-        return copy
-      copy = jax.device_put(x, target)
-      placed[key] = (found[0], copy)  # given again: kept from now on
-      placed.move_to_end(key)
+      if copy is None or copy.is_deleted():
+        copy = jax.device_put(x, target)
+        placed[key] = (found[0], copy)  # given again: kept from now on
+      placed.move_to_end(key)  # (the entry is there: `x` lives, and only its death or the LRU drops it)
       return copy
 
     def forget(ref: Any) -> None:  # `x` is gone: so is its copy (unless an entry of another array took the key)
