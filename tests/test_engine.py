@@ -495,55 +495,50 @@ def test_a_plain_array_and_the_replicated_result_share_one_compiled_program(rng)
   np.testing.assert_allclose(np.asarray(one.experimental_local_results(out)[0]), a * 2.0 + 1.0, rtol=1e-6)
 
 
-def test_a_plain_array_given_whole_again_is_not_transferred_at_every_call(strategy, monkeypatch, rng):
-  """A `jax.Array` laid out otherwise than the program wants (committed to one device of the 8, or split
-  where the program takes it whole) and given whole at every call is put on the strategy's devices twice,
-  not at every call: from its second call its copy is kept and given again (a `jax.Array` never changes);
-  an array given once keeps no copy alive. A copy donated to a step is put again; the copy goes with the
-  array. The values are numpy's each time."""
-  import gc
-
+def test_a_donated_plain_array_passed_again_is_named_before_it_is_placed(strategy, rng):
+  """A plain `jax.Array` committed to one device, given whole (so `run` places it on every device) and
+  donated: its placed copy holds the caller's own buffer on that device (`jax.device_put` moves nothing
+  there), so donating the copy donates the caller's array, as donating it to `jax.jit` would. Passed again,
+  `run` names the argument and says why, before placing it (the transfer raised JAX's "Array has been
+  deleted" before). The donating call's values are numpy's."""
   a = rng.normal(size=(N,)).astype(np.float32)
   table = jax.device_put(a, jax.devices()[0])
-  split = jax.device_put(a, jax.sharding.NamedSharding(strategy.mesh, jax.sharding.PartitionSpec("replica")))
   xs = rng.normal(size=(N, N)).astype(np.float32)
   x = stacked(strategy, xs)
-  fn = lambda t, v: t * v + 1.0  # noqa: E731
-  puts = []  # ids of the arrays `jax.device_put` was given
-  real_put = jax.device_put
-  monkeypatch.setattr(jax, "device_put", lambda v, *args, **kw: puts.append(id(v)) or real_put(v, *args, **kw))
-  for given in (table, split):
-    for _ in range(3):
-      out = strategy.run(fn, args=(given, x))
-      np.testing.assert_allclose(np.stack([np.asarray(c) for c in strategy.experimental_local_results(out)]),
-                                 a * xs + 1.0, rtol=1e-6)
-    assert puts.count(id(given)) == 2
-  del given
-  engine = strategy.extended.engine
-  ours = {key for key, (ref, copy) in engine._placed.items()
-          if copy is not None and (ref() is table or ref() is split)}
-  assert len(ours) == 2
-  # Given once: nothing kept but a weak reference.
-  once = jax.device_put(a, jax.devices()[1])
-  strategy.run(fn, args=(once, x))
-  assert [copy for ref, copy in engine._placed.values() if ref() is once] == [None]
-  # The split array's copy (all-gathered: new buffers) donated to a step: put again at the next call.
   donate = tpustrat.RunOptions(donate_argnums=(0,))
-  out = strategy.run(lambda t, v: (t * 2.0, t * v), args=(split, x), options=donate)
+  out = strategy.run(lambda t, v: (t * 2.0, t * v), args=(table, x), options=donate)
   np.testing.assert_allclose(np.asarray(strategy.experimental_local_results(out[0])[0]), a * 2.0, rtol=1e-6)
-  deleted = split.is_deleted()  # (not in the assert: pytest would keep the bound method, and `split`, alive)
-  assert not deleted
-  out = strategy.run(fn, args=(split, x))
-  assert puts.count(id(split)) == 3
-  np.testing.assert_allclose(np.asarray(strategy.experimental_local_results(out)[5]), a * xs[5] + 1.0, rtol=1e-6)
-  # The one-device array's copy holds that array's own buffer on its device (JAX's put moves nothing
-  # there): donating the copy donates the caller's array, as donating it to `jax.jit` would; passed again,
-  # `run` says so before placing it.
-  strategy.run(lambda t, v: (t * 2.0, t * v), args=(table, x), options=donate)
+  np.testing.assert_allclose(np.stack([np.asarray(c) for c in strategy.experimental_local_results(out[1])]),
+                             a * xs, rtol=1e-6)
   deleted = table.is_deleted()
   assert deleted
   with pytest.raises(RuntimeError, match=r"args\[0\] has been deleted: it was donated"):
-    strategy.run(fn, args=(table, x))
-  del table, split
-  gc.collect()
-  assert not ours & set(engine._placed)  # gone with the arrays
+    strategy.run(lambda t, v: t * v, args=(table, x))
+
+
+def test_run_options_equality_hash_and_pickle():
+  """`RunOptions` compares and hashes by its fields (made once, for `run`'s fast path, which looks calls up
+  by their options), tells ``scan_unroll=True`` from ``1``, and survives pickling: loaded, it is made again
+  from its fields (equal, the same hash, found in a dict), and a pickle of the plain dataclass (its fields
+  as a dict, as the library before wrote it) loads into options equal to the ones made directly."""
+  import dataclasses
+  import pickle
+
+  made = tpustrat.RunOptions(check_numerics=True, max_steps_in_flight=3, donate_argnums=(1, 0))
+  assert made == tpustrat.RunOptions(check_numerics=True, max_steps_in_flight=3, donate_argnums=(0, 1))
+  assert made != tpustrat.RunOptions(check_numerics=True, max_steps_in_flight=2, donate_argnums=(0, 1))
+  assert tpustrat.RunOptions(scan_unroll=True) != tpustrat.RunOptions(scan_unroll=1)
+  loaded = pickle.loads(pickle.dumps(made))
+  assert loaded == made and hash(loaded) == hash(made) and {made: "found"}.get(loaded) == "found"
+  assert loaded.donate_argnums == (0, 1) and loaded.max_steps_in_flight == 3
+  plain = object.__new__(tpustrat.RunOptions)
+  plain.__setstate__({f.name: getattr(made, f.name) for f in dataclasses.fields(made)})
+  assert plain == made and hash(plain) == hash(made)
+
+  @dataclasses.dataclass(frozen=True, eq=False)
+  class Sub(tpustrat.RunOptions):
+    pass
+
+  assert Sub(max_steps_in_flight=2) == Sub(max_steps_in_flight=2) != tpustrat.RunOptions(max_steps_in_flight=2)
+  with pytest.raises(TypeError, match="unhashable"):
+    hash(tpustrat.RunOptions(experimental_xla_options={"a": 1}))

@@ -122,9 +122,7 @@ class Strategy:
       fn: the step function. It is traced once per argument signature (structure, shapes, dtypes) and
         the compiled program is reused; keep the same function object across steps.
       args: positional arguments (a tuple or list). `PerReplica` leaves give each replica its own
-        component; `Mirrored` values, arrays and Python scalars are given whole to every replica. A
-        `jax.Array` laid out otherwise is placed on the strategy's devices; given again (the same object),
-        its placed copy is given again, not transferred once more (a `jax.Array` never changes). A numpy
+        component; `Mirrored` values, arrays and Python scalars are given whole to every replica. A numpy
         array is captured when `run` is called, as in TF: `run` returns after its transfer has completed
         (on XLA:CPU, where the transfer of a 64-byte-aligned array would alias it, after a copy), so the
         caller may write into the array as soon as `run` returns.

@@ -9,8 +9,7 @@ call, `run`:
   leaves (`flat_program.FlatProgram`); a program compiled again and again warns (`step_stats.Retraces`);
 * places each argument leaf where the program wants it (arrays already there pass untouched, and so do
   arrays laid out equivalently to the replicated target, a plain array on a one-device mesh's device:
-  `Engine._equivalent`; a `jax.Array` given again is not transferred again, `Engine._placed_copy`; a numpy
-  argument is captured when `run` is called, `host_memory`);
+  `Engine._equivalent`; a numpy argument is captured when `run` is called, `host_memory`);
 * applies `RunOptions.donate_argnums` (`donation`);
 * dispatches under the engine's bound on programs in flight (`in_flight.dispatch`, with the per-step
   hooks);
@@ -62,7 +61,6 @@ from tpustrat._src.values import Mirrored, PerReplica, check_components, is_dist
 __all__ = ["Engine", "check_run_call", "same_over_replicas"]
 
 _CACHE_SIZE = 256  # programs (and argument structures) kept per engine, least recently used out first
-_PLACED_COPIES = 64  # placed copies of arrays given laid out otherwise (`Engine._placed_copy`) per engine
 _CONTEXT = context_lib.thread_state()  # this thread's replica context (`run` inside `run` is refused)
 _NO_KWARGS: dict[str, Any] = {}
 _PYTHON_SCALARS = frozenset({int, float, bool, complex})
@@ -120,12 +118,6 @@ class Engine:
     self.run_steps_fast: dict[Any, Any] = {}  # `experimental_run_steps`' fast path (`multistep.run_steps_fast`)
     self._array_types: set[type] = set()  # concrete (non-tracer) jax.Array types seen already placed
     self._equivalents: dict[tuple[Any, int], bool] = {}  # (sharding, rank) -> laid out as replicated
-    # (id of a jax.Array given laid out otherwise, target) -> (a weak reference to it, its copy placed on
-    # the target, or None while it was given once): a jax.Array never changes, so the same array given
-    # again is not transferred again (`_placed_copy`); an entry goes when its array does, LRU of
-    # `_PLACED_COPIES` entries.
-    self._placed: collections.OrderedDict[tuple[int, Any], tuple[Any, jax.Array | None]] = (
-        collections.OrderedDict())
     self._replicated = NamedSharding(mesh, P())
     self._split = NamedSharding(mesh, P(axis_name))
     self._core_axes = tuple(a for a in mesh.axis_names if a != axis_name)  # logical cores of a replica
@@ -362,8 +354,6 @@ class Engine:
             "step. Scan over the steps (jax.lax.scan with strategy.run in the body), use "
             "strategy.experimental_run_steps, or take one step with tpustrat.unstack_steps.")
       check_components(x, self._num_replicas, "strategy.run: a PerReplica argument")
-    if isinstance(x, jax.Array):
-      return self._placed_copy(x, target)
     if not isinstance(x, np.ndarray):
       return jax.device_put(x, target)
     # TF captures a numpy argument when `run` is called; JAX's transfer may read it later (host_memory).
@@ -373,36 +363,6 @@ class Engine:
     if captured is x:  # the caller's memory: wait until the transfer has read it
       placed.block_until_ready()
     return placed
-
-  def _placed_copy(self, x: jax.Array, target: NamedSharding) -> jax.Array:
-    """`x` (a concrete `jax.Array` laid out otherwise than `target`) put on `target`. An array given whole
-    at every call (a constant table, a mask) is transferred once, not once per call: from the second call
-    that gives the same array object, its copy is kept while `x` lives (a `jax.Array` never changes) and
-    given again. An array given once keeps nothing alive (its copy, replicated on every device, would
-    outlive the call that needed it). A copy deleted since (donated to a step) is put again."""
-    key = (id(x), target)
-    placed = self._placed
-    found = placed.get(key)
-    if found is not None and found[0]() is x:
-      copy = found[1]
-      if copy is None or copy.is_deleted():
-        copy = jax.device_put(x, target)
-        placed[key] = (found[0], copy)  # given again: kept from now on
-      placed.move_to_end(key)  # (the entry is there: `x` lives, and only its death or the LRU drops it)
-      return copy
-
-    def forget(ref: Any) -> None:  # `x` is gone: so is its copy (unless an entry of another array took the key)
-      if placed.get(key, (None,))[0] is ref:
-        del placed[key]
-
-    try:
-      placed[key] = (weakref.ref(x, forget), None)  # seen once: its next call keeps the copy
-    except TypeError:  # an array type that takes no weak reference: nothing kept
-      pass
-    else:
-      if len(placed) > _PLACED_COPIES:
-        placed.popitem(last=False)
-    return jax.device_put(x, target)
 
   def _equivalent(self, sharding: Any, ndim: int) -> bool:
     """Whether an array of rank `ndim` laid out by `sharding` is laid out as the replicated target

@@ -97,9 +97,13 @@ class RunOptions:
     if len(set(checked)) != len(checked):
       raise ValueError(f"RunOptions: donate_argnums {tuple(checked)} names an argument twice.")
     object.__setattr__(self, "donate_argnums", tuple(sorted(checked)))
-    # What equality and the hash compare, made once: `run`'s fast path hashes the options at every call (the
-    # dataclass's own hash of every field costs microseconds there). `scan_unroll=True` (no loop) is told
-    # apart from `scan_unroll=1` (a rolled loop), which Python's ``True == 1`` would make equal.
+    self._keep_key()
+
+  def _keep_key(self) -> None:
+    """What equality and the hash compare, made once: `run`'s fast path hashes the options at every call (the
+    dataclass's own hash of every field costs microseconds there). `scan_unroll=True` (no loop) is told
+    apart from `scan_unroll=1` (a rolled loop), which Python's ``True == 1`` would make equal. Not pickled
+    (`__reduce__` makes the options again; `__setstate__` keeps a pickle of a library before it loading)."""
     key = (*(getattr(self, f.name) for f in dataclasses.fields(self)), type(self.scan_unroll) is bool)
     object.__setattr__(self, "_key", key)
     try:
@@ -108,13 +112,24 @@ class RunOptions:
       object.__setattr__(self, "_hash", None)
 
   def __eq__(self, other: object) -> bool:
-    if type(other) is not RunOptions:
+    if type(other) is not type(self):
       return NotImplemented
     return self._key == other._key  # type: ignore[attr-defined]
 
   def __hash__(self) -> int:
     h = self._hash  # type: ignore[attr-defined]
     return hash(self._key) if h is None else h  # type: ignore[attr-defined]
+
+  def __reduce__(self) -> tuple[Any, ...]:
+    # Made again from the fields when loaded, so the kept key and hash are this process's own.
+    return type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    # A pickle of the plain dataclass (its fields as a dict): the fields, then the key and hash.
+    for name, value in state.items():
+      if not name.startswith("_"):
+        object.__setattr__(self, name, value)
+    self._keep_key()
 
 
 def donate_argnums_of(options: RunOptions | None) -> tuple[int, ...]:
