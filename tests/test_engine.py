@@ -542,3 +542,16 @@ def test_run_options_equality_hash_and_pickle():
   assert Sub(max_steps_in_flight=2) == Sub(max_steps_in_flight=2) != tpustrat.RunOptions(max_steps_in_flight=2)
   with pytest.raises(TypeError, match="unhashable"):
     hash(tpustrat.RunOptions(experimental_xla_options={"a": 1}))
+
+
+def test_one_array_given_twice_one_place_donated_is_refused_before_it_is_placed(strategy, rng):
+  """The same plain array, committed to one device, at two argument positions, one donated: `run` places
+  each (their copies share the array's buffer on its device, so XLA would be handed one buffer donated and
+  read in one call: XLA:CPU crashed the process) and refuses, naming both positions, as for an array
+  already placed given twice."""
+  t = jax.device_put(rng.normal(size=(N,)).astype(np.float32), jax.devices()[1])
+  x = stacked(strategy, rng.normal(size=(N, N)).astype(np.float32))
+  with pytest.raises(ValueError, match=r"args\[1\] is the same array as the argument at args\[0\], which is donated"):
+    strategy.run(lambda a, b, v: (a * 2.0, b * v), args=(t, t, x), options=tpustrat.RunOptions(donate_argnums=(0,)))
+  deleted = t.is_deleted()
+  assert not deleted

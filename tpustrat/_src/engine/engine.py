@@ -201,6 +201,7 @@ class Engine:
       program, targets = self._entry(fn, fn_key, in_tree, layout_map, checked)
     if DONATION_USED[0]:  # a donated array passed again: said before it is placed (and XLA:CPU crashes on it)
       check_not_deleted(leaves, lambda i: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}")
+    given = list(leaves)  # as the caller gave them (placed copies of one array share its buffer on its device)
     array_types = self._array_types
     for i, x in enumerate(leaves):  # arrays already where the program wants them pass untouched
       if type(x) not in array_types or x.sharding != targets[i]:
@@ -228,7 +229,9 @@ class Engine:
           self._donations[(key, donate_argnums)] = donate
         except TypeError:
           pass
-      check_donatable(None, (), leaves, donate, lambda i: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}")
+      where = lambda i: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}"  # noqa: E731
+      check_donatable(None, (), given, donate, where)  # one array given twice, placed twice: one buffer
+      check_donatable(None, (), leaves, donate, where)
       program = program.donating(donate)
       DONATION_USED[0] = True
       self._in_flight.forget([leaves[i] for i in donate])
