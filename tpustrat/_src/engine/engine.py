@@ -200,7 +200,7 @@ class Engine:
     except TypeError:  # an unhashable callable (or tree): compile without caching
       program, targets = self._entry(fn, fn_key, in_tree, layout_map, checked)
     if DONATION_USED[0]:  # a donated array passed again: said before it is placed (and XLA:CPU crashes on it)
-      check_not_deleted(leaves, lambda i: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}")
+      check_not_deleted(leaves, _where(in_tree))
     given = list(leaves)  # as the caller gave them (placed copies of one array share its buffer on its device)
     array_types = self._array_types
     for i, x in enumerate(leaves):  # arrays already where the program wants them pass untouched
@@ -229,7 +229,7 @@ class Engine:
           self._donations[(key, donate_argnums)] = donate
         except TypeError:
           pass
-      where = lambda i: f"strategy.run: the argument at {_run_arg_path(in_tree, i)}"  # noqa: E731
+      where = _where(in_tree)
       check_donatable(None, (), given, donate, where)  # one array given twice, placed twice: one buffer
       check_donatable(None, (), leaves, donate, where)
       program = program.donating(donate)
