@@ -69,8 +69,9 @@ Reproduce from the repository root (8 emulated CPU devices unless ``--cpu-device
     .venv/bin/python benchmarks/bench_multistep.py --devices 1 --only tiny --no-input --trials 21   # host cost per call
 
 ``--devices 1``: no emulated devices, a `MirroredStrategy` on the one CPU device with the step watchdog on
-(see `bench_run.py`); "us per call over plain JAX" is the per-round difference to plain JAX at the same k,
-times k: what one `run` (k = 1, target <= 10 us) or one `experimental_run_steps` call (k = 10, 100,
+(see `bench_run.py`), and each variant runs at least ``--min-calls`` (200) programs a trial, so that a
+trial's fixed costs (its first dispatch, the final wait) do not land on a k = 100 variant's 20 calls; "us per
+call over plain JAX" is the per-round difference to plain JAX at the same k, times k: what one `run` (k = 1, target <= 10 us) or one `experimental_run_steps` call (k = 10, 100,
 target <= 20 us over `jax.jit(lax.scan)`, batches already stacked) costs the host beyond the hand-written
 program.
 
@@ -111,6 +112,9 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--devices", type=int, choices=(1,), default=None,
                       help="1: no emulated devices, a MirroredStrategy on the one CPU device, the step watchdog on; "
                            "reports each call's host cost over the hand-written jax.jit / jax.jit(lax.scan)")
+  parser.add_argument("--min-calls", type=int, default=None,
+                      help="programs each variant runs at least per trial (default: 200 with --devices 1, where "
+                           "a k = 100 variant would otherwise make 20 calls a trial, else 1)")
   parser.add_argument("--conv-batch", type=int, default=64, help="conv: global batch (28 x 28 x 1 images)")
   parser.add_argument("--conv-width", type=int, default=16, help="conv: channels of the first convolution")
   parser.add_argument("--tf-batch", type=int, default=16, help="transformer: global batch (sequences)")
@@ -402,9 +406,15 @@ def check(name: str, variants: list[Variant], steps: int) -> None:
         np.testing.assert_allclose(b, a, **leaf_tol, err_msg=f"{name}: {v.name} differs from {ref}")
 
 
-def bench(variants: list[Variant], steps: int, trials: int) -> dict[str, list[float]]:
+def bench(variants: list[Variant], steps: int, trials: int, min_calls: int = 1) -> dict[str, list[float]]:
+  """us per step of each variant, per trial; each runs `steps` steps a trial, or `min_calls` of its programs
+  if that is more (a trial's fixed costs, the first dispatch and the final wait, spread over enough calls)."""
+  def us_per_step(v: Variant) -> float:
+    count = max(steps, v.k * min_calls)
+    return v.run(count)[0] / count * 1e6
+
   with h.no_compilation():
-    return h.time_rounds(variants, trials, h.rotation_schedule(variants), lambda v: v.run(steps)[0] / steps * 1e6)
+    return h.time_rounds(variants, trials, h.rotation_schedule(variants), us_per_step)
 
 
 ONE_DEVICE_TARGET_US = {1: 10.0}  # --devices 1: us per call over plain JAX (run: 10; run_steps: 20, issue 45)
@@ -434,7 +444,7 @@ def main(args: argparse.Namespace) -> int:
       variants = make_variants(name, strategy, ks_here, with_input=name == "tiny" and not args.no_input)
     check(name, variants, max(ks_here))
     print(f"# {name}: final states allclose; timing {trials} trials x {steps} steps per variant ...", flush=True)
-    times = bench(variants, steps, trials)
+    times = bench(variants, steps, trials, args.min_calls if args.min_calls is not None else (200 if one else 1))
     for v in variants:
       plain = times.get(f"plain JAX, k={v.k}")
       rows.append({

@@ -451,6 +451,29 @@ def test_a_second_call_with_the_same_signature_runs_no_per_signature_work(strate
   assert_close(np.asarray(strategy.experimental_local_results(w)[0]), expected, rtol=1e-5)
 
 
+def test_a_result_structure_that_depends_on_shapes_is_right_on_the_fast_path(strategy, rng):
+  """One argument structure whose result structure depends on its shapes: calls that take the fast path
+  (the same structure and layouts, other shapes: the program traced again inside the call) return the
+  structure of their own shapes, in any order, with the numpy values."""
+  def fn(v):
+    if v.shape[-1] == 2:
+      return {"twice": v * 2.0}
+    return v + 1.0, v * 3.0
+
+  xs = {width: rng.normal(size=(N, width)).astype(np.float32) for width in (2, 3)}
+  given = {width: stacked(strategy, x) for width, x in xs.items()}
+  for width in (2, 3, 2, 3, 3, 2):
+    out = strategy.run(fn, args=(given[width],))
+    x = xs[width].astype(np.float64)
+    if width == 2:
+      assert isinstance(out, dict) and set(out) == {"twice"}
+      assert_close(np.stack(out["twice"].values), x * 2.0, rtol=1e-6)
+    else:
+      assert isinstance(out, tuple) and len(out) == 2
+      assert_close(np.stack(out[0].values), x + 1.0, rtol=1e-6, scale=np.abs(x) + 1.0)
+      assert_close(np.stack(out[1].values), x * 3.0, rtol=1e-6)
+
+
 def test_a_plain_array_on_the_one_device_is_not_placed_again(monkeypatch, rng):
   """On a one-device strategy a plain `jax.Array` on that device is laid out as the replicated target
   already: `run` passes it as it is (no `jax.device_put` per call), and the result is the numpy one."""

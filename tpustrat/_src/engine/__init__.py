@@ -35,6 +35,7 @@ from tpustrat._src.engine.in_flight import (
   default_hooks_apply,
   dispatch,
   dispatch_default_hooks,
+  dispatch_flat,
   wait_leaf,
 )
 from tpustrat._src.engine.options import RunOptions, donate_argnums_of
@@ -51,7 +52,7 @@ from tpustrat._src.engine.weak_keys import weak_callable, weak_key
 _same_over_replicas = same_over_replicas  # the name tests/test_logical.py imports
 
 __all__ = ["RunOptions", "Engine", "InFlight", "check_not_deleted", "dispatch", "default_hooks_apply",
-           "dispatch_default_hooks",
+           "dispatch_default_hooks", "dispatch_flat",
            "donated_leaves",
            "donation_used", "wait_leaf", "donate_argnums_of", "DEFAULT_STEPS_IN_FLIGHT", "DONATION_USED",
            "STEP_HOOKS", "FlatProgram", "StepJaxpr", "batch_group", "check_donatable", "check_run_call",

@@ -46,7 +46,7 @@ from tpustrat._src.engine.in_flight import (
   STEP_HOOKS,
   InFlight,
   dispatch,
-  dispatch_default_hooks,
+  dispatch_flat,
 )
 from tpustrat._src.engine.options import RunOptions, donate_argnums_of
 from tpustrat._src.engine.output_padding import warn_padding_reads
@@ -128,8 +128,8 @@ class Engine:
     # The fast path: a call like an earlier one (the same function, argument structure and options; every
     # argument leaf an array already laid out as the program wants it, or a Python scalar; no layout map),
     # with the default step hooks and no profile mark to make. Everything checked once per signature is
-    # skipped: the lookup, one sharding comparison per leaf and the dispatch (`dispatch_default_hooks`) are
-    # all the Python that runs (tests/test_engine.py checks that such a call runs no per-signature check).
+    # skipped: the lookup, one sharding comparison per leaf and the dispatch (`dispatch_flat`: the default
+    # hooks and the compiled program's call written out in one frame) are all the Python that runs (tests/test_engine.py checks that such a call runs no per-signature check).
     fast_key: Any = None
     if type(args) is tuple and (kwargs is None or (type(kwargs) is dict and not kwargs)) and (
         _CONTEXT.replica_context is None):
@@ -158,8 +158,8 @@ class Engine:
             if donate:
               check_donatable(None, (), leaves, donate, where)
               self._in_flight.forget([leaves[i] for i in donate])
-          out = dispatch_default_hooks(program, (leaves,), self._in_flight, limit or self.max_steps_in_flight,
-                                       1, numerics, self._traced_numerics)
+          out = dispatch_flat(program, leaves, self._in_flight, limit or self.max_steps_in_flight, numerics,
+                              self._traced_numerics)
           if program.notes.get("padding_reads"):
             warn_padding_reads(program.notes, args, {})
           return out

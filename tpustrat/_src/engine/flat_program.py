@@ -42,8 +42,16 @@ class FlatProgram:
     leaves)` is called each time JAX traces the program (a new program is compiled), with the traced
     argument leaves."""
     self._on_trace = on_trace
-    # What the latest trace recorded, and the (result treedef, index of the leaf to wait on) kept.
-    self._record: dict[str, tuple[Any, int] | None] = {"traced": None, "out": None}
+    # What the latest trace recorded: (result treedef, index of the leaf to wait on, the result's leaf count
+    # when the program adds a token of its own past them, else None), counted in `traces` (JAX traces the
+    # program inside the call that needs it); `_kept`: the one every trace so far recorded.
+    self._traced: tuple[Any, int, int | None] | None = None
+    self._kept: tuple[Any, int, int | None] | None = None
+    self.traces = 0
+    # For `in_flight.dispatch_flat` (`Engine.run`'s fast path, which calls the compiled program itself):
+    # ``(the jax.jit over flat leaves, result treedef, index of the leaf to wait on, leaf count or None)``
+    # once a trace has recorded the result's structure; None again if a second structure made it fall back.
+    self.flat: tuple[Callable[..., Any], Any, int, int | None] | None = None
     self._fallback: Callable[..., Any] | None = None
     self._structured, self._seen_tree, self._checked = structured, seen_tree, checked
     self.notes: dict[str, str | None] = getattr(structured, "notes", {})
@@ -70,7 +78,8 @@ class FlatProgram:
 
     def flat_program(*leaves: Any) -> list[Any]:
       out, out_tree, wait = flat(*leaves)
-      self._record["traced"] = (out_tree, wait)
+      self._traced = (out_tree, wait, out_tree.num_leaves if len(out) > out_tree.num_leaves else None)
+      self.traces += 1
       return out
 
     def tree_program(*leaves: Any) -> tuple[Any, Any]:
@@ -97,19 +106,24 @@ class FlatProgram:
     """Runs the program; returns (result pytree, the output to wait on)."""
     if self._fallback is not None:
       return self._fallback(*leaves)
-    record = self._record
-    record["traced"] = None
+    traces = self.traces
     out = self._flat(*leaves)
-    traced = record["traced"]
-    if traced is None:  # no new trace: the structure kept
-      kept = record["out"]
-      assert kept is not None  # a new program's first call traces it, and every trace records its result
-      out_tree, wait = kept
-    else:
-      known = record["out"]
-      if known is not None and traced != known:
-        self._fallback = self._tree  # two result structures: let jax.jit keep them apart from now on
-      elif known is None:
-        record["out"] = traced
-      out_tree, wait = traced
-    return out_tree.unflatten(out[:out_tree.num_leaves]), out[wait]
+    kept = self._kept
+    if self.traces != traces or kept is None:  # traced in this call: the result structure is the one it recorded
+      kept = self.note_trace()
+    out_tree, wait, count = kept
+    return out_tree.unflatten(out if count is None else out[:count]), out[wait]
+
+  def note_trace(self) -> tuple[Any, int, int | None]:
+    """After a call that traced the program: ``(result treedef, index of the leaf to wait on, leaf count or
+    None)`` as that trace recorded them, kept if it is the first; if it differs from the one kept, every later
+    call goes through `_tree` (`jax.jit` keeps the structures apart per signature)."""
+    traced = self._traced
+    assert traced is not None  # a new program's first call traces it, and every trace records its result
+    if self._kept is None:
+      self._kept = traced
+      self.flat = (self._flat, *traced)
+    elif traced != self._kept:
+      self._fallback = self._tree  # two result structures: let jax.jit keep them apart from now on
+      self.flat = None
+    return traced

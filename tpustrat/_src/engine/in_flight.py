@@ -37,12 +37,13 @@ from tpustrat._src.jax_compat import forget_failed_programs
 from tpustrat._src.step_hooks import Step, StepHooks
 
 __all__ = ["DEFAULT_STEPS_IN_FLIGHT", "InFlight", "STEP_HOOKS", "default_hooks_apply", "dispatch",
-           "dispatch_default_hooks", "wait_leaf"]
+           "dispatch_default_hooks", "dispatch_flat", "wait_leaf"]
 
 DEFAULT_STEPS_IN_FLIGHT = 2
 _MAX_WAIT_BYTES = 64 * 1024  # waiting on an output keeps it alive two steps longer: only small ones
 _Tracer = jax.core.Tracer
 _make_step = tuple.__new__
+_perf_counter = time.perf_counter
 _collecting = profiler._collecting  # pylint: disable=protected-access
 _PROFILE_STEPS, _MARK_OPEN, _PROFILE = profiler.STEPS, profiler.OPEN, profiler.SESSION
 _Check, _GROUP = numerics_lib.Check, numerics_lib.GROUP
@@ -306,7 +307,10 @@ def dispatch_default_hooks(program: Callable[..., tuple[Any, Any]], args: Sequen
   dog: Any = watchdog._ACTIVE  # pylint: disable=protected-access  # rebound by the watchdog: read each dispatch
   began = dog is not None and dog.dispatch_begins(steps)
   try:
-    now = bound.before_dispatch(limit, steps)
+    if len(bound._pending) < limit:  # pylint: disable=protected-access  # `before_dispatch`, nothing to wait for
+      now = _perf_counter() if steps and bound.stats is not None else None
+    else:
+      now = bound.before_dispatch(limit, steps)
     result, token = program(*args)
   except BaseException:
     # the aborts, newest first: watchdog.Heartbeat, profiler.StepMarks (`step_end` of no mark and no token)
@@ -347,6 +351,66 @@ def dispatch_default_hooks(program: Callable[..., tuple[Any, Any]], args: Sequen
       now_active = watchdog._ACTIVE  # pylint: disable=protected-access
       if now_active is not None and not only_traced:
         now_active.note(token, steps)
+  return result
+
+
+def dispatch_flat(program: Any, leaves: list[Any], bound: InFlight, limit: int,
+                  numerics: Callable[[Any], Callable[..., None] | None] | None, traced: Any) -> Any:
+  """`dispatch_default_hooks` of one training step of `program`, a `flat_program.FlatProgram`, called with
+  `leaves`, arrays already placed (no tracer): `Engine.run`'s fast path. The same hooks' work in the same
+  order, with the program's own call written out too (its compiled `jax.jit` over the leaves, the result
+  rebuilt from the structure its trace recorded: `FlatProgram.flat`): on a dispatch-bound step each Python
+  frame between the caller and `jax.jit` costs about a microsecond. tests/test_step_hooks.py checks that this
+  path leaves the effects the registry leaves."""
+  flat = program.flat
+  if flat is None:  # not traced yet, or its results fell back to `jax.jit`'s own pytrees
+    return dispatch_default_hooks(program, (leaves,), bound, limit, 1, numerics, traced)
+  # numerics.StepChecks.before: errors recorded by checked programs traced inside a user's jit / scan
+  if traced is not None and traced.recorded and traced.one_process:
+    traced.raise_recorded()
+  # profiler.StepMarks.before, with no mark to make: count the step
+  _PROFILE_STEPS[0] += 1
+  _MARK_OPEN[0] = True
+  # watchdog.Heartbeat.before
+  dog: Any = watchdog._ACTIVE  # pylint: disable=protected-access  # rebound by the watchdog: read each dispatch
+  began = dog is not None and dog.dispatch_begins(1)
+  pending = bound._pending  # pylint: disable=protected-access
+  try:
+    if len(pending) < limit:  # `before_dispatch`, nothing to wait for
+      now = _perf_counter() if bound.stats is not None else None
+    else:
+      now = bound.before_dispatch(limit, 1)
+    traces = program.traces
+    out = flat[0](*leaves)
+    _, out_tree, wait, count = flat if program.traces == traces else (None, *program.note_trace())
+    result = out_tree.unflatten(out if count is None else out[:count])
+  except BaseException:
+    # the aborts, newest first: watchdog.Heartbeat, profiler.StepMarks
+    if began:
+      dog.dispatch_ends()
+    _MARK_OPEN[0] = False
+    raise
+  token = out[wait]
+  pending.append(token)  # `InFlight.after_dispatch`
+  try:
+    # numerics.StepChecks.after
+    if numerics is not None:
+      bound.add_flags(token, numerics)
+    # step_stats.StepCounting.after
+    if now is not None:
+      bound.stats.note_steps(1, now)
+  finally:
+    # profiler.StepMarks.after (`step_end`): the mark closes
+    _MARK_OPEN[0] = False
+    # watchdog.Heartbeat.after
+    if began and watchdog._ACTIVE is dog:  # pylint: disable=protected-access
+      dog.dispatched(token, 1)
+    else:
+      if began:
+        dog.dispatch_ends()
+      now_active = watchdog._ACTIVE  # pylint: disable=protected-access
+      if now_active is not None:
+        now_active.note(token, 1)
   return result
 
 
