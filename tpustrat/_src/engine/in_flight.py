@@ -398,13 +398,15 @@ def dispatch_flat(program: Any, leaves: list[Any], bound: InFlight, limit: int,
       bound.add_flags(token, numerics)
     # step_stats.StepCounting.after
     if now is not None:
-      bound.stats.note_steps(1, now)
+      stats: Any = bound.stats  # a clock reading is taken only with stats
+      stats.note_steps(1, now)
   finally:
     # profiler.StepMarks.after (`step_end`): the mark closes
     _MARK_OPEN[0] = False
     # watchdog.Heartbeat.after
     if began and watchdog._ACTIVE is dog:  # pylint: disable=protected-access
-      dog.dispatched(token, 1)
+      heartbeat: Any = dog  # the one that began, still the running one
+      heartbeat.dispatched(token, 1)
     else:
       if began:
         dog.dispatch_ends()
