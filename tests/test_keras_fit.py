@@ -756,3 +756,10 @@ def test_step_results_unwrapped_as_jax_tree_map_would():
   assert list(got[2]) == list(want[2]) == ["a", "m", "z"]
   assert all(x is y for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
   assert type(got[4]) is pair and type(got[0]) is list and type(got[1]) is tuple
+  # The structure is worked out once: the same structure holding other arrays gives those arrays.
+  other = jax.tree.map(lambda x: x + 1 if isinstance(x, jax.Array) else x, tree)
+  again = keras_fit._arrays(other)  # noqa: SLF001
+  want = jax.tree.map(lambda v: v.tree if isinstance(v, DistributedValues) else v, other,
+                      is_leaf=lambda v: isinstance(v, DistributedValues))
+  assert jax.tree.structure(again) == jax.tree.structure(want)
+  assert all(x is y for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(want)))

@@ -657,27 +657,37 @@ def _array(v: Any) -> Any:
   return v.tree if isinstance(v, DistributedValues) else v
 
 
+_flatten = jax.tree_util.default_registry.flatten
+_UNWRAPPED: dict[Any, tuple[Any, list[int] | None]] = {}  # a result's treedef -> `_unwrapped` of it
+_UNWRAPPED_SIZE = 64  # structures kept (a few per model: its train, test and predict results)
+
+
 def _arrays(tree: Any) -> Any:
-  """`tree` with each `DistributedValues` replaced by its global arrays (`_array`). The lists, tuples and
-  dicts of the state and logs a step returns are walked here (a dict's keys sorted, as `jax.tree.map`
-  rebuilds it), arrays and None kept; any other node, by `jax.tree.map`."""
-  kind = type(tree)
-  if kind is list or kind is tuple:
-    return kind([_arrays(v) for v in tree])
-  # Arrays are returned as they are (a model's state is hundreds of them: a `jax.tree.map` call each would
-  # cost more than the walk saves).
-  if tree is None or kind is np.ndarray or isinstance(tree, jax.Array):
-    return tree
-  if isinstance(tree, DistributedValues):
-    return tree.tree
-  if kind is dict:
-    try:
-      keys = sorted(tree)
-    except TypeError:  # keys that cannot be sorted: JAX's own error
-      keys = None
-    if keys is not None:
-      return {k: _arrays(tree[k]) for k in keys}
-  return jax.tree.map(_array, tree, is_leaf=lambda v: isinstance(v, DistributedValues))
+  """`tree` with each `DistributedValues` replaced by its global arrays (`_array`; padded real-row counts
+  dropped): flattened by JAX (through the values' nodes), rebuilt as the structure without them, which is
+  worked out once per structure (`_unwrapped`). A step's state is hundreds of arrays: a Python call per node
+  or leaf cost more than the step's own host work on a small model."""
+  leaves, treedef = _flatten(tree)
+  try:
+    known = _UNWRAPPED.get(treedef)
+  except TypeError:  # a structure whose node data cannot be hashed: by `jax.tree.map`
+    return jax.tree.map(_array, tree, is_leaf=lambda v: isinstance(v, DistributedValues))
+  if known is None:
+    if len(_UNWRAPPED) >= _UNWRAPPED_SIZE:
+      _UNWRAPPED.clear()
+    known = _UNWRAPPED[treedef] = _unwrapped(treedef)
+  plain, kept = known
+  return plain.unflatten(leaves if kept is None else [leaves[i] for i in kept])
+
+
+def _unwrapped(treedef: Any) -> tuple[Any, list[int] | None]:
+  """The structure of a tree of `treedef` with each `DistributedValues` replaced by its global arrays, and
+  the positions of the leaves it keeps (None: all, in order)."""
+  n = treedef.num_leaves
+  positions = jax.tree.map(_array, treedef.unflatten(list(range(n))),
+                           is_leaf=lambda v: isinstance(v, DistributedValues))
+  kept, plain = jax.tree.flatten(positions)
+  return plain, (None if kept == list(range(n)) else kept)
 
 
 def _predictions(strategy: Any, outputs: Any, stacked: bool) -> Any:
