@@ -122,6 +122,27 @@ def test_a_mirrored_output_names_every_replica(strategy):
     strategy.experimental_run_wait()
 
 
+@pytest.mark.parametrize("shape", [(1000, 7), (3, 2000), (4100,)])
+def test_every_element_of_a_large_mirrored_output_is_checked(strategy, shape):
+  """A `Mirrored` output large enough that each replica checks a part (split by rows where there are at
+  least as many as replicas, else flattened): a NaN or Inf anywhere (first and last element, each side of
+  a part's edge) is found, named as numpy finds it."""
+  size = int(np.prod(shape))
+  chunk = -(-(shape[0] if shape[0] >= N else size) // N)
+  stride = size // shape[0] if shape[0] >= N else 1  # elements per part's unit (a row, or one element)
+  for flat_index in sorted({0, chunk * stride - 1, chunk * stride, size // 2, size - 1}):
+    big = np.ones(size, np.float32)
+    big[flat_index] = np.inf if flat_index % 2 else np.nan
+    big = big.reshape(shape)
+    strategy.run(lambda p: p * 1.0, args=(big,), options=CHECK)
+    with pytest.raises(tpustrat.NumericsError) as info:
+      strategy.experimental_run_wait()
+    nan, inf = bool(np.isnan(big).any()), bool(np.isinf(big).any())
+    assert info.value.outputs == [("<root>", "Mirrored", tuple(range(N)), nan, inf)], (shape, flat_index)
+  strategy.run(lambda p: p * 1.0, args=(np.ones(shape, np.float32),), options=CHECK)
+  strategy.experimental_run_wait()  # nothing set: nothing raised
+
+
 def test_a_sharded_variable_output_names_the_replica_of_the_bad_block(strategy):
   state = strategy.experimental_shard({"w": np.ones((16, 4), np.float32)},
                                       tpustrat.MinSizePartitioner(min_shard_bytes=64))

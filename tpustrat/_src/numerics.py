@@ -126,11 +126,14 @@ def replica_flags(leaves: Sequence[Any], is_varying: Sequence[bool], row_counts:
     if not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
       continue
     if not v:
-      flat = x.reshape(-1)
-      if flat.size >= _SLICE_MIN:  # the same on every replica: each checks its own slice
-        chunk = -(-flat.size // n)
-        flat = lax.dynamic_slice_in_dim(flat, lax.axis_index(axis) * chunk, chunk)  # clamped at the end
-      code = _leaf_code(flat)
+      part = x
+      if x.size >= _SLICE_MIN and n > 1:  # the same on every replica: each checks its own slice
+        # Rows where there are at least as many as replicas: a reshape to one dimension first cost XLA:CPU a
+        # three-stage reduction (5.0 against 1.7 ms for a 784-1024-1024-10 MLP's parameters, whole).
+        part = x if x.ndim and x.shape[0] >= n else x.reshape(-1)
+        chunk = -(-part.shape[0] // n)
+        part = lax.dynamic_slice_in_dim(part, lax.axis_index(axis) * chunk, chunk)  # clamped at the end
+      code = _leaf_code(part)
     elif rows is not None and x.ndim:
       real = lax.broadcasted_iota(jnp.int32, (x.shape[0],) + (1,) * (x.ndim - 1), 0) < rows
       code = _leaf_code(jnp.where(real, x, jnp.zeros((), x.dtype)))
