@@ -513,3 +513,20 @@ def test_rows_are_followed_where_they_go(strategy, name, fn, want):
     np.testing.assert_array_equal(got, np.concatenate(comps))
   else:
     np.testing.assert_allclose(got, want(x, w), rtol=1e-5, atol=1e-5 * np.abs(x).sum())
+
+
+def test_real_row_counts_mapped_to_floats_over_the_whole_batch_are_refused(strategy):
+  """`jax.tree.map` over a distributed batch maps its real-row counts too (a leaf of its pytree): made
+  floats, they would mask the wrong rows, so `run` refuses them when the step is traced, naming them. The
+  same transformation inside the step gives numpy's masked sum."""
+  x, batch = partial_batch(strategy, rows=13)
+
+  def masked_sum(v):
+    return jnp.where(tpustrat.valid_mask(v)[:, None], v, 0.0).sum(axis=0)
+
+  scaled = jax.tree.map(lambda a: a / 255.0, batch)
+  with pytest.raises(ValueError, match=r"real-row counts of float32\[8\], not the int32\[8\].*jax\.tree\.map"):
+    strategy.run(masked_sum, args=(scaled,))
+  out = strategy.run(lambda v: masked_sum(v / 255.0), args=(batch,))
+  np.testing.assert_allclose(strategy.reduce("SUM", out, axis=None), (x / 255.0).sum(axis=0), rtol=1e-5,
+                             atol=1e-6 * np.abs(x / 255.0).sum())

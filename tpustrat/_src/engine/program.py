@@ -125,6 +125,7 @@ def make_program(fn: Callable[..., Any], groups: tuple[int, ...], *, mesh: jax.s
         valid = node.real_rows_array if node.padding_is_marked else None
         if valid is not None:
           _check_padded(leaves, path)
+          _check_real_rows(valid, n, path)
           padded.append(len(flat) + len(leaves))
           padded_paths.append(path)
           padded_zero.append(node.batch_tag is not None and node.batch_tag.zero_padded)
@@ -365,6 +366,21 @@ def _unpack(flat_in: Any, rebuild: list[tuple[str, Any, int]],
     else:
       nodes.append(leaves[0])
   return nodes, row_leaves, sizes
+
+
+def _check_real_rows(valid: Any, n: int, path: str) -> None:
+  """A padded batch's real-row counts are integers, one per replica (``[num_replicas]``). They are a leaf of
+  the batch's pytree, so a function mapped over the whole batch (``jax.tree.map(lambda x: x / 255, batch)``)
+  maps them too: one that makes them floats (or reshapes them) is refused here, when the step is traced,
+  instead of masking the wrong rows. (One that keeps them integers cannot be told from real counts.)"""
+  dtype, shape = jnp.result_type(valid), tuple(jnp.shape(valid))
+  if not jnp.issubdtype(dtype, jnp.integer) or shape != (n,):
+    raise ValueError(
+        f"strategy.run: the padded PerReplica batch at {path} carries real-row counts of {dtype}{list(shape)}, "
+        f"not the int32[{n}] (one count per replica) its dataset made: a function mapped over the whole batch "
+        "(jax.tree.map(f, batch)) maps them as well, since they are a leaf of its pytree. Transform the "
+        "batch's arrays inside the step function (each replica sees plain arrays there) or in the dataset "
+        "before it is distributed (dataset.map), not with jax.tree.map over the distributed batch.")
 
 
 def _check_padded(leaves: list[Any], path: str) -> None:
