@@ -474,6 +474,84 @@ def test_a_result_structure_that_depends_on_shapes_is_right_on_the_fast_path(str
       assert_close(np.stack(out[1].values), x * 3.0, rtol=1e-6)
 
 
+def test_a_call_that_traced_then_failed_leaves_its_result_structure_known(strategy, rng, monkeypatch):
+  """A call of a new signature that traced its program (another result structure) and then failed to
+  compile: JAX keeps the trace, so the retry does not trace again; it still returns its own structure, with
+  the numpy values, and the first signature's calls theirs."""
+  compiler = pytest.importorskip("jax._src.compiler")
+  if not hasattr(compiler, "compile_or_get_cached"):
+    pytest.skip("jax._src.compiler.compile_or_get_cached is gone: the failure this test injects needs another route")
+  real, fail = compiler.compile_or_get_cached, [False]
+
+  def flaky(*args, **kwargs):
+    if fail[0]:
+      fail[0] = False
+      raise RuntimeError("an injected compile failure")
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(compiler, "compile_or_get_cached", flaky)
+
+  def fn(v):
+    if v.shape[-1] == 3:
+      return {"a": v * 3.0, "b": v + 1.0}
+    return v * 2.0, v - 1.0
+
+  xs = {width: rng.normal(size=(N, width)).astype(np.float32) for width in (2, 3)}
+  given = {width: stacked(strategy, x) for width, x in xs.items()}
+  strategy.run(fn, args=(given[2],))
+  strategy.run(fn, args=(given[2],))
+  fail[0] = True
+  with pytest.raises(RuntimeError, match="an injected compile failure"):
+    strategy.run(fn, args=(given[3],))
+  for width in (3, 2, 3):
+    out = strategy.run(fn, args=(given[width],))
+    x = xs[width].astype(np.float64)
+    if width == 3:
+      assert isinstance(out, dict), jax.tree.structure(out)
+      assert_close(np.stack(out["a"].values), x * 3.0, rtol=1e-6)
+      assert_close(np.stack(out["b"].values), x + 1.0, rtol=1e-6, scale=np.abs(x) + 1.0)
+    else:
+      assert isinstance(out, tuple), jax.tree.structure(out)
+      assert_close(np.stack(out[0].values), x * 2.0, rtol=1e-6)
+
+
+def test_a_trace_in_another_thread_does_not_change_a_calls_result_structure(strategy, rng):
+  """One thread runs a cached signature on the fast path while another makes the program trace a new one
+  whose result structure differs: each call returns its own structure, with the numpy values."""
+  import threading  # noqa: PLC0415
+
+  x2, x3 = (rng.normal(size=(N, w)).astype(np.float32) for w in (2, 3))
+  g2, g3 = stacked(strategy, x2), stacked(strategy, x3)
+  wrong = []
+  for _ in range(20):
+    def fn(v):  # a new function each round: a new program to trace
+      if v.shape[-1] == 3:
+        return {"a": v * 3.0}
+      return v * 2.0, v - 1.0
+
+    strategy.run(fn, args=(g2,))
+    strategy.run(fn, args=(g2,))
+    started, stop = threading.Event(), threading.Event()
+
+    def loop(fn=fn, started=started, stop=stop):
+      while not stop.is_set():
+        out = strategy.run(fn, args=(g2,))
+        started.set()
+        if not (isinstance(out, tuple) and np.allclose(np.stack(out[0].values), x2 * 2.0)):
+          wrong.append(jax.tree.structure(out))
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    started.wait()
+    try:
+      out = strategy.run(fn, args=(g3,))
+    finally:
+      stop.set()
+      thread.join()
+    assert isinstance(out, dict) and np.allclose(np.stack(out["a"].values), x3 * 3.0), jax.tree.structure(out)
+  assert not wrong, wrong[:3]
+
+
 def test_a_plain_array_on_the_one_device_is_not_placed_again(monkeypatch, rng):
   """On a one-device strategy a plain `jax.Array` on that device is laid out as the replicated target
   already: `run` passes it as it is (no `jax.device_put` per call), and the result is the numpy one."""

@@ -763,3 +763,15 @@ def test_step_results_unwrapped_as_jax_tree_map_would():
                       is_leaf=lambda v: isinstance(v, DistributedValues))
   assert jax.tree.structure(again) == jax.tree.structure(want)
   assert all(x is y for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(want)))
+  # A custom node that checks its children when rebuilt (a user's train_step may return one in its logs).
+
+  class Checked:
+    def __init__(self, x):
+      if not isinstance(x, jax.Array):
+        raise TypeError(f"Checked holds an array, got {type(x).__name__}")
+      self.x = x
+
+  jax.tree_util.register_pytree_node(Checked, lambda c: ((c.x,), None), lambda _, children: Checked(children[0]))
+  for _ in range(2):  # the structure's verdict is kept: the second call takes it
+    got = keras_fit._arrays((Checked(a), Mirrored.from_global(b)))  # noqa: SLF001
+    assert type(got[0]) is Checked and got[0].x is a and got[1] is b

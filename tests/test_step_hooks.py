@@ -272,18 +272,28 @@ def _effects(strategy, run_steps, x, nan_at):
     ctx = tpustrat.get_replica_context()
     return w * 0.5 + poison, ctx.all_reduce("sum", v * w)
 
+  from tpustrat._src.engine import engine as engine_lib  # noqa: PLC0415
+  real, fast = engine_lib.dispatch_flat, []
+
+  def counted(*args, **kwargs):
+    fast.append(1)
+    return real(*args, **kwargs)
+
+  engine_lib.dispatch_flat = counted
   try:
     w = jnp.float32(1.0)
     for i in range(run_steps):
-      w, _ = strategy.run(step, args=(w, x, jnp.float32(np.nan if i == nan_at else 0.0)), options=options)
+      # A Python float (no array to place): from the second step on, `run`'s fast path can take the call
+      w, _ = strategy.run(step, args=(w, x, float(np.nan) if i == nan_at else 0.0), options=options)
     strategy.experimental_run_wait()
   except tpustrat.NumericsError as e:
     error = str(e)
   finally:
+    engine_lib.dispatch_flat = real
     watchdog.activate(previous)
     dog.stop()
   return (counters.steps - steps_before, profiler.steps_dispatched() - profile_before, dog.steps,
-          None if dog._last is None else dog._last[0], len(dog._recent), error)
+          None if dog._last is None else dog._last[0], len(dog._recent), error), len(fast)
 
 
 def test_the_default_hooks_written_out_leave_what_the_registry_leaves(strategy, registered):
@@ -292,11 +302,13 @@ def test_the_default_hooks_written_out_leave_what_the_registry_leaves(strategy, 
   a dispatch through the registry (taken once any other hook is registered)."""
   x = strategy.experimental_distribute_values_from_function(lambda c: jnp.float32(c.replica_id_in_sync_group))
   steps = numerics.GROUP + 4  # step 5's group (steps 1 .. GROUP) is read by call GROUP + 2, which raises
-  written_out = _effects(strategy, steps, x, nan_at=4)
+  written_out, fast = _effects(strategy, steps, x, nan_at=4)
+  assert fast >= numerics.GROUP - 1  # the written-out calls past the second took `run`'s fast path (`dispatch_flat`)
   assert engine.STEP_HOOKS.unchanged
   registered(_Nothing())
   assert not engine.STEP_HOOKS.unchanged
-  through_registry = _effects(strategy, steps, x, nan_at=4)
+  through_registry, fast = _effects(strategy, steps, x, nan_at=4)
+  assert fast == 0  # a hook registered: every call through the registry
   assert written_out == through_registry
   error = written_out[-1]
   # Steps 1 .. GROUP + 1 dispatched; the bound's wait before step GROUP + 2 ran the check of steps 1 .. GROUP,
@@ -323,6 +335,21 @@ def test_a_dispatch_of_the_default_hooks_that_fails_leaves_no_mark_open(strategy
     out = strategy.run(lambda v: v + 1.0, args=(jnp.float32(2.0),))
     assert profiler.steps_dispatched() == before + 1
     assert np.asarray(strategy.experimental_local_results(out)[0]) == np.float32(3.0)
+
+    # On `run`'s fast path (`dispatch_flat`): placed arguments, then other shapes whose trace raises.
+    def wide_only(v):
+      if v.shape[-1] != 2:
+        raise ValueError("the step's own error, traced on the fast path")
+      return v * 2.0
+
+    x2, x3 = (strategy.experimental_mirror(np.ones(w, np.float32)) for w in (2, 3))
+    strategy.run(wide_only, args=(x2,))
+    strategy.run(wide_only, args=(x2,))
+    with pytest.raises(ValueError, match="traced on the fast path"):
+      strategy.run(wide_only, args=(x3,))
+    assert profiler.OPEN == [False] and dog._dispatching is None
+    out = strategy.run(wide_only, args=(x2,))
+    np.testing.assert_array_equal(np.asarray(strategy.experimental_local_results(out)[0]), [2.0, 2.0])
   finally:
     watchdog.activate(previous)
     dog.stop()

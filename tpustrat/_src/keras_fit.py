@@ -676,16 +676,26 @@ def _arrays(tree: Any) -> Any:
     if len(_UNWRAPPED) >= _UNWRAPPED_SIZE:
       _UNWRAPPED.clear()
     known = _UNWRAPPED[treedef] = _unwrapped(treedef)
+  if known is _BY_TREE_MAP:
+    return jax.tree.map(_array, tree, is_leaf=lambda v: isinstance(v, DistributedValues))
   plain, kept = known
   return plain.unflatten(leaves if kept is None else [leaves[i] for i in kept])
 
 
-def _unwrapped(treedef: Any) -> tuple[Any, list[int] | None]:
+_BY_TREE_MAP: Any = ("by jax.tree.map",)  # `_unwrapped` of a structure it cannot work out with stand-ins
+
+
+def _unwrapped(treedef: Any) -> Any:
   """The structure of a tree of `treedef` with each `DistributedValues` replaced by its global arrays, and
-  the positions of the leaves it keeps (None: all, in order)."""
+  the positions of the leaves it keeps (None: all, in order). Worked out on a tree of stand-in leaves (their
+  positions); a node that refuses them when it is rebuilt (a custom pytree that checks its children) leaves
+  the structure to `jax.tree.map` on every call (`_BY_TREE_MAP`)."""
   n = treedef.num_leaves
-  positions = jax.tree.map(_array, treedef.unflatten(list(range(n))),
-                           is_leaf=lambda v: isinstance(v, DistributedValues))
+  try:
+    positions = jax.tree.map(_array, treedef.unflatten(list(range(n))),
+                             is_leaf=lambda v: isinstance(v, DistributedValues))
+  except Exception:  # pylint: disable=broad-except  # the user's node's own check of stand-in children
+    return _BY_TREE_MAP
   kept, plain = jax.tree.flatten(positions)
   return plain, (None if kept == list(range(n)) else kept)
 

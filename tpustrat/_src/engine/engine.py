@@ -129,7 +129,8 @@ class Engine:
     # argument leaf an array already laid out as the program wants it, or a Python scalar; no layout map),
     # with the default step hooks and no profile mark to make. Everything checked once per signature is
     # skipped: the lookup, one sharding comparison per leaf and the dispatch (`dispatch_flat`: the default
-    # hooks and the compiled program's call written out in one frame) are all the Python that runs (tests/test_engine.py checks that such a call runs no per-signature check).
+    # hooks and the compiled program's call written out in one frame) are all the Python that runs
+    # (tests/test_engine.py checks that such a call runs no per-signature check).
     fast_key: Any = None
     if type(args) is tuple and (kwargs is None or (type(kwargs) is dict and not kwargs)) and (
         _CONTEXT.replica_context is None):

@@ -11,6 +11,8 @@ unflatten. `donating` gives the same program with some argument leaves donated (
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +23,11 @@ from tpustrat._src import numerics as numerics_lib
 from tpustrat._src.engine.in_flight import wait_leaf
 
 __all__ = ["FlatProgram"]
+
+# This thread's latest trace of a `FlatProgram`: (the program, weakly; its trace number; what it recorded).
+# JAX traces a program inside the call that needs it, in the calling thread: a call finds here whether it
+# traced, and what, whatever other threads traced meanwhile.
+_TRACE = threading.local()
 
 
 class FlatProgram:
@@ -42,12 +49,13 @@ class FlatProgram:
     leaves)` is called each time JAX traces the program (a new program is compiled), with the traced
     argument leaves."""
     self._on_trace = on_trace
-    # What the latest trace recorded: (result treedef, index of the leaf to wait on, the result's leaf count
-    # when the program adds a token of its own past them, else None), counted in `traces` (JAX traces the
-    # program inside the call that needs it); `_kept`: the one every trace so far recorded.
-    self._traced: tuple[Any, int, int | None] | None = None
+    # What the first trace recorded: (result treedef, index of the leaf to wait on, the result's leaf count
+    # when the program adds a token of its own past them, else None); the traces counted in `traces`. A
+    # trace that records another structure sends every later call to `_tree`, decided when it is traced
+    # (even if that call then fails: JAX keeps the trace, and the next call of its signature does not trace).
     self._kept: tuple[Any, int, int | None] | None = None
     self.traces = 0
+    self._lock = threading.Lock()
     # For `in_flight.dispatch_flat` (`Engine.run`'s fast path, which calls the compiled program itself):
     # ``(the jax.jit over flat leaves, result treedef, index of the leaf to wait on, leaf count or None)``
     # once a trace has recorded the result's structure; None again if a second structure made it fall back.
@@ -78,8 +86,7 @@ class FlatProgram:
 
     def flat_program(*leaves: Any) -> list[Any]:
       out, out_tree, wait = flat(*leaves)
-      self._traced = (out_tree, wait, out_tree.num_leaves if len(out) > out_tree.num_leaves else None)
-      self.traces += 1
+      self._note_trace((out_tree, wait, out_tree.num_leaves if len(out) > out_tree.num_leaves else None))
       return out
 
     def tree_program(*leaves: Any) -> tuple[Any, Any]:
@@ -106,24 +113,34 @@ class FlatProgram:
     """Runs the program; returns (result pytree, the output to wait on)."""
     if self._fallback is not None:
       return self._fallback(*leaves)
-    traces = self.traces
+    kept, traces = self._kept, self.traces
     out = self._flat(*leaves)
-    kept = self._kept
-    if self.traces != traces or kept is None:  # traced in this call: the result structure is the one it recorded
-      kept = self.note_trace()
+    if self.traces != traces or kept is None:  # traced meanwhile: by this call, or by another thread
+      kept = self.structure_after(traces, kept)
     out_tree, wait, count = kept
     return out_tree.unflatten(out if count is None else out[:count]), out[wait]
 
-  def note_trace(self) -> tuple[Any, int, int | None]:
-    """After a call that traced the program: ``(result treedef, index of the leaf to wait on, leaf count or
-    None)`` as that trace recorded them, kept if it is the first; if it differs from the one kept, every later
-    call goes through `_tree` (`jax.jit` keeps the structures apart per signature)."""
-    traced = self._traced
-    assert traced is not None  # a new program's first call traces it, and every trace records its result
-    if self._kept is None:
-      self._kept = traced
-      self.flat = (self._flat, *traced)
-    elif traced != self._kept:
-      self._fallback = self._tree  # two result structures: let jax.jit keep them apart from now on
-      self.flat = None
-    return traced
+  def _note_trace(self, traced: tuple[Any, int, int | None]) -> None:
+    """At trace time: counts the trace, records it for the calling thread (`structure_after`), keeps its
+    structure if it is the first, and falls back to `_tree` for good if it differs from the one kept."""
+    with self._lock:
+      self.traces += 1
+      _TRACE.last = (weakref.ref(self), self.traces, traced)
+      if self._kept is None:
+        self._kept = traced
+        self.flat = (self._flat, *traced)
+      elif traced != self._kept:
+        self._fallback = self._tree  # two result structures: let jax.jit keep them apart from now on
+        self.flat = None
+
+  def structure_after(self, traces: int, kept: tuple[Any, int, int | None] | None) -> tuple[Any, int, int | None]:
+    """The result structure of a call made when `traces` traces had been counted and `kept` was kept, after
+    which the count moved: what this thread's trace recorded if the call traced, else `kept` (another
+    thread traced meanwhile), or the structure kept now if none was then."""
+    last = getattr(_TRACE, "last", None)
+    if last is not None and last[0]() is self and last[1] > traces:
+      return last[2]
+    if kept is None:
+      kept = self._kept
+      assert kept is not None  # a program's first call traces it (here, or in another thread)
+    return kept

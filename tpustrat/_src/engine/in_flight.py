@@ -361,7 +361,7 @@ def dispatch_flat(program: Any, leaves: list[Any], bound: InFlight, limit: int,
   order, with the program's own call written out too (its compiled `jax.jit` over the leaves, the result
   rebuilt from the structure its trace recorded: `FlatProgram.flat`): on a dispatch-bound step each Python
   frame between the caller and `jax.jit` costs about a microsecond. tests/test_step_hooks.py checks that this
-  path leaves the effects the registry leaves."""
+  path leaves the effects the registry leaves (its steps past the first take this path)."""
   flat = program.flat
   if flat is None:  # not traced yet, or its results fell back to `jax.jit`'s own pytrees
     return dispatch_default_hooks(program, (leaves,), bound, limit, 1, numerics, traced)
@@ -382,7 +382,10 @@ def dispatch_flat(program: Any, leaves: list[Any], bound: InFlight, limit: int,
       now = bound.before_dispatch(limit, 1)
     traces = program.traces
     out = flat[0](*leaves)
-    _, out_tree, wait, count = flat if program.traces == traces else (None, *program.note_trace())
+    if program.traces == traces:
+      _, out_tree, wait, count = flat
+    else:  # traced meanwhile (other shapes: by this call, or another thread's)
+      out_tree, wait, count = program.structure_after(traces, flat[1:])
     result = out_tree.unflatten(out if count is None else out[:count])
   except BaseException:
     # the aborts, newest first: watchdog.Heartbeat, profiler.StepMarks
