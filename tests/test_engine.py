@@ -569,6 +569,43 @@ def test_a_plain_array_on_the_one_device_is_not_placed_again(monkeypatch, rng):
   np.testing.assert_allclose(np.asarray(one.experimental_local_results(out)[0]), a * 3.0 + 1.0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("checked", [False, True])
+def test_per_replica_results_fed_back_on_one_device_take_the_fast_path(monkeypatch, rng, checked):
+  """On a one-device strategy `run` names its per-replica results split over the replica axis and its
+  `Mirrored` ones replicated (XLA alone named some per-replica results `P()`): a per-replica state fed back
+  matches what the program wants, so later calls run none of the checked path's work, with numpy's values
+  (with `check_numerics` too, whose flags are one more per-replica output)."""
+  from tpustrat._src.engine import engine as engine_lib  # noqa: PLC0415
+  one = tpustrat.MirroredStrategy(devices=[jax.devices()[0]])
+  x = rng.normal(size=(1, 4, 3)).astype(np.float32)
+  counts = one.experimental_distribute_values_from_function(lambda ctx: np.zeros((), np.int32))
+  state = {"x": one.experimental_distribute_values_from_function(lambda ctx: x[0]), "n": counts}
+  w = one.experimental_mirror(np.float32(2.0))
+  options = tpustrat.RunOptions(check_numerics=True) if checked else None
+
+  def step(state, w):
+    total = tpustrat.get_replica_context().all_reduce("sum", state["x"].sum())
+    return {"x": state["x"] * 0.5 + w, "n": state["n"] + 1}, w + total * 0.0 + 1.0
+
+  state, w = one.run(step, args=(state, w), options=options)
+  split, replicated = jax.sharding.PartitionSpec("replica"), jax.sharding.PartitionSpec()
+  assert state["x"].tree.sharding.spec == split and state["n"].tree.sharding.spec == split
+  assert w.tree.sharding.spec == replicated
+  calls = []
+  real = engine_lib.Engine._run_checked
+  monkeypatch.setattr(engine_lib.Engine, "_run_checked", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+  for _ in range(3):
+    state, w = one.run(step, args=(state, w), options=options)
+  one.experimental_run_wait()
+  assert calls == []
+  want, wv = x.astype(np.float64), 2.0
+  for _ in range(4):
+    want, wv = want * 0.5 + wv, wv + 1.0
+  assert_close(np.stack(one.experimental_local_results(state["x"])), want, rtol=1e-6)
+  assert int(np.asarray(one.experimental_local_results(state["n"])[0])) == 4
+  assert float(np.asarray(one.experimental_local_results(w)[0])) == wv
+
+
 def test_a_plain_array_and_the_replicated_result_share_one_compiled_program(rng):
   """On a one-device strategy a plain array on that device and `run`'s replicated result are the same
   layout under two names: `run` renames the first (no copy, no `jax.device_put`) so that both calls run

@@ -315,10 +315,11 @@ class Engine:
         f"strategy.run({getattr(fn, '__name__', 'fn')})")
     structured = make_program(fn, groups, mesh=self._mesh, num_replicas=self._num_replicas,
                               make_context=self._make_context, layout_map=layout_map, numerics=outputs)
+    names = (self._replicated, self._split) if self._mesh.size == 1 and not self._core_axes else None
     if outputs is None:
-      return FlatProgram(structured, seen_tree, on_trace=traced)
+      return FlatProgram(structured, seen_tree, on_trace=traced, names=names)
     return FlatProgram(structured, seen_tree, checked=outputs, on_trace=traced,
-                       traced_numerics=self._traced_numerics)
+                       traced_numerics=self._traced_numerics, names=names)
 
   def _on_trace(self, key: Any, name: str) -> Callable[[Any, list[Any]], None]:
     """What a program of `fn` (`key`: its `weak_key`) calls each time JAX traces it, that is, compiles a new

@@ -11,6 +11,7 @@ unflatten. `donating` gives the same program with some argument leaves donated (
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -21,6 +22,8 @@ import jax.numpy as jnp
 
 from tpustrat._src import numerics as numerics_lib
 from tpustrat._src.engine.in_flight import wait_leaf
+from tpustrat._src.sharded_variable import ShardedVariable
+from tpustrat._src.values import PerReplica, is_distributed
 
 __all__ = ["FlatProgram"]
 
@@ -42,24 +45,35 @@ class FlatProgram:
   def __init__(self, structured: Callable[..., Any], seen_tree: Any, donate: tuple[int, ...] = (),
                checked: numerics_lib.Outputs | None = None,
                on_trace: Callable[[Any, list[Any]], None] | None = None,
-               traced_numerics: numerics_lib.TracedChecks | None = None) -> None:
+               traced_numerics: numerics_lib.TracedChecks | None = None,
+               names: tuple[Any, Any] | None = None) -> None:
     """`checked` (`RunOptions.check_numerics`): `structured` returns ``(result, flags)``; the flags are the
     output to wait on, and `numerics_check` makes the check of a call's flags (`traced_numerics`: the
     engine's, for a call traced inside a user's jit / scan). `on_trace(seen_tree,
     leaves)` is called each time JAX traces the program (a new program is compiled), with the traced
-    argument leaves."""
+    argument leaves.
+
+    `names`: on a mesh of one device, the (replicated, split over the replicas) shardings the outputs are
+    named with. There every layout is that device, and XLA names an output after an input of its rank or
+    after no axis at all: a per-replica result named ``P()`` matched no target when fed back to the next
+    call, which then took the checked path and placed it again (a per-replica state on one device: 100 us
+    a call instead of 25). The program then returns its replicated and its per-replica leaves as two lists,
+    compiled with those two shardings (`jax.jit`'s output shardings as a prefix: nothing is traced or
+    compiled twice), and each call puts them back in order (one `operator.itemgetter`)."""
     self._on_trace = on_trace
     # What the first trace recorded: (result treedef, index of the leaf to wait on, the result's leaf count
-    # when the program adds a token of its own past them, else None); the traces counted in `traces`. A
+    # when the program adds a token of its own past them, else None, and with `names` each output's
+    # position in the (replicated + per-replica) lists); the traces counted in `traces`. A
     # trace that records another structure sends every later call to `_tree`, decided when it is traced
     # (even if that call then fails: JAX keeps the trace, and the next call of its signature does not trace).
-    self._kept: tuple[Any, int, int | None] | None = None
+    self._kept: tuple[Any, int, int | None, tuple[int, ...] | None] | None = None
     self.traces = 0
     self._lock = threading.Lock()
     # For `in_flight.dispatch_flat` (`Engine.run`'s fast path, which calls the compiled program itself):
-    # ``(the jax.jit over flat leaves, result treedef, index of the leaf to wait on, leaf count or None)``
+    # ``(the jax.jit over flat leaves, result treedef, index of the leaf to wait on, leaf count or None,
+    # None, or for named outputs True (in order once concatenated) or the itemgetter that puts them in order)``
     # once a trace has recorded the result's structure; None again if a second structure made it fall back.
-    self.flat: tuple[Callable[..., Any], Any, int, int | None] | None = None
+    self.flat: tuple[Callable[..., Any], Any, int, int | None, Any] | None = None
     self._fallback: Callable[..., Any] | None = None
     self._structured, self._seen_tree, self._checked = structured, seen_tree, checked
     self.notes: dict[str, str | None] = getattr(structured, "notes", {})
@@ -84,10 +98,19 @@ class FlatProgram:
         wait = len(out) - 1
       return out, out_tree, wait
 
-    def flat_program(*leaves: Any) -> list[Any]:
+    def flat_program(*leaves: Any) -> Any:
       out, out_tree, wait = flat(*leaves)
-      self._note_trace((out_tree, wait, out_tree.num_leaves if len(out) > out_tree.num_leaves else None))
-      return out
+      count = out_tree.num_leaves if len(out) > out_tree.num_leaves else None
+      if names is None:
+        self._note_trace((out_tree, wait, count, None))
+        return out
+      split = _split_leaves(out_tree, len(out), checked is not None)
+      order = [i for i, s in enumerate(split) if not s] + [i for i, s in enumerate(split) if s]
+      position = [0] * len(out)
+      for at, i in enumerate(order):
+        position[i] = at
+      self._note_trace((out_tree, wait, count, tuple(position)))
+      return [out[i] for i in order if not split[i]], [out[i] for i in order if split[i]]
 
     def tree_program(*leaves: Any) -> tuple[Any, Any]:
       out, out_tree, wait = flat(*leaves)
@@ -95,7 +118,11 @@ class FlatProgram:
 
     self.__name__ = getattr(structured, "__name__", "run_fn")
     flat_program.__name__ = tree_program.__name__ = self.__name__
-    self._flat = jax.jit(flat_program, donate_argnums=donate)
+    self._names = names
+    if names is None:
+      self._flat = jax.jit(flat_program, donate_argnums=donate)
+    else:
+      self._flat = jax.jit(flat_program, donate_argnums=donate, out_shardings=names)
     self._tree = jax.jit(tree_program, donate_argnums=donate)
     self._donating: dict[tuple[int, ...], FlatProgram] = {}
 
@@ -106,7 +133,7 @@ class FlatProgram:
     variant = self._donating.get(leaves)
     if variant is None:
       variant = self._donating[leaves] = FlatProgram(self._structured, self._seen_tree, leaves, self._checked,
-                                                      self._on_trace, self._traced_numerics)
+                                                      self._on_trace, self._traced_numerics, self._names)
     return variant
 
   def __call__(self, leaves: list[Any]) -> tuple[Any, Any]:
@@ -117,10 +144,15 @@ class FlatProgram:
     out = self._flat(*leaves)
     if self.traces != traces or kept is None:  # traced meanwhile: by this call, or by another thread
       kept = self.structure_after(traces, kept)
-    out_tree, wait, count = kept
+    out_tree, wait, count, position = kept
+    if position is not None:  # named outputs: (replicated, per-replica), back in order
+      out = _in_order(out, position)
     return out_tree.unflatten(out if count is None else out[:count]), out[wait]
 
-  def _note_trace(self, traced: tuple[Any, int, int | None]) -> None:
+  in_order = staticmethod(lambda parts, position: _in_order(parts, position))
+  """`_in_order` (for `in_flight.dispatch_flat`, which cannot import this module)."""
+
+  def _note_trace(self, traced: tuple[Any, int, int | None, tuple[int, ...] | None]) -> None:
     """At trace time: counts the trace, records it for the calling thread (`structure_after`), keeps its
     structure if it is the first, and falls back to `_tree` for good if it differs from the one kept."""
     with self._lock:
@@ -128,12 +160,13 @@ class FlatProgram:
       _TRACE.last = (weakref.ref(self), self.traces, traced)
       if self._kept is None:
         self._kept = traced
-        self.flat = (self._flat, *traced)
+        out_tree, wait, count, position = traced
+        self.flat = (self._flat, out_tree, wait, count, None if position is None else _reorder(position))
       elif traced != self._kept:
         self._fallback = self._tree  # two result structures: let jax.jit keep them apart from now on
         self.flat = None
 
-  def structure_after(self, traces: int, kept: tuple[Any, int, int | None] | None) -> tuple[Any, int, int | None]:
+  def structure_after(self, traces: int, kept: Any) -> tuple[Any, int, int | None, tuple[int, ...] | None]:
     """The result structure of a call made when `traces` traces had been counted and `kept` was kept, after
     which the count moved: what this thread's trace recorded if the call traced, else `kept` (another
     thread traced meanwhile), or the structure kept now if none was then."""
@@ -144,3 +177,35 @@ class FlatProgram:
       kept = self._kept
       assert kept is not None  # a program's first call traces it (here, or in another thread)
     return kept
+
+
+def _split_leaves(out_tree: Any, count: int, checked: bool) -> list[bool]:
+  """Of a program's `count` flat outputs (the result's leaves, then the flags of a checked program or a
+  token of its own), which are split over the replicas: a `PerReplica`'s (its real-row counts too) or a
+  `ShardedVariable`'s leaves, and a one-replica program's flags (its own, per replica); the rest (`Mirrored`
+  leaves, the token) are replicated."""
+  split = [False] * count
+  dummy = out_tree.unflatten(list(range(out_tree.num_leaves)))
+  for node in jax.tree.leaves(dummy, is_leaf=lambda v: is_distributed(v) or isinstance(v, ShardedVariable)):
+    if isinstance(node, (PerReplica, ShardedVariable)):
+      for i in jax.tree.leaves(node):
+        split[i] = True
+  if checked:
+    split[count - 1] = True  # `numerics.one_replica_flags`: `[1, L]`, the one replica's
+  return split
+
+
+def _reorder(position: tuple[int, ...]) -> Any:
+  """What puts a named program's outputs, (replicated + per-replica) concatenated, in the program's output
+  order: True where they are in it already (its replicated outputs first: no reordering), else an
+  `operator.itemgetter` (C, one call)."""
+  if position == tuple(range(len(position))):
+    return True
+  return operator.itemgetter(*position)
+
+
+def _in_order(parts: Any, position: tuple[int, ...]) -> Any:
+  """A named program's outputs (replicated, per-replica) as one sequence in the program's output order."""
+  reorder = _reorder(position)
+  merged = parts[0] + parts[1]
+  return merged if reorder is True else reorder(merged)

@@ -383,9 +383,13 @@ def dispatch_flat(program: Any, leaves: list[Any], bound: InFlight, limit: int,
     traces = program.traces
     out = flat[0](*leaves)
     if program.traces == traces:
-      _, out_tree, wait, count = flat
+      _, out_tree, wait, count, reorder = flat
+      if reorder is not None:  # one device: the outputs named (replicated, per-replica), back in order
+        out = out[0] + out[1] if reorder is True else reorder(out[0] + out[1])
     else:  # traced meanwhile (other shapes: by this call, or another thread's)
-      out_tree, wait, count = program.structure_after(traces, flat[1:])
+      out_tree, wait, count, position = program.structure_after(traces, None)
+      if position is not None:
+        out = program.in_order(out, position)
     result = out_tree.unflatten(out if count is None else out[:count])
   except BaseException:
     # the aborts, newest first: watchdog.Heartbeat, profiler.StepMarks
