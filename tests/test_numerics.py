@@ -101,6 +101,19 @@ def test_nan_and_inf_in_one_output(strategy):
     strategy.experimental_run_wait()
 
 
+def test_a_complex_element_that_is_nan_and_inf_reports_both(strategy):
+  """A complex element can be NaN in one part and Inf in the other: both are reported, as numpy finds
+  them, in a small output and in one large enough to be checked a part per replica."""
+  for size in (2, 5000):
+    z = np.ones(size, np.complex64)
+    z[size - 1] = complex(np.nan, np.inf)
+    strategy.run(lambda p: p * 1.0, args=(z,), options=CHECK)
+    with pytest.raises(tpustrat.NumericsError) as info:
+      strategy.experimental_run_wait()
+    assert info.value.outputs == [("<root>", "Mirrored", tuple(range(N)), bool(np.isnan(z).any()),
+                                   bool(np.isinf(z).any()))]
+
+
 def test_a_mirrored_output_names_every_replica(strategy):
   big = np.ones(5000, np.float32)  # large enough that each replica checks a 1/8 slice
   big[4999] = np.inf  # in the last replica's slice only

@@ -530,3 +530,22 @@ def test_real_row_counts_mapped_to_floats_over_the_whole_batch_are_refused(strat
   out = strategy.run(lambda v: masked_sum(v / 255.0), args=(batch,))
   np.testing.assert_allclose(strategy.reduce("SUM", out, axis=None), (x / 255.0).sum(axis=0), rtol=1e-5,
                              atol=1e-6 * np.abs(x / 255.0).sum())
+
+
+def test_host_reads_of_a_value_whose_counts_a_map_changed_are_refused(strategy):
+  """On the host too (`gather`, `reduce` along the rows, the local results), real-row counts that a map over
+  the whole value changed (made floats, or integers past the rows a replica holds) are refused, naming
+  them; the value as the dataset made it gives numpy's sums over the real rows."""
+  x, batch = partial_batch(strategy, rows=13)
+  np.testing.assert_allclose(strategy.reduce("SUM", batch, axis=0), x.sum(axis=0), rtol=1e-5,
+                             atol=1e-6 * np.abs(x).sum())
+  assert np.asarray(strategy.gather(batch, axis=0)).shape == x.shape
+  gather, local = (lambda v: strategy.gather(v, axis=0)), strategy.experimental_local_results
+  reduce = lambda v: strategy.reduce("SUM", v, axis=0)  # noqa: E731  # masks on the devices: the counts' type
+  # Made floats: refused by every reader. Integers doubled (past the 2 rows a replica holds): by the readers
+  # that read the counts on the host (a reduction masks on the devices and is not made to wait for them).
+  for mapped, readers in ((jax.tree.map(lambda a: a / 255.0, batch), (gather, local, reduce)),
+                          (jax.tree.map(lambda a: a * 2, batch), (gather, local))):
+    for read in readers:
+      with pytest.raises(ValueError, match=r"carries real-row counts .* not integers between 0 and the"):
+        read(mapped)

@@ -110,7 +110,8 @@ def replica_processes(mesh: jax.sharding.Mesh, axis: str) -> tuple[int, ...]:
 def _leaf_code(x: jax.Array) -> jax.Array:
   """`NAN` | `INF` as `x` holds them: one code byte per element, OR-reduced in one pass (two `any`
   reductions, one per kind, took XLA:CPU 1.9x as long over a model's parameters)."""
-  codes = jnp.where(jnp.isnan(x), jnp.uint8(NAN), jnp.where(jnp.isinf(x), jnp.uint8(INF), jnp.uint8(0)))
+  # Both bits where both hold: a complex element can be NaN in one part and Inf in the other.
+  codes = (jnp.isnan(x).astype(jnp.uint8) * jnp.uint8(NAN)) | (jnp.isinf(x).astype(jnp.uint8) * jnp.uint8(INF))
   return lax.reduce(codes, jnp.uint8(0), lax.bitwise_or, tuple(range(x.ndim)))
 
 

@@ -267,12 +267,28 @@ class PerReplica(DistributedValues):
     """
     if self._valid is None or (not self._per_example and axis != 0):
       return None
+    dtype = getattr(self._valid, "dtype", None)
+    if dtype is None or not np.issubdtype(dtype, np.integer):  # a map over the whole value made them floats
+      raise ValueError(_mapped_counts(self, f"of {dtype}", None))
     return self._valid
 
   def host_real_rows(self) -> np.ndarray:
-    """Real rows per replica (host numpy ``[num_replicas]``), fetched once from the devices if needed."""
+    """Real rows per replica (host numpy ``[num_replicas]``), fetched once from the devices if needed.
+
+    Fetched counts are checked: integers, between 0 and the rows each replica holds. They are a leaf of the
+    value's pytree, so a function mapped over the whole value on the host (``jax.tree.map(lambda a: a / 255,
+    batch)``) maps them too, and `gather`, `reduce` and the local results would read the wrong rows."""
     if self._host_valid is None:
-      self._host_valid = host_counts(self._valid)
+      dtype = getattr(self._valid, "dtype", None)
+      counts = host_counts(self._valid)
+      leaves = jax.tree.leaves(self._value)
+      first = leaves[0] if leaves else None
+      rows_axis = 2 if first is not None and stacked_steps(first) is not None else 1
+      rows = first.shape[rows_axis] if first is not None and np.ndim(first) > rows_axis else None
+      if (dtype is None or not np.issubdtype(dtype, np.integer) or (counts < 0).any()
+          or (rows is not None and (counts > rows).any())):
+        raise ValueError(_mapped_counts(self, f"{counts.tolist()[:16]} of {dtype}", rows))
+      self._host_valid = counts
     return self._host_valid
 
   def __repr__(self) -> str:
@@ -340,6 +356,15 @@ def _replicator(mesh: jax.sharding.Mesh) -> Any:
 def replicated(x: jax.Array) -> jax.Array:
   """`x`, an array laid out over a strategy's mesh, copied whole onto every device of that mesh."""
   return _replicator(mesh_of(x))(x)
+
+
+def _mapped_counts(value: PerReplica, counts: str, rows: int | None) -> str:
+  """The error for a padded value whose real-row counts a map over the whole value changed."""
+  held = f"the {rows} rows each replica holds" if rows is not None else "the rows each replica holds"
+  return (f"{value!r:.200} carries real-row counts {counts}, not integers between 0 and {held}: a function "
+          "mapped over the whole value (jax.tree.map(f, batch)) maps them as well, since they are a leaf of its "
+          "pytree. Transform the arrays inside the step function, or in the dataset before it is distributed "
+          "(dataset.map).")
 
 
 def host_counts(valid: Any) -> np.ndarray:
