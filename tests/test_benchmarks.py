@@ -72,13 +72,15 @@ CASES = {
         ("# mlp b64 spe1: weights allclose", "# mlp b64 spe2: weights allclose"),
         ("model", "batch", "spe"), (("mlp", "64", "1"), ("mlp", "64", "2"))),
     # README: `bench_run.py --noise-floor` (both steps, the hand-written second copy) and `--only mlp
-    # --check-numerics` (run with RunOptions(check_numerics=True), against run), in one run.
+    # --check-numerics` (run with RunOptions(check_numerics=True), against run; the same flags hand-written,
+    # against the hand-written step), in one run.
     "run": Case(
         "bench_run.py", ("--noise-floor", "--check-numerics", "--steps", "2", "--trials", "2"),
         ("# tiny: results allclose;", "# mlp: results allclose;"),
         ("step", "variant", "steps x trials"),
         tuple((label, variant, "2 x 2") for label in (TINY, MLP)
-              for variant in ("tpustrat", "hand-written (copy 2)", "tpustrat + check_numerics"))),
+              for variant in ("tpustrat", "hand-written (copy 2)", "tpustrat + check_numerics",
+                              "hand-written + NaN / Inf flags"))),
     # README: `bench_run.py --only tiny --watchdog` (run with the step watchdog on, against run without it) and
     # `--only tiny --step-stats` (run, whose step counters are on, against run with them off), in one run.
     "run-only-tiny": Case(
