@@ -627,3 +627,20 @@ def test_run_steps_fast_path_names_outputs_and_equals_numpy(num_replicas, k, don
   for _ in range(k + 1):
     w_np = w_np - 0.1 * (xs[0, 0].astype(np.float64) * w_np).mean()
   assert_close(np.asarray(carry[0].tree), w_np, rtol=1e-5)
+
+
+def test_stacked_batches_whose_counts_a_map_made_floats_are_refused_by_run_steps(strategy):
+  """`jax.tree.map` over stacked padded batches maps their real-row counts too: `experimental_run_steps`
+  refuses float counts before tracing, naming the stacked batches; the batches as taken run and give
+  numpy's sums over the real rows."""
+  x = np.arange(13 * 2, dtype=np.float32).reshape(13, 2)
+  stacked = iter(strategy.experimental_distribute_dataset([x[:8], x[8:]])).take_steps(2)
+
+  def step(total, v):
+    mine = jnp.where(tpustrat.valid_mask(v)[:, None], v, 0.0).sum(axis=0)
+    return total + tpustrat.get_replica_context().all_reduce("sum", mine), jnp.zeros(())
+
+  with pytest.raises(ValueError, match=r"experimental_run_steps: the stacked batches: .*real-row counts .*float32"):
+    strategy.experimental_run_steps(step, jax.tree.map(lambda a: a / 255.0, stacked), init=jnp.zeros(2))
+  total, _ = strategy.experimental_run_steps(step, stacked, init=jnp.zeros(2))
+  np.testing.assert_allclose(np.asarray(strategy.experimental_local_results(total)[0]), x.sum(axis=0), rtol=1e-6)

@@ -428,6 +428,12 @@ def _check_call(strategy: Strategy, iterator: Any, batches: Any, steps: int | No
     if steps is not None and steps != k:
       raise ValueError(f"{what}: `steps` is {steps} but the stacked batches hold {k} steps.")
   check_tree_fits_32_bits(batches, lambda path: f"{what}: the stacked batches" + (f" at {path}" if path else ""))
+  for node in jax.tree.leaves(batches, is_leaf=is_distributed):
+    if isinstance(node, PerReplica):
+      try:
+        node.real_rows(0)  # their real-row counts' type, said here: not inside the step's trace
+      except ValueError as e:
+        raise ValueError(f"{what}: the stacked batches: {e}") from None
   return k, as_carry(strategy, init)
 
 
