@@ -149,8 +149,8 @@ class FlatProgram:
       out = _in_order(out, position)
     return out_tree.unflatten(out if count is None else out[:count]), out[wait]
 
+  # `_in_order`, for `in_flight.dispatch_flat` (which this module imports, so it cannot import this one)
   in_order = staticmethod(lambda parts, position: _in_order(parts, position))
-  """`_in_order` (for `in_flight.dispatch_flat`, which cannot import this module)."""
 
   def _note_trace(self, traced: tuple[Any, int, int | None, tuple[int, ...] | None]) -> None:
     """At trace time: counts the trace, records it for the calling thread (`structure_after`), keeps its
