@@ -88,6 +88,35 @@ def test_fit_evaluate_predict_equal_one_device_keras_with_a_partial_last_batch(s
     assert_close(predicted, reference.predict(x[:rows], batch_size=64, verbose=0), rtol=1e-5)
 
 
+def test_many_steps_per_execution_take_run_steps_fast_path_and_equal_one_device_keras(strategy, rng, monkeypatch):
+  """At steps_per_execution 3, fit's calls reach `experimental_run_steps`' fast path (no checked `run_steps`)
+  once their shapes were seen: 9 full batches and a partial one per epoch are 3 programs of 3 steps and one
+  of 1. Checked: the first epoch's first two calls (Keras resets its metrics onto its own arrays at each
+  epoch's start: placed again) and its 1-step call; then only each epoch's first call, the groups of 3 and
+  the group of 1 alternating on the fast path. The numbers are one-device Keras's."""
+  from tpustrat._src import multistep
+  checked = []
+  run_steps = multistep.run_steps
+  monkeypatch.setattr(multistep, "run_steps", lambda *a: checked.append(1) or run_steps(*a))
+  x, y = classification(9 * 16 + 5, rng)
+  with strategy.scope():
+    model = mlp(seed=4)
+    model.compile(**compile_args(steps_per_execution=3))
+  history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+  assert len(checked) == 3 + 1 + 1
+  reference = mlp(seed=4)
+  reference.compile(**compile_args())
+  assert_histories(history, reference.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0))
+  assert_weights(model, reference)
+  for _ in range(2):
+    assert_close(model.evaluate(x, y, batch_size=16, verbose=0), reference.evaluate(x, y, batch_size=16, verbose=0))
+    predicted = model.predict(x, batch_size=16, verbose=0)
+    assert predicted.shape == (len(x), 3)
+    assert_close(predicted, reference.predict(x, batch_size=16, verbose=0), rtol=1e-5)
+  # evaluate as fit (3 checked calls, then 1: its metrics are reset too); predict (no metrics) 2, then none
+  assert len(checked) == 5 + (3 + 1) + (2 + 0)
+
+
 def test_a_last_batch_of_one_row_on_eight_replicas(strategy, rng):
   x, y = classification(65, rng)
   with strategy.scope():

@@ -629,6 +629,32 @@ def test_run_steps_fast_path_names_outputs_and_equals_numpy(num_replicas, k, don
   assert_close(np.asarray(carry[0].tree), w_np, rtol=1e-5)
 
 
+def test_run_steps_fast_path_keeps_alternating_signatures(strategy, monkeypatch):
+  """Groups of 3 steps and a last group of 1, pass after pass (a loop's epochs): each shape is checked once,
+  then both take the fast path; the numbers are numpy's."""
+  from tpustrat._src import multistep
+  slow = []
+  run_steps = multistep.run_steps
+  monkeypatch.setattr(multistep, "run_steps", lambda *a: slow.append(1) or run_steps(*a))
+  rng = np.random.default_rng(5)
+  xs = rng.normal(size=(7, N)).astype(np.float32)  # one pass: steps 0-2, 3-5, then 6 alone
+
+  def step(w, x):
+    w = w + tpustrat.get_replica_context().all_reduce("sum", x * w) / 100
+    return w, x * w
+
+  w = strategy.experimental_mirror(np.float32(1.0))
+  expected = 1.0
+  for _ in range(3):
+    for lo, hi in ((0, 3), (3, 6), (6, 7)):
+      batches = tpustrat.stack_steps([tpustrat.PerReplica(list(x)) for x in xs[lo:hi]])
+      w, _ = strategy.experimental_run_steps(step, batches, init=w)
+      for x in xs[lo:hi]:
+        expected = expected + (x.astype(np.float64) * expected).sum() / 100
+  assert len(slow) == 2  # the first call of each shape
+  assert_close(np.asarray(w.tree), expected, rtol=1e-5)
+
+
 def test_stacked_batches_whose_counts_a_map_made_floats_are_refused_by_run_steps(strategy):
   """`jax.tree.map` over stacked padded batches maps their real-row counts too: `experimental_run_steps`
   refuses float counts before tracing, naming the stacked batches; the batches as taken run and give

@@ -45,8 +45,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from tpustrat._src import context, jax_compat, keras_models
+from tpustrat._src import context, jax_compat, keras_models, multistep
 from tpustrat._src import input as input_lib
 from tpustrat._src import steps as steps_lib
 from tpustrat._src.engine import RunOptions
@@ -54,7 +56,7 @@ from tpustrat._src.input import padding
 from tpustrat._src.input.sources import batched_examples
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.padding_reads import PaddingReadWarning
-from tpustrat._src.values import DistributedValues
+from tpustrat._src.values import DistributedValues, Mirrored
 
 __all__ = ["fit_of", "install", "scope_distribution", "set_run_options", "strategy_of_model"]
 
@@ -555,14 +557,21 @@ class _Fit:
       if k == 1:
         state, outputs = self.strategy.run(self.steps[kind], args=(state, next(ours)), options=options)
         steps = 1
-      elif kind == "predict":
-        state, outputs = self.strategy.experimental_run_steps(self.steps[kind], ours, k, init=state,
-                                                              options=options)
-        steps = k
       else:
-        (state, outputs), ran = self.strategy.experimental_run_steps(
-            self.many_steps[kind], ours, k, init=(state, self._log_zeros(kind, model, state)), options=options)
-        steps = int(jax.tree.leaves(ran)[0].shape[0])  # fewer than k at the end of the data
+        # The k batches taken here, stacked (fewer at the end of the data; StopIteration after it), not by
+        # experimental_run_steps from the iterator: a call on stacked batches and a carry of placed arrays
+        # like the last call's takes its fast path, which runs none of its per-call checks again.
+        batches = multistep.take(ours, k, "model.fit")
+        mirrored = self.strategy.mesh is not None
+        if kind == "predict":
+          init = _mirrored(state) if mirrored else state
+          state, outputs = self.strategy.experimental_run_steps(self.steps[kind], batches, None, init=init,
+                                                                options=options)
+        else:
+          init = (state, self._log_zeros(kind, model, state))
+          (state, outputs), _ = self.strategy.experimental_run_steps(
+              self.many_steps[kind], batches, None, init=_mirrored(init) if mirrored else init, options=options)
+        steps = _steps_in(batches)  # fewer than k at the end of the data
     self.last_steps = steps
     if self.padded and self.hazards - self.warned:
       for hazard in sorted(self.hazards - self.warned):
@@ -592,12 +601,43 @@ class _Fit:
       return model.get_metrics_result()
 
   def _log_zeros(self, kind: str, model: Any, state: Any) -> Any:
-    """The carry's logs before the first step: zeros shaped as the metrics' results (computed once)."""
-    zeros = self.log_zeros.get(kind)
-    if zeros is None:
+    """The carry's logs before the first step: zeros shaped as the metrics' results, made fresh for each call
+    (the carry is donated) by one compiled call, replicated as the rest of the carry (a placed carry lets
+    `experimental_run_steps` take its fast path; host zeros were placed leaf by leaf, every call)."""
+    make = self.log_zeros.get(kind)
+    if make is None:
       results = self._host_logs(model, state[-1])
-      zeros = self.log_zeros[kind] = jax.tree.map(lambda v: np.zeros(np.shape(v), np.asarray(v).dtype), results)
-    return zeros
+      leaves, treedef = jax.tree.flatten(results)
+      avals = [(np.shape(v), jax.dtypes.canonicalize_dtype(np.asarray(v).dtype)) for v in leaves]
+      mesh = self.strategy.mesh
+      make = self.log_zeros[kind] = jax.jit(
+          lambda: treedef.unflatten([jnp.zeros(shape, dtype) for shape, dtype in avals]),
+          out_shardings=None if mesh is None else NamedSharding(mesh, P()))
+    return make()
+
+
+_MIRRORED: dict[Any, Any] = {}  # a carry's treedef -> that of the carry with each leaf `Mirrored`
+
+
+def _mirrored(tree: Any) -> Any:
+  """`tree`, replicated arrays, with each leaf a `Mirrored` (as `experimental_run_steps` lays a carry out
+  and returns it): its structure worked out once, then one flatten and unflatten per call. A carry given
+  laid out so, its arrays already placed, lets the next call with the same shapes take the fast path."""
+  leaves, treedef = _flatten(tree)
+  try:
+    wrapped = _MIRRORED.get(treedef)
+  except TypeError:  # node data that cannot be hashed
+    return jax.tree.map(Mirrored.from_global, tree)
+  if wrapped is None:
+    if len(_MIRRORED) >= _UNWRAPPED_SIZE:
+      _MIRRORED.clear()
+    wrapped = _MIRRORED[treedef] = jax.tree.structure(jax.tree.map(Mirrored.from_global, tree))
+  return wrapped.unflatten(leaves)
+
+
+def _steps_in(batches: Any) -> int:
+  """How many steps batches stacked by `multistep.take` hold (their leaves' leading axis)."""
+  return int(jax.tree.leaves(batches)[0].shape[0])
 
 
 class _GlobalBatches:

@@ -438,8 +438,11 @@ def _check_call(strategy: Strategy, iterator: Any, batches: Any, steps: int | No
 
 
 _NOT_ITERATORS: set[type] = set()  # types of `run_steps`' batches seen not to be iterators (an ABC check)
-# `run_steps`' fast path: (function key, options, structure of (init, batches)) -> `_Fast`, per engine
-# (`Engine.run_steps_fast`), made by a checked call on batches already stacked.
+# `run_steps`' fast path: (function key, options, structure of (init, batches)) -> the `_Fast` of up to
+# `_FAST_PER_KEY` signatures, the latest first, per engine (`Engine.run_steps_fast`), made by checked calls on
+# batches already stacked. More than one: a loop's groups of k steps and the shorter group at the end of its
+# data (fit's `steps_per_execution`, epoch after epoch) alternate.
+_FAST_PER_KEY = 4
 MISS = object()
 _flatten = jax.tree_util.default_registry.flatten
 _FunctionType = types.FunctionType
@@ -489,17 +492,23 @@ def run_steps_fast(engine: Any, fn: Callable[..., Any], iterator: Any, steps: in
     _NOT_ITERATORS.add(kind)
   try:
     leaves, tree = _flatten((init, iterator))
-    fast = engine.run_steps_fast.get(
+    known = engine.run_steps_fast.get(
         (weakref.ref(fn) if type(fn) is _FunctionType else engine_lib.weak_key(fn), options, tree))
   except TypeError:
     return MISS
-  if fast is None:
+  if known is None or not _PLACED_TYPES.issuperset(map(type, leaves)):
     return MISS
-  # Each leaf a placed array of the aval and sharding of the call kept: compared by `map` and tuple
-  # equality, no Python loop over a model's hundreds of leaves.
-  if not (_PLACED_TYPES.issuperset(map(type, leaves)) and tuple(map(_aval_of, leaves)) == fast.avals
-          and tuple(map(_sharding_of, leaves)) == fast.shardings):
-    return MISS
+  # Each leaf a placed array of the aval and sharding of a call kept: compared by `map` and tuple equality,
+  # no Python loop over a model's hundreds of leaves.
+  avals, shardings = tuple(map(_aval_of, leaves)), tuple(map(_sharding_of, leaves))
+  fast = known[0]
+  if avals != fast.avals or shardings != fast.shardings:  # another signature of this key, if kept
+    found = next((i for i in range(1, len(known)) if avals == known[i].avals and shardings == known[i].shardings),
+                 None)
+    if found is None:
+      return MISS
+    fast = known.pop(found)
+    known.insert(0, fast)  # the latest first
   k = fast.k
   if steps is not None and (type(steps) is not int or steps != k):
     return MISS  # the checked path checks it (a wrong count or type raises there)
@@ -534,15 +543,19 @@ def _remember(engine: Any, strategy: Strategy, fn: Callable[..., Any], options: 
   if not all(type(x) in _PLACED_TYPES for x in leaves):
     return
   cache = engine.run_steps_fast
-  if len(cache) >= _SIGNATURES_SIZE:
-    cache.clear()
+  known = cache.get(key)
+  if known is None:
+    if len(cache) >= _SIGNATURES_SIZE:
+      cache.clear()
+    known = cache[key] = []
   mesh = strategy.mesh
   # One replica: outputs are renamed after each call, unless the program names them (`_NamedOutputs`).
   one = mesh is not None and mesh.shape[REPLICA_AXIS] == 1 and not _names_outputs(mesh)
   donated = tuple(range(len(jax.tree.leaves(init)))) if donate else ()
-  cache[key] = _Fast(tuple(x.aval for x in leaves), tuple(x.sharding for x in leaves), k, dispatched,
-                     options.max_steps_in_flight if options is not None else None, donated, one, notes,
-                     engine)
+  fast = _Fast(tuple(x.aval for x in leaves), tuple(x.sharding for x in leaves), k, dispatched,
+               options.max_steps_in_flight if options is not None else None, donated, one, notes, engine)
+  known[:] = [fast, *(f for f in known if (f.avals, f.shardings) != (fast.avals, fast.shardings))]
+  del known[_FAST_PER_KEY:]
 
 
 def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: int | None, init: Any,
