@@ -15,13 +15,18 @@ batch and ``steps_per_execution``:
   ``tpustrat.keras.stateless_call`` and ``optimizer.stateless_apply``, the Keras guide's loop), over a
   distributed dataset of the same batches, the loss and accuracy returned per step, as ``fit`` computes
   them.
+* ``jax`` (``steps_per_execution=1`` rows): no tpustrat and no Keras trainer, the floor JAX itself sets: the
+  same model's step (``model.stateless_call``, ``optimizer.stateless_apply``) as a hand-written
+  ``jax.jit(jax.shard_map(...))`` with ``lax.psum`` of the gradients, each batch placed by ``jax.device_put``
+  (as ``DataParallel`` places Keras's), 2 steps in flight; its weights after the first epoch are checked
+  against tpustrat's fit (MLP). Where it is no faster than Keras, no library on JAX can be.
 
 Models: ``mlp`` (784-256-256-10 ReLU) and ``convnet`` (the keras-io "Simple MNIST convnet": two 3x3
 convolutions of 32 and 64 channels with max pooling, dropout 0.5, a 10-way softmax), on MNIST-shaped
 random data; Adam, sparse categorical cross-entropy, accuracy. Each variant first runs one untimed epoch
 (compilation); then ``--trials`` rounds time every variant once, in an order that changes every round.
-Reported: median seconds per epoch, throughput ratio tpustrat / keras and tpustrat / run (paired per
-round: median [p25, p75]). Keras's ``DataParallel`` is also given a last batch that does not divide by the
+Reported: median seconds per epoch, throughput ratios tpustrat / keras, tpustrat / run and jax / keras
+(paired per round: median [p25, p75]). Keras's ``DataParallel`` is also given a last batch that does not divide by the
 devices: the script reports whether it raises (tpustrat pads it).
 
 Reproduce from the repository root (8 emulated CPU devices)::
@@ -51,7 +56,8 @@ def add_flags(parser):
   parser.add_argument("--trials", type=int, default=5)
   parser.add_argument("--host", action="store_true",
                       help="instead: fit's per-step host cost on ONE device (nothing hides it there): a tiny Dense "
-                           "model, batch 8, 300 steps, MirroredStrategy([device 0]) fit against plain Keras fit")
+                           "model, batch 8, 300 steps, MirroredStrategy([device 0]) fit against plain Keras fit "
+                           "and Keras DataParallel fit over that device")
   parser.add_argument("--scan-unroll", action="store_true",
                       help="tpustrat's fit with RunOptions(scan_unroll=True) (tpustrat.keras.set_run_options): "
                            "the steps of one execution written out, not a loop (as Keras's own JAX trainer "
@@ -139,6 +145,55 @@ def run_loop(strategy, model, x, y, batch):
   return epoch
 
 
+def hand_written_loop(mesh, model, x, y, batch):
+  """The floor JAX itself sets: the same Keras model's step (``model.stateless_call`` and
+  ``optimizer.stateless_apply``, loss and accuracy per step) as a hand-written ``jax.jit(jax.shard_map(...))``
+  over the same devices, gradients summed with ``lax.psum``, each batch placed with ``jax.device_put`` (as
+  Keras's ``DataParallel`` places its batches), 2 steps in flight. No tpustrat anywhere."""
+  import collections  # noqa: PLC0415
+
+  from jax import lax  # noqa: PLC0415
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  axis = mesh.axis_names[0]
+  optimizer = model.optimizer
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+  replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(axis))
+
+  def step(state, xb, yb):
+    trainable, non_trainable, opt = state
+
+    def loss_of(trainable):
+      logits, non_trainable_out = model.stateless_call(trainable, non_trainable, xb, training=True)
+      return loss_fn(yb, logits).sum() / batch, (logits, non_trainable_out)
+
+    (loss, (logits, non_trainable_out)), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+    grads = lax.psum(grads, axis)
+    trainable, opt = optimizer.stateless_apply(opt, grads, trainable)
+    correct = lax.psum((logits.argmax(-1) == yb).sum(), axis)
+    return (trainable, non_trainable_out, opt), (lax.psum(loss, axis), correct)
+
+  program = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(axis), P(axis)), out_specs=(P(), P()),
+                                  check_vma=False))  # the seed state Keras's dropout updates is the same everywhere
+  state = [jax.device_put(([v.value for v in model.trainable_variables],
+                           [v.value for v in model.non_trainable_variables],
+                           [v.value for v in optimizer.variables]), replicated)]
+  batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
+
+  def epoch():
+    pending: collections.deque = collections.deque()
+    for xb, yb in batches:
+      while len(pending) >= 2:
+        jax.block_until_ready(pending.popleft())
+      state[0], out = program(state[0], *jax.device_put((xb, yb), (split, split)))
+      pending.append(out)
+    jax.block_until_ready(pending[-1])
+
+  epoch.trainable = lambda: state[0][0]  # the weights after the epochs run so far
+  return epoch
+
+
 def keras_partial_batch_raises(name, spe, devices):
   dp = keras.distribution.DataParallel(devices=devices)
   with dp.scope():
@@ -152,12 +207,13 @@ def keras_partial_batch_raises(name, spe, devices):
 
 
 def host_cost():
-  """``--host``: microseconds per step of fit under a one-device strategy and of plain Keras fit."""
-  def tiny():
+  """``--host``: microseconds per step of fit under a one-device strategy, of plain Keras fit and of Keras's
+  ``DataParallel`` fit over that one device, at each of ``--spes``."""
+  def tiny(spe):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+                  metrics=["accuracy"], steps_per_execution=spe)
     return model
 
   steps = 300
@@ -165,20 +221,33 @@ def host_cost():
   x = rng.normal(size=(8 * steps, 4)).astype(np.float32)
   y = rng.integers(0, 2, size=8 * steps).astype(np.int32)
   strategy = tpustrat.MirroredStrategy(jax.devices()[:1])
-  with strategy.scope():
-    ours = tiny()
-  theirs = tiny()
-  variants = [Variant("tpustrat", lambda: ours.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)),
-              Variant("keras", lambda: theirs.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False))]
-  for v in variants:
-    v.measure()
+  dp = keras.distribution.DataParallel(devices=jax.devices()[:1])
   print(h.machine_line(1))
-  times = h.time_rounds(variants, ARGS.trials, h.permutation_schedule(variants), lambda v: v.measure())
-  med = {k: sorted(t)[len(t) // 2] / steps * 1e6 for k, t in times.items()}
-  ratio = h.spread(h.paired_ratios(times["tpustrat"], times["keras"]))
-  print(f"# one device, per step: tpustrat fit {med['tpustrat']:.0f} us, Keras fit {med['keras']:.0f} us")
-  h.figure("keras fit per-step host time on one device, tpustrat / Keras (tiny model, batch 8)",
-           h.format_spread(ratio, 2, "x"))
+  for spe in ARGS.spes:
+    with strategy.scope():
+      ours = tiny(spe)
+    theirs = tiny(spe)
+    with dp.scope():
+      parallel = tiny(spe)
+
+    def fit_parallel(parallel=parallel):
+      with dp.scope():
+        parallel.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+
+    variants = [Variant("tpustrat", lambda ours=ours: ours.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)),
+                Variant("keras", lambda theirs=theirs: theirs.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                                                                  shuffle=False)),
+                Variant("DataParallel", fit_parallel)]
+    for v in variants:
+      v.measure()
+    times = h.time_rounds(variants, ARGS.trials, h.permutation_schedule(variants), lambda v: v.measure())
+    med = {k: sorted(t)[len(t) // 2] / steps * 1e6 for k, t in times.items()}
+    print(f"# one device, steps_per_execution={spe}, per step: tpustrat fit {med['tpustrat']:.0f} us, Keras fit "
+          f"{med['keras']:.0f} us, Keras DataParallel fit {med['DataParallel']:.0f} us")
+    h.figure(f"keras fit on one device, spe {spe}, tpustrat / Keras throughput (tiny model, batch 8)",
+             h.format_spread(h.spread(h.paired_ratios(times["keras"], times["tpustrat"])), 2, "x"))
+    h.figure(f"keras fit on one device, spe {spe}, tpustrat / Keras DataParallel throughput",
+             h.format_spread(h.spread(h.paired_ratios(times["DataParallel"], times["tpustrat"])), 2, "x"))
 
 
 def main():
@@ -189,8 +258,9 @@ def main():
   devices = list(strategy.mesh.devices.flat)
   print(h.machine_line(strategy.num_replicas_in_sync))
   table = [h.markdown_header(["model", "batch", "spe", "tpustrat s/epoch", "keras s/epoch", "run s/epoch",
-                              "tpustrat / keras (throughput)", "tpustrat / run (throughput)"],
-                             right=["tpustrat s/epoch", "keras s/epoch", "run s/epoch"])]
+                              "JAX s/epoch", "tpustrat / keras (throughput)", "tpustrat / run (throughput)",
+                              "JAX / keras (throughput)"],
+                             right=["tpustrat s/epoch", "keras s/epoch", "run s/epoch", "JAX s/epoch"])]
   worst_keras, worst_run = [], []
   for name in ARGS.models:
     for batch in ARGS.batches:
@@ -216,6 +286,10 @@ def main():
           with strategy.scope():
             looped = compiled(build(name), spe)
           variants.append(Variant("run", run_loop(strategy, looped, x, y, batch)))
+          plain = compiled(build(name), spe)
+          plain.build((None, *x.shape[1:]))
+          plain.optimizer.build(plain.trainable_variables)
+          variants.append(Variant("jax", hand_written_loop(strategy.mesh, plain, x, y, batch)))
         wrapped = [0]
         with bounded_keras_steps(wrapped):  # Keras's train function is made (once) by the first fit
           for v in variants:  # compile
@@ -226,6 +300,11 @@ def main():
           if diff > 1e-4:
             raise SystemExit(f"{name} b{batch} spe{spe}: tpustrat's and Keras's fit disagree ({diff:.2e})")
           print(f"# {name} b{batch} spe{spe}: weights allclose after one epoch (max |diff| {diff:.1e})", flush=True)
+          if spe == 1:
+            hand = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b.value))))
+                       for a, b in zip(variants[-1].epoch.trainable(), ours.trainable_weights))
+            if hand > 1e-4:
+              raise SystemExit(f"{name} b{batch}: the hand-written JAX loop and tpustrat's fit disagree ({hand:.2e})")
         if wrapped[0] != 1:
           raise SystemExit(f"keras {keras.__version__} compiled {wrapped[0]} train steps through its trainer's "
                            "jit (1 expected): cannot bound its steps in flight")
@@ -233,13 +312,16 @@ def main():
         med = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
         vs_keras = h.spread(h.paired_ratios(times["keras"], times["tpustrat"]))
         vs_run = h.spread(h.paired_ratios(times["run"], times["tpustrat"])) if "run" in times else None
+        jax_vs_keras = h.spread(h.paired_ratios(times["keras"], times["jax"])) if "jax" in times else None
         worst_keras.append((vs_keras[0], f"{name} b{batch} spe{spe}"))
         if vs_run is not None:
           worst_run.append((vs_run[0], f"{name} b{batch}"))
         table.append(h.markdown_row([name, batch, spe, f"{med['tpustrat']:.3f}", f"{med['keras']:.3f}",
                                      f"{med['run']:.3f}" if "run" in med else "-",
+                                     f"{med['jax']:.3f}" if "jax" in med else "-",
                                      h.format_spread(vs_keras, 2, "x"),
-                                     h.format_spread(vs_run, 2, "x") if vs_run else "-"]))
+                                     h.format_spread(vs_run, 2, "x") if vs_run else "-",
+                                     h.format_spread(jax_vs_keras, 2, "x") if jax_vs_keras else "-"]))
         print(f"# {name} b{batch} spe{spe}: timed", flush=True)
   print()
   print("\n".join(table), flush=True)
