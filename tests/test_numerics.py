@@ -400,6 +400,52 @@ def test_off_is_the_same_program_and_cache_entry(strategy):
   assert off_text.count("all_reduce") == on_text.count("all_reduce")
 
 
+@pytest.mark.parametrize("replicas", [1, N])
+def test_a_program_traced_for_another_signature_names_the_output_of_the_signature_that_ran(replicas):
+  """jax.jit keeps an executable per argument signature: after a trace for int32 `x` (where only `b` is
+  floating, so checked), a call with float32 `x` runs the float32 executable, whose flags are [a, b]. The
+  error names the output that holds the NaN (`a`, numpy: 1 * NaN), not what the latest trace checked."""
+  strategy = tpustrat.MirroredStrategy(jax.devices()[:replicas])
+  checked = tpustrat.RunOptions(check_numerics=True, max_steps_in_flight=1)
+
+  def step(x, scale):
+    return {"a": x * scale, "b": jnp.ones(x.shape, jnp.float32)}
+
+  xf, xi = jnp.ones((3,), jnp.float32), jnp.ones((3,), jnp.int32)
+  strategy.run(step, args=(xf, jnp.float32(1.0)), options=checked)
+  strategy.run(step, args=(xi, jnp.int32(1)), options=checked)  # traced again: only 'b' is checked there
+  strategy.experimental_run_wait()
+  assert np.isnan(np.float32(1.0) * np.float32(np.nan))
+  with pytest.raises(tpustrat.NumericsError) as info:
+    strategy.run(step, args=(xf, jnp.float32(np.nan)), options=checked)
+    strategy.experimental_run_wait()
+  assert info.value.step == 3
+  assert info.value.outputs == [("['a']", "Mirrored", tuple(range(replicas)), True, False)]
+
+
+def test_experimental_run_steps_traced_for_another_signature_names_the_carry_that_ran(strategy):
+  """The same for `experimental_run_steps`: a carry whose `a` is float32, then int32, then float32 with a
+  NaN (numpy: 1 * NaN) in `a` at the second inner step of the third call names ``carry['a']``."""
+  checked = tpustrat.RunOptions(check_numerics=True, max_steps_in_flight=1)
+
+  def step(carry, x):
+    scale = tpustrat.get_replica_context().all_reduce("mean", jnp.mean(x))
+    return {"a": carry["a"] * scale.astype(carry["a"].dtype), "b": carry["b"] + 1.0}, ()
+
+  def run(a, xs):
+    batches = tpustrat.stack_steps([per_replica(strategy, [np.full(2, v)] * N) for v in xs])
+    return strategy.experimental_run_steps(step, batches, init={"a": a, "b": np.float32(0.0)}, options=checked)
+
+  run(np.float32(1.0), [1.0, 1.0])
+  run(np.int32(1), [1.0, 1.0])
+  strategy.experimental_run_wait()
+  with pytest.raises(tpustrat.NumericsError) as info:
+    run(np.float32(1.0), [1.0, np.nan])
+    strategy.experimental_run_wait()
+  assert (info.value.step, info.value.inner_step) == (6, 2)
+  assert info.value.outputs == [("carry['a']", "Mirrored", tuple(range(N)), True, False)]
+
+
 def test_check_numerics_must_be_a_bool():
   for bad in (1, "yes", None, np.float32(1)):
     with pytest.raises(TypeError, match=r"RunOptions: check_numerics must be a bool \(True or False\), got"):
@@ -487,7 +533,8 @@ def test_the_flags_copy_to_the_host_starts_at_dispatch_on_a_device_with_its_own_
   for call in range(1, calls + 1):
     strategy.run(log_step_2, args=(w, bad if call == 2 else good), options=CHECK)
     assert len(started) == call  # started by this call's dispatch, before any later call reads it
-    assert started[-1].shape == (N, 2) and started[-1].dtype == np.uint8  # every replica's flags, 2 outputs
+    # every replica's flags, 2 outputs, and the id of the trace they describe
+    assert started[-1].shape == (N, 2 + numerics_lib.TRACE_BYTES) and started[-1].dtype == np.uint8
   with pytest.raises(tpustrat.NumericsError) as info:
     strategy.run(log_step_2, args=(w, good), options=CHECK)
   _nan_at_step_2_on_replica_3(info.value)

@@ -228,9 +228,10 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
       with numerics_lib.collecting() as got:  # the inner run's flags, a tracer of this body
         c, out = run(step, args=(c, batch), options=_CHECKED)
       flags, inner = got[-1]
-      # fn's result is (carry, output): paths read as `carry['w']`, `output[1]`
-      outputs.paths = [("carry" + p[3:] if p.startswith("[0]") else "output" + p[3:]) for p in inner.paths]
-      outputs.kinds = inner.kinds
+      # fn's result is (carry, output): paths read as `carry['w']`, `output[1]`; the flags carry the id of
+      # the inner run's trace (`numerics.trace_of`), under which this program's trace records them
+      outputs.traced([("carry" + p[3:] if p.startswith("[0]") else "output" + p[3:]) for p in inner.paths],
+                     inner.kinds, inner.untraced, trace=inner.last_trace)
       return _drop_counts(c), (out, flags)
 
     with engine_lib.inner_padding_notes() as found:  # the inner run's padding-read warning, said by run_steps

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -51,7 +52,7 @@ from tpustrat._src.jax_compat import all_gather_invariant, to_varying, varying_a
 from tpustrat._src.step_hooks import Step, StepHook
 
 __all__ = ["NumericsError", "StepChecks", "Outputs", "Check", "Checker", "TracedChecks", "replica_flags", "gather_flags",
-           "collecting", "collect", "replica_processes"]
+           "collecting", "collect", "replica_processes", "TRACE_BYTES", "trace_of"]
 
 NAN, INF = 1, 2
 PAST_REAL = 4  # the NaN / Inf lies only in rows past the real rows of a batch whose rows were not traced
@@ -99,6 +100,54 @@ class Outputs:
   """Whether each dispatch starts copying the flags to the host (`copy_ahead`); None until the first one."""
   calls: int = 0  # concrete dispatches so far
   steps: int = 0  # steps run by them (more than `calls` for experimental_run_steps)
+  traces: dict[int, tuple[list[str], list[str], list[str | None]]] = dataclasses.field(default_factory=dict)
+  """Per trace of the program (its id, `trace_id` columns of the flags it returns): the paths, kinds and
+  untraced notes its flags describe. `jax.jit` keeps one executable per argument signature, whose flags
+  describe the outputs of the trace that made it, not necessarily the latest (`paths`, `kinds`, `untraced`)."""
+  last_trace: int = 0  # the id of the latest trace (0: none yet)
+
+  def traced(self, paths: list[str], kinds: list[str], untraced: list[str | None], trace: int | None = None) -> int:
+    """Records what the flags of a trace describe (at trace time); returns the trace's id, new unless
+    given (`experimental_run_steps` records under its inner `run`'s id, which its flags carry)."""
+    with _TRACE_LOCK:
+      trace = next(_TRACE_IDS) if trace is None else trace
+      if len(self.traces) >= _TRACES_KEPT:
+        self.traces.pop(next(iter(self.traces)))
+      self.traces[trace] = (paths, kinds, untraced)
+    self.paths, self.kinds, self.untraced, self.last_trace = paths, kinds, untraced, trace
+    return trace
+
+  def of_trace(self, trace: int) -> Outputs:
+    """These outputs as trace `trace` described them (the latest trace's if it is no longer kept)."""
+    found = self.traces.get(trace)
+    if found is None or trace == self.last_trace:
+      return self
+    paths, kinds, untraced = found
+    return dataclasses.replace(self, paths=paths, kinds=kinds, untraced=untraced, last_trace=trace)
+
+
+# Every trace of a checked program gets an id, carried by its flags (`TRACE_BYTES` columns of digits 1..255,
+# never 0, so that the flags of a step without NaN / Inf are zero but for them): the host reads which
+# trace's outputs the flags describe (`Outputs.of_trace`).
+TRACE_BYTES = 4
+_TRACE_IDS = itertools.count(1)
+_TRACE_LOCK = threading.Lock()
+_TRACES_KEPT = 256  # traces remembered per program (a program retraced more often warns of retracing)
+
+
+def trace_id_bytes(trace: int) -> np.ndarray:
+  """`trace` as `TRACE_BYTES` base-255 digits, each plus 1 (so none is 0), least significant first."""
+  digits = []
+  for _ in range(TRACE_BYTES):
+    trace, digit = divmod(trace, 255)
+    digits.append(digit + 1)
+  return np.asarray(digits, np.uint8)
+
+
+def trace_of(flags: np.ndarray) -> int:
+  """The trace id a step's flags (``[..., L + TRACE_BYTES]``) carry (`trace_id_bytes`, read back)."""
+  digits = flags.reshape(-1, flags.shape[-1])[0, -TRACE_BYTES:]
+  return sum((int(d) - 1) * 255 ** i for i, d in enumerate(digits))
 
 
 def replica_processes(mesh: jax.sharding.Mesh, axis: str) -> tuple[int, ...]:
@@ -155,20 +204,26 @@ def replica_flags(leaves: Sequence[Any], is_varying: Sequence[bool], row_counts:
   return jnp.stack(codes), checked
 
 
-def gather_flags(flags: jax.Array | None, axis: str) -> jax.Array:
-  """Every replica's flags, ``uint8[N, max(L, 1)]``, the same on every replica (an invariant all-gather)."""
-  if flags is None:  # nothing floating: one zero column, still an output the program computes (a token)
-    flags = jnp.zeros((1,), jnp.uint8)
+def _with_trace(flags: jax.Array | None, trace: int) -> jax.Array:
+  """This replica's flags followed by the trace's id columns (`trace_id_bytes`): ``uint8[L + TRACE_BYTES]``
+  (with nothing floating, the id alone: still an output the program computes, a token)."""
+  tag = jnp.asarray(trace_id_bytes(trace))
+  return tag if flags is None else jnp.concatenate([flags, tag])
+
+
+def gather_flags(flags: jax.Array | None, axis: str, trace: int) -> jax.Array:
+  """Every replica's flags and the trace's id (`_with_trace`), ``uint8[N, L + TRACE_BYTES]``, the same on every
+  replica (an invariant all-gather)."""
+  flags = _with_trace(flags, trace)
   if axis not in varying_axes(flags):
     flags = to_varying(flags, axis)
   return all_gather_invariant(flags[None], axis, axis=0, tiled=True)
 
 
-def one_replica_flags(flags: jax.Array | None, axis: str) -> jax.Array:
-  """`gather_flags` of the one replica of a one-replica strategy: its own flags, ``uint8[1, max(L, 1)]``,
+def one_replica_flags(flags: jax.Array | None, axis: str, trace: int) -> jax.Array:
+  """`gather_flags` of the one replica of a one-replica strategy: its own flags, ``uint8[1, L + TRACE_BYTES]``,
   left per replica (the program returns them split over the one device, which holds them whole)."""
-  if flags is None:
-    flags = jnp.zeros((1,), jnp.uint8)
+  flags = _with_trace(flags, trace)
   if axis not in varying_axes(flags):
     flags = to_varying(flags, axis)
   return flags[None]
@@ -281,7 +336,7 @@ class TracedChecks:
     flags = np.asarray(flags)
     with self._lock:
       site.executions += 1
-      if flags.any():
+      if flags[..., :-TRACE_BYTES].any():
         self.recorded.append((site, site.executions, flags.copy()))
 
   def raise_recorded(self, wait: bool = False) -> None:
@@ -358,7 +413,7 @@ class Check:
         # waited for before this check, kept under a newer one); the other dispatches are still checked.
         continue
       raw = local.tobytes()
-      if raw.count(0) != len(raw):
+      if raw.count(0) != len(raw) - local.size // local.shape[-1] * TRACE_BYTES:  # the id bytes are never 0
         # Kept: the bad step alone, and how many of the group came after it (the bound calls the check
         # again, with the steps of the other checks dropped after it).
         self.flags = self.flags[i:i + 1]
@@ -393,12 +448,15 @@ class Check:
 
 def _first_inner(flags: np.ndarray) -> int:
   """The first inner step with a flag set, of stacked flags ``[k, N, L]``."""
-  return int(np.flatnonzero(flags.reshape(flags.shape[0], -1).any(axis=1))[0])
+  return int(np.flatnonzero(flags[..., :-TRACE_BYTES].reshape(flags.shape[0], -1).any(axis=1))[0])
 
 
 def _describe(flags: np.ndarray, out: Outputs) -> tuple[
     list[str], list[tuple[str, str, tuple[int, ...], bool, bool]], tuple[int, ...], tuple[int, ...]]:
-  """One step's flags (``[N, L]``) as message lines, `NumericsError.outputs`, `.replicas`, `.processes`."""
+  """One step's flags (``[N, L + TRACE_BYTES]``) as message lines, `NumericsError.outputs`, `.replicas`,
+  `.processes`, read as the trace whose id they carry described its outputs."""
+  out = out.of_trace(trace_of(flags))
+  flags = flags[:, :-TRACE_BYTES]
   n = flags.shape[0]
   bad: list[tuple[str, str, tuple[int, ...], bool, bool]] = []
   replicas: set[int] = set()

@@ -232,14 +232,14 @@ def make_program(fn: Callable[..., Any], groups: tuple[int, ...], *, mesh: jax.s
       # A block's padding rows (past the logical size) are not data: checked without them.
       checked_leaves = [LocalShard(x, *sh).real_block() if sh is not None else x for x, sh in zip(out_leaves, shards)]
       flags, checked = numerics_lib.replica_flags(checked_leaves, is_varying, row_counts, axis, n, untraced)
-      numerics.untraced = [names[ob[0]] if (ob := out_batch[i]) is not None and i in guessed else None
-                           for i in checked]
-      numerics.paths = [paths[i] for i in checked]
-      numerics.kinds = ["ShardedVariable" if shards[i] is not None else "PerReplica" if is_varying[i]
-                        else "Mirrored" for i in checked]
+      trace = numerics.traced(
+          [paths[i] for i in checked],
+          ["ShardedVariable" if shards[i] is not None else "PerReplica" if is_varying[i] else "Mirrored"
+           for i in checked],
+          [names[ob[0]] if (ob := out_batch[i]) is not None and i in guessed else None for i in checked])
       if n == 1:  # one replica: its flags are every replica's, no all-gather (a third of a tiny step's time)
-        return invariant, (*varying, numerics_lib.one_replica_flags(flags, axis))
-      return (*invariant, numerics_lib.gather_flags(flags, axis)), varying
+        return invariant, (*varying, numerics_lib.one_replica_flags(flags, axis, trace))
+      return (*invariant, numerics_lib.gather_flags(flags, axis, trace)), varying
 
     invariant, varying = jax.shard_map(
         body, mesh=mesh, in_specs=tuple(specs), out_specs=(P(), P(axis)), check_vma=True, **manual)(*flat)
