@@ -118,7 +118,7 @@ def inner_padding_notes() -> Iterator[list[dict[str, str | None]]]:
     _INNER_NOTES.stack.pop()
 
 
-def warn_padding_reads_stacked(notes: list[dict[str, str | None]], batches: Any) -> None:
+def warn_padding_reads_stacked(notes: list[dict[str, Any]], batches: Any) -> None:
   """`warn_padding_reads` for stacked steps (``[steps, num_replicas, rows, ...]``): once per program, at
   the first call whose batches hold a partial one."""
   pending = [n for n in notes if n.get("padding_reads")]
@@ -129,15 +129,39 @@ def warn_padding_reads_stacked(notes: list[dict[str, str | None]], batches: Any)
       leaves = jax.tree.leaves(node.tree)
       rows = leaves[0].shape[2] if leaves and leaves[0].ndim >= 3 else None
       if rows is not None and (np.asarray(node.host_real_rows()) < rows).any():
-        for n in pending:
+        for n in pending:  # the inner step's signature is not this call's: said once for all its traces
           message, n["padding_reads"] = n["padding_reads"] or "", None
+          n.get("signatures", {}).clear()
           warnings.warn(message, PaddingReadWarning, stacklevel=4)
         return
 
 
-def warn_padding_reads(notes: dict[str, str | None], args: Any, kwargs: Any) -> None:
+def arguments_signature(args: Any, kwargs: Any) -> Any:
+  """A key of `run`'s arguments that tells `jax.jit`'s executables apart where a step's padding reads may
+  differ: each leaf's shape and dtype, as the program sees it (a numpy array or a Python number after its
+  placement; the same at trace time, from the tracers). None where a leaf has none."""
+  try:
+    return tuple((np.shape(x), jax.dtypes.canonicalize_dtype(jax.numpy.result_type(x)))
+                 for x in jax.tree.leaves((args, kwargs)))
+  except Exception:  # pylint: disable=broad-except  # a leaf JAX has no dtype for: no key
+    return None
+
+
+def note_padding_reads(notes: dict[str, Any], signature: Any, message: str | None) -> None:
+  """At trace time: what this trace of the program (for arguments of `signature`) says of its padding reads
+  (`message`, None: none). `jax.jit` keeps one executable per signature, so the warning of one trace waits for
+  a partial batch of that signature, whatever later traces find. ``notes["padding_reads"]``: a message still
+  to say for some signature (what a call checks first)."""
+  pending = notes.setdefault("signatures", {})
+  pending[signature] = message
+  notes["padding_reads"] = message or next((m for m in pending.values() if m), None)
+
+
+def warn_padding_reads(notes: dict[str, Any], args: Any, kwargs: Any) -> None:
   """Says the program's padding-read warning (`step_jaxpr.StepJaxpr.padding_reads_message`) once, at the first call
-  whose padded batch is partial: a dataset whose batches are all full never pads, and is not warned."""
+  whose padded batch is partial: a dataset whose batches are all full never pads, and is not warned. The
+  warning is that of the trace for this call's signature (`note_padding_reads`); where the signature cannot be
+  told (`arguments_signature` None), that of any trace."""
   for node in jax.tree.leaves((args, kwargs), is_leaf=is_distributed):
     if isinstance(node, PerReplica) and node.padding_is_marked:
       leaves = jax.tree.leaves(node.tree)
@@ -148,6 +172,14 @@ def warn_padding_reads(notes: dict[str, str | None], args: Any, kwargs: Any) -> 
           _INNER_NOTES.stack[-1].append(notes)
         return
       if k is not None and (node.host_real_rows() < k).any():
-        message, notes["padding_reads"] = notes["padding_reads"] or "", None
-        warnings.warn(message, PaddingReadWarning, stacklevel=4)
+        pending = notes.get("signatures", {})
+        signature = arguments_signature(args, kwargs)
+        message = pending.get(signature) if signature in pending else notes["padding_reads"]
+        if message:
+          if signature in pending:
+            pending[signature] = None
+          else:  # which trace ran is not known: said once for all
+            pending.clear()
+          notes["padding_reads"] = next((m for m in pending.values() if m), None)
+          warnings.warn(message, PaddingReadWarning, stacklevel=4)
         return

@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 from tpustrat._src import context as context_lib
 from tpustrat._src import numerics as numerics_lib
 from tpustrat._src.batch_rows import Rows
-from tpustrat._src.engine.output_padding import output_padding
+from tpustrat._src.engine.output_padding import arguments_signature, note_padding_reads, output_padding
 from tpustrat._src.engine.step_jaxpr import (
   StepJaxpr,
   as_output_array,
@@ -99,7 +99,7 @@ def make_program(fn: Callable[..., Any], groups: tuple[int, ...], *, mesh: jax.s
   name = getattr(fn, "__name__", "fn")
   # What the trace found that is said when a call shows it matters: the padding-read warning, said at
   # the first call whose batch is partial (a program made on a full batch serves the partial one too).
-  notes: dict[str, str | None] = {}
+  notes: dict[str, Any] = {}
   fn = weak_callable(fn)  # the cache must not keep the user's function (and its closure) alive
   axis = REPLICA_AXIS
   n = num_replicas
@@ -180,7 +180,7 @@ def make_program(fn: Callable[..., Any], groups: tuple[int, ...], *, mesh: jax.s
         step.check_block_statistics()
         zero = {i for i, b in enumerate(batches)
                 if all(z for arg, z in enumerate(padded_zero) if batch_of_arg[arg] == b)}
-        notes["padding_reads"] = step.padding_reads_message(zero, n)
+        note_padding_reads(notes, arguments_signature(args, kwargs), step.padding_reads_message(zero, n))
         out_leaves = step.evaluate()
         out_tree, paths, marked = step.tree, step.paths, step.marked
         rows: list[Rows] | Callable[[], list[Rows]] = step.rows
