@@ -117,6 +117,79 @@ def test_many_steps_per_execution_take_run_steps_fast_path_and_equal_one_device_
   assert len(checked) == 5 + (3 + 1) + (2 + 0)
 
 
+@pytest.mark.parametrize("steps_per_execution", [2, 3])
+def test_batches_of_growing_size_under_many_steps_per_execution_all_run(strategy, rng, steps_per_execution):
+  """A PyDataset whose later batches are larger (bucketed data): a group of steps ends where a batch's shapes
+  change, and the rest of Keras's call runs as more programs, so no batch is dropped: predict returns every
+  row, evaluate and fit equal one-device Keras, every step counted."""
+  sizes = [8, 16, 16, 16, 24, 5]
+  cuts = np.cumsum([0, *sizes])
+  x, y = classification(int(cuts[-1]), rng)
+
+  class Batches(keras.utils.PyDataset):
+    def __init__(self, with_y):
+      super().__init__()
+      self.with_y = with_y
+
+    def __len__(self):
+      return len(sizes)
+
+    def __getitem__(self, i):
+      a, b = cuts[i], cuts[i + 1]
+      return (x[a:b], y[a:b]) if self.with_y else (x[a:b],)
+
+  with strategy.scope():
+    model = mlp(seed=5)
+    model.compile(**compile_args(steps_per_execution=steps_per_execution))
+  reference = mlp(seed=5)
+  reference.compile(**compile_args())
+  predicted = model.predict(Batches(False), verbose=0)
+  assert predicted.shape == (len(x), 3)
+  assert_close(predicted, reference.predict(Batches(False), verbose=0), rtol=1e-5)
+  assert_close(model.evaluate(Batches(True), verbose=0), reference.evaluate(Batches(True), verbose=0))
+  history = model.fit(Batches(True), epochs=2, shuffle=False, verbose=0)
+  assert_histories(history, reference.fit(Batches(True), epochs=2, shuffle=False, verbose=0))
+  assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 2 * len(sizes)
+  assert_weights(model, reference)
+
+
+@pytest.mark.parametrize("masked_by", ["mask_zero", "ignore_class"])
+def test_a_masked_loss_reduced_mean_with_sample_weight_equals_one_device_keras(strategy, rng, masked_by):
+  """A Keras mask (an Embedding's ``mask_zero``, or the loss's ``ignore_class``) and
+  ``reduction="mean_with_sample_weight"`` with no sample weight: Keras makes the mask the weight and divides
+  by the unmasked entries; with sample weights all 0 on a batch its loss is 0 there (``divide_no_nan``), not
+  NaN. Full and partial batches equal one-device Keras."""
+  tokens = rng.integers(1, 20, size=(61, 6)).astype(np.int32)  # 61 rows, batch 16: a partial last batch
+  tokens[::3, 4:] = 0
+  labels = rng.integers(0, 3, size=(61, 6)).astype(np.int32)
+  if masked_by == "ignore_class":
+    labels[::4, :3] = -1
+
+  def build():
+    keras.utils.set_random_seed(16)
+    t = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(20, 8, mask_zero=masked_by == "mask_zero")(t)
+    model = keras.Model(t, keras.layers.Dense(3)(h))
+    ignore = {"ignore_class": -1} if masked_by == "ignore_class" else {}
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="mean_with_sample_weight", **ignore))
+    return model
+
+  with strategy.scope():
+    model = build()
+  reference = build()
+  assert_close(model.evaluate(tokens, labels, batch_size=16, verbose=0),
+               reference.evaluate(tokens, labels, batch_size=16, verbose=0), rtol=1e-5)
+  assert_histories(model.fit(tokens, labels, batch_size=16, epochs=2, shuffle=False, verbose=0),
+                   reference.fit(tokens, labels, batch_size=16, epochs=2, shuffle=False, verbose=0))
+  assert_weights(model, reference)
+  zero = np.ones((61, 6), np.float32)
+  zero[16:32] = 0.0  # the second batch weighs nothing
+  got = model.evaluate(tokens, labels, sample_weight=zero, batch_size=16, verbose=0)
+  assert np.isfinite(got)
+  assert_close(got, reference.evaluate(tokens, labels, sample_weight=zero, batch_size=16, verbose=0), rtol=1e-5)
+
+
 def test_a_last_batch_of_one_row_on_eight_replicas(strategy, rng):
   x, y = classification(65, rng)
   with strategy.scope():

@@ -561,17 +561,30 @@ class _Fit:
         # The k batches taken here, stacked (fewer at the end of the data; StopIteration after it), not by
         # experimental_run_steps from the iterator: a call on stacked batches and a carry of placed arrays
         # like the last call's takes its fast path, which runs none of its per-call checks again.
-        batches = multistep.take(ours, k, "model.fit")
+        # Keras counts k batches a call: a group that ends early (a batch of other shapes than the group's:
+        # a larger later batch, another sequence length) is followed, in the same call, by programs over
+        # the batches after it, until k have run or the data ends.
         mirrored = self.strategy.mesh is not None
-        if kind == "predict":
-          init = _mirrored(state) if mirrored else state
-          state, outputs = self.strategy.experimental_run_steps(self.steps[kind], batches, None, init=init,
-                                                                options=options)
-        else:
-          init = (state, self._log_zeros(kind, model, state))
-          (state, outputs), _ = self.strategy.experimental_run_steps(
-              self.many_steps[kind], batches, None, init=_mirrored(init) if mirrored else init, options=options)
-        steps = _steps_in(batches)  # fewer than k at the end of the data
+        steps, parts = 0, []
+        while steps < k:
+          try:
+            batches = multistep.take(ours, k - steps, "model.fit")
+          except StopIteration:
+            if not steps:
+              raise
+            break  # the end of the data
+          if kind == "predict":
+            init = _mirrored(state) if mirrored else state
+            state, outputs = self.strategy.experimental_run_steps(self.steps[kind], batches, None, init=init,
+                                                                  options=options)
+          else:
+            init = (state, self._log_zeros(kind, model, state))
+            (state, outputs), _ = self.strategy.experimental_run_steps(
+                self.many_steps[kind], batches, None, init=_mirrored(init) if mirrored else init, options=options)
+          parts.append(outputs)  # train / test: the logs of the group's last step
+          steps += _steps_in(batches)
+          if steps < k:
+            state = tuple(_arrays(state))  # the next group's init, as Keras would hand it back
     self.last_steps = steps
     if self.padded and self.hazards - self.warned:
       for hazard in sorted(self.hazards - self.warned):
@@ -584,8 +597,10 @@ class _Fit:
             "a number of rows that divides into full global batches.", PaddingReadWarning, stacklevel=5)
     state = tuple(_arrays(state))
     if kind == "predict":
-      return _predictions(self.strategy, outputs, stacked=k > 1), state, steps
-    return _arrays(outputs), state, steps
+      if k == 1:
+        return _predictions(self.strategy, outputs, stacked=False), state, steps
+      return _predictions_of(self.strategy, parts), state, steps
+    return _arrays(outputs if k == 1 else parts[-1]), state, steps
 
   def _donating_options(self) -> RunOptions:
     """`options` with the state donated, made once per `set_run_options` (a `RunOptions` is checked when
@@ -742,7 +757,12 @@ def _unwrapped(treedef: Any) -> Any:
 
 def _predictions(strategy: Any, outputs: Any, stacked: bool) -> Any:
   """The per-example outputs as one array per output: exactly the real rows, in order."""
-  steps = steps_lib.unstack_steps(outputs) if stacked else (outputs,)
+  return _predictions_of(strategy, [outputs] if stacked else None, outputs)
+
+
+def _predictions_of(strategy: Any, groups: list[Any] | None, one: Any = None) -> Any:
+  """`_predictions` of consecutive programs' stacked outputs (`groups`), in order, or of `one` step's."""
+  steps = (one,) if groups is None else [step for stacked in groups for step in steps_lib.unstack_steps(stacked)]
   parts = [strategy.gather(step, axis=0) for step in steps]
   return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
 
@@ -826,14 +846,22 @@ class _ReplicaLoss:
     psum = functools.partial(jax.lax.psum, axis_name=REPLICA_AXIS)
     if reduction == "sum":
       value = total
-    elif reduction == "mean_with_sample_weight" and sample_weight is not None:
-      value = total / psum(jnp.sum(weight))
+    elif reduction == "mean_with_sample_weight" and (sample_weight is not None or keras_mask is not None):
+      # Keras: the mask becomes the weight (`apply_mask`) where none was given, and divides by its sum
+      value = _divide_no_nan(total, psum(jnp.sum(weight)))
     elif keras_mask is not None and reduction != "mean_with_sample_weight":  # Keras: sum / unmasked entries
-      value = total / psum(jnp.sum(mask.astype(dtype)))
+      value = _divide_no_nan(total, psum(jnp.sum(mask.astype(dtype))))
     else:  # sum over the global batch's size: its real rows times each row's entries
       entries = int(np.prod(values.shape[1:], dtype=np.int64))
       value = total / (rows.n.astype(dtype) * entries)
     return (value * rows.replicas).astype(dtype)  # the replicas' mean is the global value
+
+
+def _divide_no_nan(total: Any, divisor: Any) -> Any:
+  """``total / divisor``, 0 where `divisor` is 0 (every weight 0, every entry masked), as Keras's
+  ``ops.divide_no_nan``; its gradient is 0 there too, not NaN."""
+  zero = divisor == 0
+  return jnp.where(zero, jnp.zeros_like(total), total / jnp.where(zero, jnp.ones_like(divisor), divisor))
 
 
 @contextlib.contextmanager
