@@ -190,6 +190,85 @@ def test_a_masked_loss_reduced_mean_with_sample_weight_equals_one_device_keras(s
   assert_close(got, reference.evaluate(tokens, labels, sample_weight=zero, batch_size=16, verbose=0), rtol=1e-5)
 
 
+# Keras's IoU metrics ask JAX for int64 (plain one-device Keras warns the same).
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64:UserWarning")
+def test_iou_metrics_on_outputs_with_several_values_per_row_equal_one_device_keras(strategy, rng):
+  """Keras's IoU metrics weigh each element of ``y_true`` (they flatten it): a segmentation-like output
+  ``(N, 4, 3)`` with `MeanIoU` and a multi-label ``(N, 3)`` output with `BinaryIoU` evaluate and train as
+  one-device Keras, a partial last batch included (61 rows, batch 16)."""
+  x = rng.normal(size=(61, 4, 5)).astype(np.float32)
+  y = rng.integers(0, 3, size=(61, 4)).astype(np.int32)
+  labels = (rng.uniform(size=(61, 3)) > 0.5).astype(np.float32)
+
+  def segmentation():
+    keras.utils.set_random_seed(6)
+    model = keras.Sequential([keras.Input((4, 5)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=[keras.metrics.MeanIoU(num_classes=3, sparse_y_pred=False, name="miou")])
+    return model
+
+  def multi_label():
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((4, 5)), keras.layers.Flatten(), keras.layers.Dense(3, activation="sigmoid")])
+    model.compile(optimizer="sgd", loss="binary_crossentropy", metrics=[keras.metrics.BinaryIoU(name="biou")])
+    return model
+
+  for build, targets in ((segmentation, y), (multi_label, labels)):
+    with strategy.scope():
+      model = build()
+    reference = build()
+    assert_close(model.evaluate(x, targets, batch_size=16, verbose=0),
+                 reference.evaluate(x, targets, batch_size=16, verbose=0), rtol=1e-5)
+    assert_histories(model.fit(x, targets, batch_size=16, epochs=2, shuffle=False, verbose=0),
+                     reference.fit(x, targets, batch_size=16, epochs=2, shuffle=False, verbose=0))
+
+
+def test_a_metric_of_an_output_without_a_feature_axis(strategy, rng):
+  """An output of shape ``(N,)`` with ``metrics=["mae"]``: Keras's metric function reduces the whole batch to
+  one number. Full batches equal one-device Keras (the replicas' means average to the batch's); a partial
+  batch, whose padding rows are in each replica's number, is warned, naming the metric."""
+  x = rng.normal(size=(32, 10)).astype(np.float32)
+  y = rng.normal(size=32).astype(np.float32)
+
+  def build():
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(1), keras.layers.Reshape(())])
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    return model
+
+  with strategy.scope():
+    model = build()
+  reference = build()
+  # two full batches of 16 (2 rows a replica): the means of Keras's batches, and the loss
+  assert_close(model.evaluate(x[:32], y[:32], batch_size=16, verbose=0),
+               reference.evaluate(x[:32], y[:32], batch_size=16, verbose=0), rtol=1e-5)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model.evaluate(x[:21], y[:21], batch_size=16, verbose=0)  # 16 rows, then 5: a partial batch
+  said = [str(w.message) for w in caught if issubclass(w.category, tpustrat.PaddingReadWarning)]
+  assert any("the metric 'mae' computes one number for the whole batch" in m for m in said), said
+  assert any("the loss 'mse' returns one number for the batch" in m for m in said), said  # the loss likewise
+
+
+def test_a_loss_without_reduction_is_warned_on_a_partial_batch(strategy, rng):
+  """A loss with ``reduction=None`` returns per-example values that Keras averages after it, padding rows
+  included: evaluate on a partial batch says so, naming the loss; on full batches it equals one device."""
+  x, y = classification(48, rng)
+
+  def build():
+    keras.utils.set_random_seed(8)
+    model = mlp(seed=8)
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None))
+    return model
+
+  with strategy.scope():
+    model = build()
+  assert_close(model.evaluate(x, y, batch_size=16, verbose=0), build().evaluate(x, y, batch_size=16, verbose=0),
+               rtol=1e-5)
+  with pytest.warns(tpustrat.PaddingReadWarning, match="reduction=None: its per-example values are averaged"):
+    model.evaluate(x[:45], y[:45], batch_size=16, verbose=0)
+
+
 def test_a_last_batch_of_one_row_on_eight_replicas(strategy, rng):
   x, y = classification(65, rng)
   with strategy.scope():

@@ -36,6 +36,7 @@ import collections.abc
 import contextlib
 import dataclasses
 import functools
+import inspect
 import sys
 import threading
 import warnings
@@ -87,6 +88,13 @@ def check_keras(keras: Any) -> None:
               if not callable(getattr(loss_module, name, None))]
   if not callable(getattr(getattr(loss_module, "backend", None), "get_keras_mask", None)):
     missing.append("keras.src.backend.get_keras_mask")
+  try:  # each output's compiled metrics, a `MetricsList(metrics)` kept as `.metrics` (`_weighted_metrics`)
+    from keras.src.trainers import compile_utils  # type: ignore[import-untyped]  # noqa: PLC0415
+    listed = "metrics" in inspect.signature(compile_utils.MetricsList.__init__).parameters
+  except (ImportError, AttributeError, TypeError, ValueError):
+    listed = False
+  if not listed:
+    missing.append("keras.src.trainers.compile_utils.MetricsList(metrics)")
   if missing:
     raise RuntimeError(
         f"tpustrat: Keras {keras.__version__}'s JAX trainer has no {', '.join(missing)}; tpustrat's "
@@ -831,6 +839,9 @@ class _ReplicaLoss:
       if jnp.ndim(values) == 0:  # the loss reduced its rows itself: its padding rows cannot be removed
         self.fit.hazards.add(f"the loss {getattr(loss, 'name', loss)!r} returns one number for the batch "
                              "(it reduces its rows itself), so each replica's value includes its padding rows")
+      else:  # per-example values, reduced by Keras after the loss (a mean over every row, padding included)
+        self.fit.hazards.add(f"the loss {getattr(loss, 'name', loss)!r} has reduction={loss.reduction!r}: its "
+                             "per-example values are averaged after it, padding rows included")
       return loss(y_true, y_pred, sample_weight)
     out_mask = lm.backend.get_keras_mask(values)
     keras_mask = (in_mask & out_mask if in_mask is not None and out_mask is not None
@@ -974,18 +985,32 @@ def _row_weight(rows: _Rows, y_pred: Any, sample_weight: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _weighted_metrics(model: Any, rows: _Rows):
+def _weighted_metrics(model: Any, rows: _Rows, hazards: set[str]):
   """While a step is traced, every compiled metric (``compile(metrics=...)``, which Keras updates without
   sample weights, and ``weighted_metrics``) is updated with the padding rows weighted 0 (`_row_weight`):
   on the real rows the weights are Keras's own, so the numbers are one device's."""
   compiled = getattr(model, "_compile_metrics", None)
-  lists = [m for name in ("_flat_metrics", "_flat_weighted_metrics")
-           for m in (getattr(compiled, name, None) or ()) if m]
+  # Each output's metrics (Keras's `MetricsList`, which passes its weight on to each of them): every metric
+  # gets its own weight, per element for those that weigh elements (`keras_models.weighs_elements`).
+  lists = [inner for name in ("_flat_metrics", "_flat_weighted_metrics")
+           for m in (getattr(compiled, name, None) or ()) if m
+           for inner in (m.metrics if isinstance(getattr(m, "metrics", None), list) else [m])]
   for m in lists:
     update = type(m).update_state
 
     def masked(y_true: Any, y_pred: Any, sample_weight: Any = None, _m: Any = m, _update: Any = update) -> Any:
-      return _update(_m, y_true, y_pred, sample_weight=_row_weight(rows, y_pred, sample_weight))
+      if sample_weight is None and y_true is not None and keras_models.weighs_elements(_m):
+        weight = keras_models.element_padding_weight(_m, rows.mask, y_true)
+      elif keras_models.reduces_batch(_m, y_true, y_pred):
+        # One number per replica's batch, as Keras's one per global batch: their mean is Keras's on full
+        # batches; a padded batch's padding rows are in it (warned).
+        hazards.add(f"the metric {_m.name!r} computes one number for the whole batch (the model's output has "
+                    "no feature axis, and the metric's function reduces the last one), so each replica's value "
+                    "includes its padding rows")
+        weight = sample_weight
+      else:
+        weight = _row_weight(rows, y_pred, sample_weight)
+      return _update(_m, y_true, y_pred, sample_weight=weight)
 
     object.__setattr__(m, "update_state", masked)
   try:
@@ -996,15 +1021,15 @@ def _weighted_metrics(model: Any, rows: _Rows):
 
 
 def _update_metrics(model: Any, rows: _Rows, metrics: list[Any], loss: Any, x: Any, y: Any, y_pred: Any,
-                    weights: Any) -> list[Any]:
+                    weights: Any, hazards: set[str]) -> list[Any]:
   """Keras's ``_update_metrics_variables`` for one replica: the loss tracker weighs this replica's loss by
   its share of the global batch's real rows (``n / N``: summed, the tracker counts ``n`` rows, as Keras on
   one device), and every compiled metric sees the padding rows with weight 0. `weights` are the user's
-  sample weights (or None), as Keras passes them."""
+  sample weights (or None), as Keras passes them; `hazards`: the fit's (`_weighted_metrics`)."""
   keras = keras_models.import_keras()
   with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metrics))) as scope:
     model._loss_tracker.update_state(loss, sample_weight=rows.n / rows.replicas)  # noqa: SLF001
-    with _weighted_metrics(model, rows):
+    with _weighted_metrics(model, rows, hazards):
       model.compute_metrics(x, y, y_pred, weights)
   out = []
   for ref, value in zip(model.metrics_variables, metrics):
@@ -1039,7 +1064,7 @@ def _train_step(fit: _Fit, state: Any, batch: Any) -> Any:
   unscaled, y_pred, new_non_trainable, new_metrics = aux
   new_non_trainable = _settle(model, rows, list(new_non_trainable), given, folded)
   trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads, trainable)
-  new_metrics = _update_metrics(model, rows, new_metrics, unscaled, x, y, y_pred, w)
+  new_metrics = _update_metrics(model, rows, new_metrics, unscaled, x, y, y_pred, w, fit.hazards)
   new_metrics = _metrics_combine(model, rows, metrics, new_metrics)
   logs = _results(model, new_metrics)
   return (trainable, new_non_trainable, optimizer_vars, new_metrics), logs
@@ -1056,7 +1081,7 @@ def _test_step(fit: _Fit, state: Any, batch: Any) -> Any:
     _, aux = model.compute_loss_and_updates(trainable, folded_nt, start, x, y, w, training=False)
   unscaled, y_pred, new_non_trainable, new_metrics = aux
   new_non_trainable = _settle(model, rows, list(new_non_trainable), given, folded)
-  new_metrics = _update_metrics(model, rows, new_metrics, unscaled, x, y, y_pred, w)
+  new_metrics = _update_metrics(model, rows, new_metrics, unscaled, x, y, y_pred, w, fit.hazards)
   new_metrics = _metrics_combine(model, rows, metrics, new_metrics)
   return (trainable, new_non_trainable, new_metrics), _results(model, new_metrics)
 

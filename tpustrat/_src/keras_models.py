@@ -656,6 +656,42 @@ def padding_weight(mask: Any, y_pred: Any, sample_weight: Any) -> Any:
   return weight * mask.reshape(mask.shape + (1,) * (weight.ndim - 1)).astype(jnp.result_type(weight, jnp.float32))
 
 
+def weighs_elements(metric: Any) -> bool:
+  """Whether `metric` takes its sample weight per element of ``y_true``: Keras's IoU metrics (`IoU`,
+  `BinaryIoU`, `MeanIoU`, `OneHotIoU`, `OneHotMeanIoU`) flatten ``y_true`` and broadcast the weight to it, so a
+  weight per row fails there when a row holds several values (a segmentation map, multi-label outputs)."""
+  return isinstance(metric, import_keras().metrics.IoU)
+
+
+def reduces_batch(metric: Any, y_true: Any, y_pred: Any) -> bool:
+  """Whether `metric`, a Keras ``MeanMetricWrapper`` (``metrics=["mae"]``), computes one number for the whole
+  batch: its function reduces the last axis, which, for an output without a feature axis (``(N,)``), is the
+  batch's. Its value on one replica's rows then cannot weigh padding rows apart. Read from the function's
+  output shape on `y_true` / `y_pred` (abstractly, at trace time); the function is Keras's private ``_fn``,
+  checked here: a Keras without it fails loudly."""
+  keras = import_keras()
+  if not isinstance(metric, keras.metrics.MeanMetricWrapper) or y_true is None:
+    return False
+  fn = getattr(metric, "_fn", None)
+  if not callable(fn):
+    raise RuntimeError(
+        f"tpustrat: Keras {keras.__version__}'s MeanMetricWrapper keeps no `_fn`; tpustrat's fit under a strategy "
+        "was written for Keras 3.5 to 3.15, whose metric wrappers do.")
+  kwargs = getattr(metric, "_fn_kwargs", None) or {}
+  out = jax.eval_shape(lambda t, p: fn(t, p, **kwargs), y_true, y_pred)
+  return all(len(o.shape) == 0 for o in jax.tree.leaves(out))
+
+
+def element_padding_weight(metric: Any, mask: Any, y_true: Any) -> Any:
+  """`padding_weight` for a metric that `weighs_elements` and was given no weight: `mask` (``[k]``, True on
+  the real rows) broadcast to ``y_true``'s shape, in the metric's dtype where that is an integer one (0 and
+  1 exactly, and no warning from Keras about float weights)."""
+  dtype = np.dtype(metric.dtype) if np.issubdtype(np.dtype(metric.dtype), np.integer) else np.float32
+  mask = jnp.asarray(mask).astype(dtype)
+  shape = jnp.shape(y_true)
+  return jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (len(shape) - 1)), shape)
+
+
 def _padding_weighted(metric: Any, ctx: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
   """A metric update's arguments with the padding rows weighted 0 (`padding_weight`), where its first
   argument (``values``, ``y_true``) holds a padded batch's rows (followed through the step, as
