@@ -61,6 +61,19 @@ def assert_weights(actual, expected):
     assert_close(a, b, rtol=1e-5, scale=np.abs(b).max() + 1.0)
 
 
+def evaluate_and_fit_like_keras(strategy, build, x, y, batch_size=16, epochs=2):
+  """`build()` under the strategy and on one device: `evaluate`, then `fit`'s history, equal; the two
+  models."""
+  with strategy.scope():
+    model = build()
+  reference = build()
+  assert_close(model.evaluate(x, y, batch_size=batch_size, verbose=0),
+               reference.evaluate(x, y, batch_size=batch_size, verbose=0), rtol=1e-5)
+  assert_histories(model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0),
+                   reference.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0))
+  return model, reference
+
+
 def on_every_device(model, strategy):
   devices = set(strategy.mesh.devices.flat)
   return all(v.value.sharding.device_set == devices for v in model.variables)
@@ -175,13 +188,7 @@ def test_a_masked_loss_reduced_mean_with_sample_weight_equals_one_device_keras(s
         from_logits=True, reduction="mean_with_sample_weight", **ignore))
     return model
 
-  with strategy.scope():
-    model = build()
-  reference = build()
-  assert_close(model.evaluate(tokens, labels, batch_size=16, verbose=0),
-               reference.evaluate(tokens, labels, batch_size=16, verbose=0), rtol=1e-5)
-  assert_histories(model.fit(tokens, labels, batch_size=16, epochs=2, shuffle=False, verbose=0),
-                   reference.fit(tokens, labels, batch_size=16, epochs=2, shuffle=False, verbose=0))
+  model, reference = evaluate_and_fit_like_keras(strategy, build, tokens, labels)
   assert_weights(model, reference)
   zero = np.ones((61, 6), np.float32)
   zero[16:32] = 0.0  # the second batch weighs nothing
@@ -214,13 +221,7 @@ def test_iou_metrics_on_outputs_with_several_values_per_row_equal_one_device_ker
     return model
 
   for build, targets in ((segmentation, y), (multi_label, labels)):
-    with strategy.scope():
-      model = build()
-    reference = build()
-    assert_close(model.evaluate(x, targets, batch_size=16, verbose=0),
-                 reference.evaluate(x, targets, batch_size=16, verbose=0), rtol=1e-5)
-    assert_histories(model.fit(x, targets, batch_size=16, epochs=2, shuffle=False, verbose=0),
-                     reference.fit(x, targets, batch_size=16, epochs=2, shuffle=False, verbose=0))
+    evaluate_and_fit_like_keras(strategy, build, x, targets)
 
 
 def test_a_metric_of_an_output_without_a_feature_axis(strategy, rng):
