@@ -201,7 +201,8 @@ def test_a_masked_loss_reduced_mean_with_sample_weight_equals_one_device_keras(s
 @pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64:UserWarning")
 def test_iou_metrics_on_outputs_with_several_values_per_row_equal_one_device_keras(strategy, rng):
   """Keras's IoU metrics weigh each element of ``y_true`` (they flatten it): a segmentation-like output
-  ``(N, 4, 3)`` with `MeanIoU` and a multi-label ``(N, 3)`` output with `BinaryIoU` evaluate and train as
+  ``(N, 4, 3)`` with `MeanIoU` (and with one-hot targets, `OneHotMeanIoU`) and a multi-label ``(N, 3)``
+  output with `BinaryIoU` evaluate and train as
   one-device Keras, a partial last batch included (61 rows, batch 16)."""
   x = rng.normal(size=(61, 4, 5)).astype(np.float32)
   y = rng.integers(0, 3, size=(61, 4)).astype(np.int32)
@@ -220,7 +221,14 @@ def test_iou_metrics_on_outputs_with_several_values_per_row_equal_one_device_ker
     model.compile(optimizer="sgd", loss="binary_crossentropy", metrics=[keras.metrics.BinaryIoU(name="biou")])
     return model
 
-  for build, targets in ((segmentation, y), (multi_label, labels)):
+  def one_hot():  # OneHotMeanIoU takes the class axis away (an argmax) before it flattens
+    keras.utils.set_random_seed(8)
+    model = keras.Sequential([keras.Input((4, 5)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss=keras.losses.CategoricalCrossentropy(from_logits=True),
+                  metrics=[keras.metrics.OneHotMeanIoU(num_classes=3, name="ohmiou")])
+    return model
+
+  for build, targets in ((segmentation, y), (multi_label, labels), (one_hot, np.eye(3, dtype=np.float32)[y])):
     evaluate_and_fit_like_keras(strategy, build, x, targets)
 
 
@@ -957,3 +965,19 @@ def test_step_results_unwrapped_as_jax_tree_map_would():
   for _ in range(2):  # the structure's verdict is kept: the second call takes it
     got = keras_fit._arrays((Checked(a), Mirrored.from_global(b)))  # noqa: SLF001
     assert type(got[0]) is Checked and got[0].x is a and got[1] is b
+
+
+def test_check_numerics_raises_a_nan_of_fits_last_steps_before_fit_returns(strategy, rng):
+  """A NaN in the 5th of 6 steps (a NaN input row, numpy: NaN propagates into the loss) is read after the
+  steps-in-flight bound, past fit's last call: fit waits for its steps before it returns, so fit itself
+  raises, naming step 5, and nothing is left for a later call."""
+  x, y = classification(96, rng)
+  x[70, 2] = np.nan  # batch 5 of 6 (rows 64-79)
+  with strategy.scope():
+    model = mlp(seed=9)
+    model.compile(**compile_args())
+  tk.set_run_options(model, tpustrat.RunOptions(check_numerics=True))
+  with pytest.raises(tpustrat.NumericsError) as info:
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+  assert info.value.step == 5
+  strategy.experimental_run_wait()  # nothing more to report

@@ -257,14 +257,15 @@ def test_a_step_masking_with_a_dataset_column_is_right_with_zero_padding_and_war
   assert len(said) == 1 and 'experimental_padding="zeros"' in said[0], said
 
 
+@pytest.mark.parametrize("keyed", [False, True])
 @pytest.mark.parametrize("between", ["masked", "reading"])
-def test_the_warning_is_that_of_the_signature_that_ran(strategy, between):
+def test_the_warning_is_that_of_the_signature_that_ran(strategy, between, keyed):
   """`jax.jit` keeps one executable per argument signature. A step that reads the padding for 2 features and
   masks it for 3: a partial 2-feature batch is warned even after a 3-feature trace in between (its sum is
   the padded one, numpy: 16 against the real 10), and a partial 3-feature batch is not warned after a
   2-feature trace (its masked sum is numpy's)."""
 
-  def step(x):
+  def step(x, key=None):  # keyed: a typed PRNG key argument too (a dropout key), whose dtype is JAX's own
     ctx = tpustrat.get_replica_context()
     if x.shape[1] == 2:
       return ctx.all_reduce("sum", jnp.sum(x))  # reads the padding rows (copies of the first row)
@@ -276,9 +277,10 @@ def test_the_warning_is_that_of_the_signature_that_ran(strategy, between):
   first = next(iter(strategy.experimental_distribute_dataset([np.ones((8, features), np.float32)])))
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    strategy.run(step, args=(first,))  # the trace of this signature
-    strategy.run(step, args=(full,))  # a trace of the other one in between
-    total = float(np.asarray(strategy.run(step, args=(partial,))))
+    extra = (jax.random.key(0),) if keyed else ()
+    strategy.run(step, args=(first, *extra))  # the trace of this signature
+    strategy.run(step, args=(full, *extra))  # a trace of the other one in between
+    total = float(np.asarray(strategy.run(step, args=(partial, *extra))))
   said = [w for w in caught if issubclass(w.category, tpustrat.PaddingReadWarning)]
   if features == 2:
     assert total == 8 * 2  # every replica's 1 row of 2 ones: 5 real rows, 3 padding copies

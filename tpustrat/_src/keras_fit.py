@@ -267,7 +267,12 @@ def install() -> None:
           # Keras's own loop keeps the model current (it writes its state back): its steps leave no
           # Keras object stale, and it donates no array of a custom loop's state (`keras_models.keras_loop`).
           with fit.keras_distribution_off(), keras_models.keras_loop(self):
-            return method(self, *args, **kwargs)
+            result = method(self, *args, **kwargs)
+          if fit.options.check_numerics and fit.depth == 1:
+            # Its last steps' flags are read by a later wait: this call's own NaN / Inf is raised here,
+            # not by whatever call of the strategy comes next.
+            fit.strategy.experimental_run_wait()
+          return result
         finally:
           fit.depth -= 1
           if not fit.depth:  # not the evaluate that fit calls for validation: fit's iterators stay open

@@ -689,6 +689,9 @@ def element_padding_weight(metric: Any, mask: Any, y_true: Any) -> Any:
   dtype = np.dtype(metric.dtype) if np.issubdtype(np.dtype(metric.dtype), np.integer) else np.float32
   mask = jnp.asarray(mask).astype(dtype)
   shape = jnp.shape(y_true)
+  metrics = import_keras().metrics
+  if isinstance(metric, (metrics.OneHotIoU, metrics.OneHotMeanIoU)):
+    shape = shape[:-1]  # one-hot targets: the class axis is taken away (an argmax) before the flatten
   return jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (len(shape) - 1)), shape)
 
 

@@ -139,12 +139,18 @@ def warn_padding_reads_stacked(notes: list[dict[str, Any]], batches: Any) -> Non
 def arguments_signature(args: Any, kwargs: Any) -> Any:
   """A key of `run`'s arguments that tells `jax.jit`'s executables apart where a step's padding reads may
   differ: each leaf's shape and dtype, as the program sees it (a numpy array or a Python number after its
-  placement; the same at trace time, from the tracers). None where a leaf has none."""
+  placement; the same at trace time, from the tracers: `_leaf_dtype`)."""
+  return tuple((np.shape(x), _leaf_dtype(x)) for x in jax.tree.leaves((args, kwargs)))
+
+
+def _leaf_dtype(x: Any) -> Any:
+  """A leaf's dtype as the program sees it: an array's own (a typed PRNG key's included), canonical; a
+  Python number's as JAX types it; for anything else, its type."""
+  dtype = getattr(x, "dtype", None)
   try:
-    return tuple((np.shape(x), jax.dtypes.canonicalize_dtype(jax.numpy.result_type(x)))
-                 for x in jax.tree.leaves((args, kwargs)))
-  except Exception:  # pylint: disable=broad-except  # a leaf JAX has no dtype for: no key
-    return None
+    return jax.dtypes.canonicalize_dtype(dtype if dtype is not None else jax.numpy.result_type(x))
+  except Exception:  # pylint: disable=broad-except  # an extended dtype canonicalization refuses, or no dtype
+    return str(dtype) if dtype is not None else type(x).__name__
 
 
 def note_padding_reads(notes: dict[str, Any], signature: Any, message: str | None) -> None:
@@ -160,8 +166,8 @@ def note_padding_reads(notes: dict[str, Any], signature: Any, message: str | Non
 def warn_padding_reads(notes: dict[str, Any], args: Any, kwargs: Any) -> None:
   """Says the program's padding-read warning (`step_jaxpr.StepJaxpr.padding_reads_message`) once, at the first call
   whose padded batch is partial: a dataset whose batches are all full never pads, and is not warned. The
-  warning is that of the trace for this call's signature (`note_padding_reads`); where the signature cannot be
-  told (`arguments_signature` None), that of any trace."""
+  warning is that of the trace for this call's signature (`note_padding_reads`); for a signature no trace
+  noted, that of any trace."""
   for node in jax.tree.leaves((args, kwargs), is_leaf=is_distributed):
     if isinstance(node, PerReplica) and node.padding_is_marked:
       leaves = jax.tree.leaves(node.tree)
