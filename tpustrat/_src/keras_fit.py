@@ -606,8 +606,9 @@ class _Fit:
             f"model.{'fit' if kind == 'train' else 'evaluate' if kind == 'test' else 'predict'} under "
             f"{self.strategy!r}: a partial batch was padded to as many rows per replica as a full batch gives "
             f"each (padding rows), and {hazard}: those numbers differ from one device's on that batch (TF hands "
-            "replicas only real rows). Compute the term per example inside a Keras loss (its padding rows then weigh nothing), or give the data "
-            "a number of rows that divides into full global batches.", PaddingReadWarning, stacklevel=5)
+            "replicas only real rows). Compute the term per example inside a Keras loss (its padding rows then "
+            "weigh nothing), or give the data a number of rows that divides into full global batches.",
+            PaddingReadWarning, stacklevel=5)
     state = tuple(_arrays(state))
     if kind == "predict":
       if k == 1:
