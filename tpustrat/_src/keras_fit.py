@@ -612,8 +612,8 @@ class _Fit:
     state = tuple(_arrays(state))
     if kind == "predict":
       if k == 1:
-        return _predictions(self.strategy, outputs, stacked=False), state, steps
-      return _predictions_of(self.strategy, parts), state, steps
+        return _predictions(self.strategy, outputs), state, steps
+      return _predictions(self.strategy, groups=parts), state, steps
     return _arrays(outputs if k == 1 else parts[-1]), state, steps
 
   def _donating_options(self) -> RunOptions:
@@ -769,13 +769,9 @@ def _unwrapped(treedef: Any) -> Any:
   return plain, (None if kept == list(range(n)) else kept)
 
 
-def _predictions(strategy: Any, outputs: Any, stacked: bool) -> Any:
-  """The per-example outputs as one array per output: exactly the real rows, in order."""
-  return _predictions_of(strategy, [outputs] if stacked else None, outputs)
-
-
-def _predictions_of(strategy: Any, groups: list[Any] | None, one: Any = None) -> Any:
-  """`_predictions` of consecutive programs' stacked outputs (`groups`), in order, or of `one` step's."""
+def _predictions(strategy: Any, one: Any = None, groups: list[Any] | None = None) -> Any:
+  """The per-example outputs as one array per output, exactly the real rows, in order: of `one` step's
+  outputs, or of consecutive programs' stacked outputs (`groups`)."""
   steps = (one,) if groups is None else [step for stacked in groups for step in steps_lib.unstack_steps(stacked)]
   parts = [strategy.gather(step, axis=0) for step in steps]
   return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
