@@ -431,6 +431,7 @@ def make_eval_step(graphdef: nnx.GraphDef, global_batch_size: int) -> Callable[.
 
 def evaluate(strategy: tpustrat.Strategy, eval_step: Callable[..., Any], params: Any, dataset: Any) -> float:
   """The mean loss over the validation batches: per-replica shares summed by `strategy.reduce`."""
+  params = strategy.experimental_mirror(params)  # placed once, not by `run` at every batch
   totals = [strategy.reduce("sum", strategy.run(eval_step, args=(params, batch)), axis=None)
             for batch in strategy.experimental_distribute_dataset(dataset)]
   return float(np.mean(jax.device_get(totals)))

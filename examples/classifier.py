@@ -251,6 +251,7 @@ def evaluate(strategy: tpustrat.Strategy, eval_step: Callable[..., Any], params:
   ``examples == len(x)``.
   """
   correct, predictions = [], []
+  params = strategy.experimental_mirror(params)  # placed once, not by `run` at every batch
   for batch in strategy.experimental_distribute_dataset(make_dataset(strategy, x, y, global_batch_size)):
     out = strategy.run(eval_step, args=(params, batch))
     correct.append(strategy.reduce("sum", out["correct"], axis=0))

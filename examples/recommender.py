@@ -341,6 +341,7 @@ def make_dataset(strategy: tpustrat.Strategy, embedding: tpustrat.embedding.TPUE
 def predict_logits(strategy: tpustrat.Strategy, predict: Callable[..., Any], state: dict[str, Any],
                    dataset: Any) -> np.ndarray:
   """The model's logits for every example of `dataset`, in order, gathered on the host."""
+  state = strategy.experimental_mirror(state)  # placed once, not by `run` at every batch
   out = [strategy.gather(strategy.run(predict, args=(state, batch)), axis=0)
          for batch in strategy.experimental_distribute_dataset(dataset)]
   return np.concatenate([np.asarray(x) for x in jax.device_get(out)])

@@ -263,6 +263,7 @@ def test_non_array_result_is_a_type_error(strategy):
     strategy.run(lambda: "hello")
 
 
+@pytest.mark.filterwarnings("ignore::tpustrat.RepeatedPlacementWarning")  # a plain array given on purpose
 def test_program_cache_evicts_the_least_recently_used_and_holds_functions_weakly(monkeypatch):
   import gc
   import weakref

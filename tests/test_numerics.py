@@ -44,7 +44,6 @@ def log_step(w, x):
   return {"w": w + tpustrat.get_replica_context().all_reduce("sum", jnp.sum(y)), "y": y}
 
 
-
 def _nan_at_step_2_on_replica_3(e):
   """Checks the error's fields for `log_step`'s NaN (step 2, replica 3: `y` per replica, `w` everywhere);
   returns its message."""
@@ -54,6 +53,8 @@ def _nan_at_step_2_on_replica_3(e):
   assert ("['w']", "Mirrored", tuple(range(N)), True, False) in e.outputs
   return str(e)
 
+
+@pytest.mark.filterwarnings("ignore::tpustrat.RepeatedPlacementWarning")  # plain arrays: the checked path
 def test_nan_on_replica_3_of_8_names_the_replica_the_path_and_the_step(strategy):
   good = per_replica(strategy, [np.full(4, 2.0)] * N)
   bad = per_replica(strategy, [np.full(4, -1.0) if r == 3 else np.full(4, 2.0) for r in range(N)])
@@ -80,6 +81,7 @@ def test_nan_on_replica_3_of_8_names_the_replica_the_path_and_the_step(strategy)
   strategy.experimental_run_wait()
 
 
+@pytest.mark.filterwarnings("ignore::tpustrat.RepeatedPlacementWarning")  # plain arrays: the checked path
 def test_inf_is_named_and_experimental_run_wait_raises_it(strategy):
   def step(x):
     return 1.0 / x, x * 2.0  # Inf where x is 0
@@ -368,6 +370,7 @@ def test_padding_rows_are_skipped_where_the_rows_are_traced_in_place(strategy):
   assert held.shape == (2, 2) and np.isneginf(held).all()
 
 
+@pytest.mark.filterwarnings("ignore::tpustrat.RepeatedPlacementWarning")  # plain arrays: the checked path
 def test_off_is_the_same_program_and_cache_entry(strategy):
   engine = strategy.extended.engine
   x = per_replica(strategy, [1.0] * N)
@@ -471,6 +474,7 @@ def test_steps_are_counted_per_program_and_results_still_come_back(strategy):
   assert info.value.step == 4 and info.value.replicas == tuple(range(N))
 
 
+@pytest.mark.filterwarnings("ignore::tpustrat.RepeatedPlacementWarning")  # plain arrays: the checked path
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("bad_step", [2, numerics_lib.GROUP, numerics_lib.GROUP + 3])
 def test_the_error_comes_at_the_wait_for_the_last_step_of_its_group(strategy, k, bad_step):
@@ -503,6 +507,7 @@ def test_the_error_comes_at_the_wait_for_the_last_step_of_its_group(strategy, k,
   strategy.experimental_run_wait()  # nothing left to report
 
 
+@pytest.mark.filterwarnings("ignore::tpustrat.RepeatedPlacementWarning")  # plain arrays: the checked path
 def test_the_flags_copy_to_the_host_starts_at_dispatch_on_a_device_with_its_own_memory(strategy, monkeypatch):
   """On a GPU / TPU each dispatch starts its flags' copy to the host at once, so that the bound, which reads
   them `max_steps_in_flight` calls later, finds them there; on the CPU (host memory already) none is started.

@@ -288,3 +288,40 @@ def test_the_warning_is_that_of_the_signature_that_ran(strategy, between, keyed)
   else:
     assert total == np.ones((5, 3)).sum()
     assert said == []
+
+
+@pytest.mark.parametrize("first", ["reading", "masked"])
+def test_the_stacked_steps_warning_is_that_of_the_signature_that_ran(strategy, first):
+  """`experimental_run_steps` keeps its inner steps' padding-read warnings per signature of its own program:
+  the step of `test_the_warning_is_that_of_the_signature_that_ran` (reads the padding for 2 features, masks it
+  for 3) scanned over two stacked batches. Both signatures traced on full batches (in either order), then a
+  partial batch of each (the second of 8 holds 5 rows; the fast path: the signatures of the full calls): only
+  the reading one is warned, and its sum is the padded one (numpy: 16 + 16 against the real 16 + 10)."""
+
+  def step(carry, x):
+    ctx = tpustrat.get_replica_context()
+    if x.shape[1] == 2:
+      s = ctx.all_reduce("sum", jnp.sum(x))  # reads the padding rows (copies of the first row)
+    else:
+      s = ctx.all_reduce("sum", jnp.sum(jnp.where(tpustrat.valid_mask(x)[:, None], x, 0.0)))
+    return carry + s, s
+
+  def stacked(rows, f):
+    it = iter(strategy.experimental_distribute_dataset([np.ones((r, f), np.float32) for r in rows]))
+    return it.take_steps(len(rows))
+
+  init = strategy.experimental_mirror(np.float32(0.0))
+  order = (2, 3) if first == "reading" else (3, 2)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for f in order:  # the traces
+      strategy.experimental_run_steps(step, stacked([8, 8], f), init=init)
+    masked, _ = strategy.experimental_run_steps(step, stacked([8, 5], 3), init=init)
+    assert not [w for w in caught if issubclass(w.category, tpustrat.PaddingReadWarning)]
+    reading, _ = strategy.experimental_run_steps(step, stacked([8, 5], 2), init=init)
+    again, _ = strategy.experimental_run_steps(step, stacked([8, 5], 2), init=reading)
+  said = [w for w in caught if issubclass(w.category, tpustrat.PaddingReadWarning)]
+  assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in said]
+  assert float(np.asarray(masked)) == np.ones((8, 3)).sum() + np.ones((5, 3)).sum()
+  assert float(np.asarray(reading)) == np.ones((8, 2)).sum() + 8 * 2  # 5 real rows, 3 copies of the first
+  assert float(np.asarray(again)) == 2 * float(np.asarray(reading))

@@ -347,6 +347,84 @@ def test_retracing_warning_on_mirrored_strategy():
       strategy.run(f, args=(np.ones(n, np.float32),))
 
 
+# -- repeated placement ----------------------------------------------------------------------------------
+
+
+def _accumulate(w, t):
+  return w + jnp.sum(t)
+
+
+def test_an_array_placed_at_every_call_warns_once_on_the_third_naming_it(fresh):
+  table = np.arange(6, dtype=np.float32)
+  plain = jax.device_put(table, jax.devices()[-1])  # committed to one device: copied onto all 8 per call
+  w = fresh.experimental_mirror(np.float32(0.0))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for _ in range(2):
+      w = fresh.run(_accumulate, args=(w, plain))
+  with pytest.warns(tpustrat.RepeatedPlacementWarning) as record:
+    w = fresh.run(_accumulate, args=(w, plain))
+  assert len(record) == 1
+  message = str(record[0].message)
+  assert message.startswith("strategy.run(_accumulate) placed the jax.Array at args[1] (float32[6], laid out as "
+                            f"{plain.sharding}) onto the strategy's devices for the 3rd time")
+  assert "copies it there (a jax.device_put)" in message and "strategy.experimental_mirror(x)" in message
+  assert record[0].filename == __file__
+  with warnings.catch_warnings():  # once per function; the placed copies still compute what numpy does
+    warnings.simplefilter("error")
+    w = fresh.run(_accumulate, args=(w, plain))
+  np.testing.assert_allclose(np.asarray(w.values[0]),
+                             4 * table.sum(), rtol=1e-6)
+
+
+def test_fresh_arrays_host_arrays_and_placed_values_never_warn(fresh):
+  table = np.arange(6, dtype=np.float32)
+  mirrored = fresh.experimental_mirror(table)
+  w = fresh.experimental_mirror(np.float32(0.0))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for _ in range(5):
+      w = fresh.run(_accumulate, args=(w, jax.device_put(table, jax.devices()[-1])))  # a new array each call
+      w = fresh.run(_accumulate, args=(w, table))  # the same numpy array: its contents may change
+      w = fresh.run(_accumulate, args=(w, mirrored))  # placed once
+  np.testing.assert_allclose(np.asarray(w.values[0]), 15 * table.sum(), rtol=1e-6)
+
+
+def test_an_array_renamed_on_one_device_at_every_call_warns_saying_so():
+  strategy = tpustrat.MirroredStrategy(devices=jax.devices()[:1])
+  plain = jnp.ones((2, 3), jnp.float32)  # on that device: its buffers renamed, not copied, per call
+  with pytest.warns(tpustrat.RepeatedPlacementWarning,
+                    match=r"args\[0\] \(float32\[2,3\].*renames its buffers \(they are on the right devices"):
+    for _ in range(3):
+      out = strategy.run(lambda t: t * 2, args=(plain,))
+  np.testing.assert_array_equal(np.asarray(out.values[0]), np.full((2, 3), 2.0, np.float32))
+
+
+def test_placements_count_one_array_object_held_weakly():
+  class Value:  # referable weakly, like a jax.Array
+    pass
+
+  placements = step_stats.Placements(limit=4)
+  a, b = Value(), Value()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for v in (a, b, a, b):
+      placements.placed(v, "f", lambda n: f"placed {n}")
+    assert not caught
+    placements.placed(b, "f", lambda n: f"placed {n}")  # b's third
+    placements.placed(a, "f", lambda n: f"placed {n}")  # a's third: the function warned already
+    placements.placed(a, "g", lambda n: f"placed {n} by g")  # a's fourth, another function
+  assert [str(w.message) for w in caught] == ["placed 3", "placed 4 by g"]
+  assert all(w.category is tpustrat.RepeatedPlacementWarning for w in caught)
+  # an entry whose array is gone does not count for a new object that got its id
+  c = Value()
+  placements._seen[id(c)] = [lambda: None, 2]  # pylint: disable=protected-access
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    placements.placed(c, "h", lambda n: f"placed {n}")
+    placements.placed(c, "h", lambda n: f"placed {n}")
+
+
 def test_describe_change_of_structures():
   a = (("args[0]['x']",), (((2,), "float32", False),), ("PyTreeDef({'x': *})",), 1, ())
   b = (("args[0]['x']", "args[0]['y']"), (((2,), "float32", False),) * 2, ("PyTreeDef({'x': *, 'y': *})",), 1, ())

@@ -67,6 +67,7 @@ from tpustrat._src.sharding import clip_by_global_norm as clip_by_global_norm
 from tpustrat._src.sharding import global_norm as global_norm
 from tpustrat._src.sharding import sharding_groups as sharding_groups
 from tpustrat._src.step_stats import InputBoundWarning as InputBoundWarning
+from tpustrat._src.step_stats import RepeatedPlacementWarning as RepeatedPlacementWarning
 from tpustrat._src.step_stats import RetracingWarning as RetracingWarning
 from tpustrat._src.step_stats import StepRecord as StepRecord
 from tpustrat._src.step_stats import StepStats as StepStats
@@ -125,6 +126,7 @@ __all__ = [
     "replica_key",
     "replica_rngs",
     "ReplicaContext",
+    "RepeatedPlacementWarning",
     "RetracingWarning",
     "RunOptions",
     "Strategy",

@@ -210,7 +210,7 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
     outputs = numerics_lib.Outputs([], [], numerics_lib.replica_processes(mesh, REPLICA_AXIS),
                                    f"experimental_run_steps({step.__name__})")
 
-  padding_notes: list[dict[str, str | None]] = []
+  padding_notes: dict[str, Any] = {}  # the padding-read warnings of the inner runs, per signature of this program
   # In a loop on XLA:CPU the step's convolutions are laid out for its fast kernel first (`conv_layouts`:
   # XLA does it in the entry computation only); unrolled, every step is in the entry computation.
   canonical = unroll is not True and conv_layouts.on_cpu(None if strategy.mesh is None else strategy.mesh.devices)
@@ -237,7 +237,7 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
     with engine_lib.inner_padding_notes() as found:  # the inner run's padding-read warning, said by run_steps
       loop_body = conv_layouts.canonical_convolutions(body) if canonical else body
       result = lax.scan(loop_body, carry, batches, unroll=unroll)  # RunOptions.scan_unroll
-    padding_notes.extend(n for n in found if not any(n is m for m in padding_notes))
+    engine_lib.note_stacked_padding_reads(padding_notes, engine_lib.arguments_signature(carry, batches), found)
     if outputs is not None:  # the stacked flags: the output to wait on (a donating program's too)
       carry, (outs, flags) = result
       return carry, outs, flags
@@ -463,16 +463,12 @@ class _Fast:
                "traced")
 
   def __init__(self, avals: tuple[Any, ...], shardings: tuple[Any, ...], k: int, dispatched: Any,
-               limit: int | None, donate: tuple[int, ...], one_replica: bool, notes: list[Any],
+               limit: int | None, donate: tuple[int, ...], one_replica: bool, notes: dict[str, Any],
                engine: Any) -> None:
     self.avals, self.shardings, self.k, self.dispatched = avals, shardings, k, dispatched
     self.limit, self.donate, self.one_replica = limit, donate, one_replica
-    self.notes = [n for n in notes if n]  # the program's padding notes (dicts filled when it is traced)
+    self.notes = notes  # the program's padding notes (filled when it is traced: `note_stacked_padding_reads`)
     self.in_flight, self.traced = engine.in_flight, engine.traced_numerics  # the engine's, read once
-
-  def padding_reads(self) -> bool:
-    """Whether a padding-read warning of the program is to be said (`engine.warn_padding_reads_stacked`)."""
-    return any(n.get("padding_reads") for n in self.notes)
 
 
 def run_steps_fast(engine: Any, fn: Callable[..., Any], iterator: Any, steps: int | None, init: Any,
@@ -525,15 +521,15 @@ def run_steps_fast(engine: Any, fn: Callable[..., Any], iterator: Any, steps: in
   carry, outputs = engine_lib.dispatch_default_hooks(
       fast.dispatched, (init, iterator, leaves), fast.in_flight, fast.limit or engine.max_steps_in_flight, k,
       None, fast.traced)
-  if fast.notes and fast.padding_reads():
-    engine_lib.warn_padding_reads_stacked(fast.notes, iterator)
+  if fast.notes.get("padding_reads"):
+    engine_lib.warn_padding_reads_stacked(fast.notes, init, iterator)
   if fast.one_replica:  # XLA's layouts do not say which outputs are stacked steps (see stacked_steps)
     return name_replica_axis(carry, steps=False), name_replica_axis(outputs, steps=True)
   return carry, outputs
 
 
 def _remember(engine: Any, strategy: Strategy, fn: Callable[..., Any], options: RunOptions | None, init: Any,
-              batches: Any, k: int, dispatched: Any, donate: tuple[int, ...], notes: list[Any]) -> None:
+              batches: Any, k: int, dispatched: Any, donate: tuple[int, ...], notes: dict[str, Any]) -> None:
   """Keeps a checked call on batches already stacked, `init` laid out as the carry, for `run_steps_fast`."""
   try:
     leaves, tree = _flatten((init, batches))
@@ -624,6 +620,7 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
                                lambda i: f"{what}: leaf {i} of init and the batches")
   if donate:  # the donated arrays are no longer outputs to wait on (`InFlight.forget`)
     engine.in_flight.forget(jax.tree.leaves([(carry, batches)[i] for i in donate]))
+  carry_in = carry  # the signature of the call (the padding-read warning of its trace)
   if checked:
     def dispatched(c: Any, b: Any) -> tuple[Any, Any]:
       c, outs, flags = program.program(c, b)
@@ -639,7 +636,8 @@ def run_steps(strategy: Strategy, fn: Callable[..., Any], iterator: Any, steps: 
     if signature is not None and carry_as_given:  # `run_steps_fast` may take the next call like this one
       _remember(engine, strategy, fn, options, init, batches, k, tokened.fixed(carry, batches), donate,
                 program.padding_notes)
-  engine_lib.warn_padding_reads_stacked(program.padding_notes, batches)
+  if program.padding_notes.get("padding_reads"):
+    engine_lib.warn_padding_reads_stacked(program.padding_notes, carry_in, batches)
   # One replica: XLA's layouts do not say which outputs are stacked steps (see stacked_steps).
   return name_replica_axis(carry, steps=False), name_replica_axis(outputs, steps=True)
 

@@ -34,20 +34,23 @@ import os
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
 from tpustrat._src.step_hooks import Step, StepHook
 
-__all__ = ["InputBoundWarning", "StepCounting", "RetracingWarning", "StepCounters", "StepRecord", "StepStats",
-           "Retraces", "DEFAULT_WINDOW", "DEFAULT_THRESHOLD", "HISTORY", "RETRACE_LIMIT"]
+__all__ = ["InputBoundWarning", "StepCounting", "RetracingWarning", "RepeatedPlacementWarning", "StepCounters",
+           "StepRecord", "StepStats", "Retraces", "Placements", "DEFAULT_WINDOW", "DEFAULT_THRESHOLD", "HISTORY",
+           "RETRACE_LIMIT", "PLACEMENT_LIMIT"]
 
 DEFAULT_WINDOW = 50  # steps per window of the input-bound check
 DEFAULT_THRESHOLD = 0.5  # share of a window's time spent waiting for input above which it warns
 MIN_WINDOW_SECONDS = 0.5  # shorter windows (a few fast steps) are not judged: too little time to tell
 HISTORY = 4096  # dispatches kept one by one
 RETRACE_LIMIT = 5  # compiles of one function before the next one warns
+PLACEMENT_LIMIT = 3  # calls that place one array onto the devices: the last of them warns
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../tpustrat
 
@@ -63,6 +66,11 @@ class InputBoundWarning(UserWarning):
 
 class RetracingWarning(UserWarning):
   """`strategy.run` compiles a function again and again (its arguments' shapes, dtypes or structure change)."""
+
+
+class RepeatedPlacementWarning(UserWarning):
+  """`strategy.run` places one and the same array onto the strategy's devices at call after call: it is not
+  laid out as the program wants it, so each call copies it there (and takes `run`'s checked path)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,10 +375,51 @@ class Retraces:
       return
     entry[2] = True
     warnings.warn(retrace_message(name, entry[0], previous, sig), RetracingWarning,
-                  stacklevel=user_stacklevel(_jax_dirs()))
+                  stacklevel=user_stacklevel(jax_dirs()))
 
 
-def _jax_dirs() -> tuple[str, ...]:
+class Placements:
+  """The arrays `run` had to place onto the strategy's devices (given whole, not laid out as the program
+  wants them), counted per array object: the `PLACEMENT_LIMIT`-th call that places one array warns
+  (`RepeatedPlacementWarning`), once per function. Arrays are held weakly (an entry whose array is gone
+  is not counted again: `id` values are reused); at most `limit` arrays and functions are remembered."""
+
+  def __init__(self, limit: int = 256) -> None:
+    self._seen: collections.OrderedDict[int, list[Any]] = collections.OrderedDict()  # id -> [ref, count]
+    self._warned: collections.OrderedDict[Any, None] = collections.OrderedDict()  # function keys warned for
+    self._limit = limit
+
+  def placed(self, value: Any, key: Any, message: Callable[[int], str]) -> None:
+    """`run` of the function keyed `key` placed `value`; `message(count)` is the warning's text."""
+    try:
+      ref = weakref.ref(value)
+    except TypeError:  # not referable weakly: not counted
+      return
+    seen = self._seen
+    entry = seen.get(id(value))
+    if entry is None or entry[0]() is not value:
+      seen[id(value)] = entry = [ref, 0]
+      if len(seen) > self._limit:
+        seen.popitem(last=False)
+    else:
+      seen.move_to_end(id(value))
+    entry[1] += 1
+    if entry[1] < PLACEMENT_LIMIT:
+      return
+    try:
+      if key in self._warned:
+        return
+      self._warned[key] = None
+    except TypeError:  # an unhashable function key: warned for every array, once each
+      if entry[1] > PLACEMENT_LIMIT:
+        return
+    if len(self._warned) > self._limit:
+      self._warned.popitem(last=False)
+    warnings.warn(message(entry[1]), RepeatedPlacementWarning, stacklevel=user_stacklevel(jax_dirs()))
+
+
+def jax_dirs() -> tuple[str, ...]:
+  """The directories of the imported jax and jaxlib packages (frames `user_stacklevel` skips too)."""
   dirs = []
   for name in ("jax", "jaxlib"):
     file = getattr(sys.modules.get(name), "__file__", None)

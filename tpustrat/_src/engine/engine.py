@@ -24,6 +24,7 @@ the output to wait on (`in_flight.wait_leaf` picks it).
 from __future__ import annotations
 
 import collections
+import functools
 import operator
 import types
 import weakref
@@ -109,6 +110,7 @@ class Engine:
     # `RunOptions.check_numerics` of programs traced inside a user's jit / scan: their recorded errors
     self._traced_numerics = numerics_lib.TracedChecks(mesh)
     self._retraces = step_stats_lib.Retraces()  # programs compiled per function (`RetracingWarning`)
+    self._placements = step_stats_lib.Placements()  # arrays placed call after call (`RepeatedPlacementWarning`)
     self._donations: dict[Any, tuple[int, ...]] = {}  # (run key, donate_argnums) -> donated leaf positions
     self._entries: collections.OrderedDict[Any, tuple[FlatProgram, list[NamedSharding]]] = (
         collections.OrderedDict())
@@ -208,10 +210,15 @@ class Engine:
       if type(x) not in array_types or x.sharding != targets[i]:
         _check_host_integers(x, in_tree, i)
         try:
-          leaves[i] = self._place(x, targets[i])
+          leaves[i] = placed = self._place(x, targets[i])
         except ValueError:
           _check_sharded_replicas((args, kwargs), self._num_replicas)  # the clearer error, if that is the cause
           raise
+        if placed is not x and isinstance(x, jax.Array):  # the same array placed call after call warns
+          split = targets[i] is self._split
+          renamed = not split and self._equivalent(x.sharding, x.ndim)  # the same buffers, renamed: no copy
+          self._placements.placed(x, fn_key, functools.partial(
+              _placement_message, fn, _run_arg_path(in_tree, i), x, split, renamed))
     donate_argnums = donate_argnums_of(options)
     donate: tuple[int, ...] | None = ()
     if donate_argnums:
@@ -459,6 +466,32 @@ def _signature(seen_tree: Any, leaves: list[Any]) -> step_stats_lib.Signature:
   args, kwargs = dummy
   tops = tuple(str(jax.tree.structure(a)) for a in args) + tuple(str(jax.tree.structure(kwargs[k])) for k in kwargs)
   return paths, tuple(types_), tops, len(args), tuple(kwargs)
+
+
+def _placement_message(fn: Any, where: str, x: jax.Array, split: bool, renamed: bool, count: int) -> str:
+  """The `RepeatedPlacementWarning`'s text: `run` of `fn` placed the array `x` at `where` for the `count`-th
+  time (`split`: as a `PerReplica`'s component, else as a value given whole; `renamed`: its buffers, already
+  where the program wants them, were only renamed)."""
+  name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+  if split:
+    wants, fix = ("split over the replicas (a PerReplica's component)",
+                  "make the PerReplica value once (strategy.experimental_distribute_values_from_function) or "
+                  "pass on the PerReplica value run returned")
+  else:
+    wants, fix = ("replicated on every device of the strategy",
+                  "place it once, `x = strategy.experimental_mirror(x)`, and pass what that returns (or pass "
+                  "on the Mirrored value run returned)")
+  return (f"strategy.run({name}) placed the jax.Array at {where} ({x.dtype}[{','.join(map(str, x.shape))}], "
+          f"laid out as {x.sharding}) onto the strategy's devices for the {_ordinal(count)} time: the program wants it "
+          f"{wants}, so every call "
+          + ("renames its buffers (they are on the right devices already)" if renamed else
+             "copies it there (a jax.device_put)")
+          + f" and takes run's checked path. If it does not change between calls, {fix}. This warning is given "
+          "once per function.")
+
+
+def _ordinal(n: int) -> str:
+  return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _check_host_integers(x: Any, in_tree: Any, i: int) -> None:

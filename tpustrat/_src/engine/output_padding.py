@@ -12,8 +12,9 @@ output that only has a padded batch's size, its rows not traced, is warned about
 The padding-read warning (`PaddingReadWarning`: an output is a sum over a padded batch's rows that no mask
 removed, `padding_reads`) is found when the step is traced (`step_jaxpr.StepJaxpr.padding_reads_message`)
 and said at the first call whose batch is partial (`warn_padding_reads`): a dataset whose batches are all
-full never pads. A `run` traced inside `experimental_run_steps` leaves it to the enclosing program
-(`inner_padding_notes`, `warn_padding_reads_stacked`).
+full never pads. A `run` traced inside `experimental_run_steps` leaves it to the enclosing program,
+which keeps it per signature of its own (`inner_padding_notes`, `note_stacked_padding_reads`,
+`warn_padding_reads_stacked`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ import numpy as np
 
 from tpustrat._src.batch_rows import BatchRowsWarning, Rows
 from tpustrat._src.padding_reads import PaddingReadWarning
+from tpustrat._src.step_stats import jax_dirs, user_stacklevel
 from tpustrat._src.values import PerReplica, is_distributed
 
-__all__ = ["inner_padding_notes", "output_padding", "warn_padding_reads", "warn_padding_reads_stacked"]
+__all__ = ["inner_padding_notes", "note_stacked_padding_reads", "output_padding", "warn_padding_reads",
+           "warn_padding_reads_stacked"]
 
 
 def output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[bool],
@@ -104,13 +107,15 @@ _INNER_NOTES.stack = []
 
 
 @contextlib.contextmanager
-def inner_padding_notes() -> Iterator[list[dict[str, str | None]]]:
-  """While a program that runs `run` inside it is traced (`experimental_run_steps`), collects the notes of
-  the inner programs whose padding-read warning waits for a partial batch; the enclosing program says it
-  at its first call with one (`warn_padding_reads_stacked`)."""
+def inner_padding_notes() -> Iterator[list[tuple[dict[str, Any], Any]]]:
+  """While a program that runs `run` inside it is traced (`experimental_run_steps`), collects, for each
+  inner `run` call, its program's notes and the call's argument signature (`arguments_signature`, of the
+  tracers: the signature the inner program was traced for); the enclosing program keeps what they say for
+  its own signature (`note_stacked_padding_reads`) and says it at its first call with a partial batch of
+  that signature (`warn_padding_reads_stacked`)."""
   if not hasattr(_INNER_NOTES, "stack"):
     _INNER_NOTES.stack = []
-  found: list[dict[str, str | None]] = []
+  found: list[tuple[dict[str, Any], Any]] = []
   _INNER_NOTES.stack.append(found)
   try:
     yield found
@@ -118,21 +123,33 @@ def inner_padding_notes() -> Iterator[list[dict[str, str | None]]]:
     _INNER_NOTES.stack.pop()
 
 
-def warn_padding_reads_stacked(notes: list[dict[str, Any]], batches: Any) -> None:
-  """`warn_padding_reads` for stacked steps (``[steps, num_replicas, rows, ...]``): once per program, at
-  the first call whose batches hold a partial one."""
-  pending = [n for n in notes if n.get("padding_reads")]
-  if not pending:
+def note_stacked_padding_reads(notes: dict[str, Any], signature: Any,
+                               found: list[tuple[dict[str, Any], Any]]) -> None:
+  """At the trace of a program of stacked steps for arguments of `signature`: keeps in `notes`
+  (`note_padding_reads`) what the inner `run` calls its trace made say of their padding reads (`found`, from
+  `inner_padding_notes`: each the message of the inner trace for that call's signature)."""
+  messages: list[str] = []
+  for inner, inner_signature in found:
+    pending = inner.get("signatures", {})
+    message = pending.get(inner_signature) if inner_signature in pending else inner.get("padding_reads")
+    if message and message not in messages:
+      messages.append(message)
+  note_padding_reads(notes, signature, "\n".join(messages) or None)
+
+
+def warn_padding_reads_stacked(notes: dict[str, Any], carry: Any, batches: Any) -> None:
+  """`warn_padding_reads` for a program of stacked steps (batches ``[steps, num_replicas, rows, ...]``)
+  called with `carry` and `batches`: the warning of its trace for this call's signature
+  (`note_stacked_padding_reads`), once, at the first call of that signature whose batches hold a partial
+  one."""
+  if not notes.get("padding_reads"):
     return
   for node in jax.tree.leaves(batches, is_leaf=is_distributed):
     if isinstance(node, PerReplica) and node.padding_is_marked:
       leaves = jax.tree.leaves(node.tree)
       rows = leaves[0].shape[2] if leaves and leaves[0].ndim >= 3 else None
       if rows is not None and (np.asarray(node.host_real_rows()) < rows).any():
-        for n in pending:  # the inner step's signature is not this call's: said once for all its traces
-          message, n["padding_reads"] = n["padding_reads"] or "", None
-          n.get("signatures", {}).clear()
-          warnings.warn(message, PaddingReadWarning, stacklevel=4)
+        _say(notes, arguments_signature(carry, batches))
         return
 
 
@@ -175,17 +192,22 @@ def warn_padding_reads(notes: dict[str, Any], args: Any, kwargs: Any) -> None:
       if isinstance(node.real_rows_array, jax.core.Tracer):  # a run traced inside another program (run_steps):
         # its counts are not known on the host here: the enclosing program says it (`inner_padding_notes`)
         if _INNER_NOTES.stack:
-          _INNER_NOTES.stack[-1].append(notes)
+          _INNER_NOTES.stack[-1].append((notes, arguments_signature(args, kwargs)))
         return
       if k is not None and (node.host_real_rows() < k).any():
-        pending = notes.get("signatures", {})
-        signature = arguments_signature(args, kwargs)
-        message = pending.get(signature) if signature in pending else notes["padding_reads"]
-        if message:
-          if signature in pending:
-            pending[signature] = None
-          else:  # which trace ran is not known: said once for all
-            pending.clear()
-          notes["padding_reads"] = next((m for m in pending.values() if m), None)
-          warnings.warn(message, PaddingReadWarning, stacklevel=4)
+        _say(notes, arguments_signature(args, kwargs))
         return
+
+
+def _say(notes: dict[str, Any], signature: Any) -> None:
+  """Says the padding-read warning of the trace for arguments of `signature` (`note_padding_reads`), if not
+  said yet; for a signature no trace noted, that of any trace, and then none again."""
+  pending = notes.get("signatures", {})
+  message = pending.get(signature) if signature in pending else notes["padding_reads"]
+  if message:
+    if signature in pending:
+      pending[signature] = None
+    else:  # which trace ran is not known: said once for all
+      pending.clear()
+    notes["padding_reads"] = next((m for m in pending.values() if m), None)
+    warnings.warn(message, PaddingReadWarning, stacklevel=user_stacklevel(jax_dirs()))  # the caller's line
