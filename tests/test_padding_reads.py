@@ -7,6 +7,7 @@ row and one padding row.
 """
 
 import re
+import threading
 import warnings
 
 import jax
@@ -325,3 +326,59 @@ def test_the_stacked_steps_warning_is_that_of_the_signature_that_ran(strategy, f
   assert float(np.asarray(masked)) == np.ones((8, 3)).sum() + np.ones((5, 3)).sum()
   assert float(np.asarray(reading)) == np.ones((8, 2)).sum() + 8 * 2  # 5 real rows, 3 copies of the first
   assert float(np.asarray(again)) == 2 * float(np.asarray(reading))
+
+
+def test_the_stacked_steps_warning_tells_two_kinds_of_padding_of_one_shape_apart(strategy):
+  """One run-steps program traced for a first-row-padded and a zero-padded dataset of the same shapes (the
+  padding's kind is in the structure): the first-row padded partial batch, whose sum reads the copies of the
+  first row (numpy: 16 + 10 ones, the step 16 + 16), is warned."""
+
+  def step(carry, x):
+    s = tpustrat.get_replica_context().all_reduce("sum", jnp.sum(x))
+    return carry + s, s
+
+  def it(rows, options):
+    return iter(strategy.experimental_distribute_dataset([np.ones((r, 2), np.float32) for r in rows], options))
+
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    strategy.experimental_run_steps(step, it([8, 8], None), steps=2, init=np.float32(0))
+    strategy.experimental_run_steps(step, it([8, 8], ZEROS), steps=2, init=np.float32(0))
+    total, _ = strategy.experimental_run_steps(step, it([8, 5], None), steps=2, init=np.float32(0))
+  said = [w for w in caught if issubclass(w.category, tpustrat.PaddingReadWarning)]
+  assert float(np.asarray(total)) == 2 * np.ones((8, 2)).sum()
+  assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in said]
+
+
+def test_steps_that_read_padding_inside_a_users_jit_run_in_any_thread(strategy):
+  """Under the user's own `jax.jit` the real-row counts are not on the host: no warning, and no error (the
+  check read them: ConcretizationTypeError; a `run` traced in a `scan` in another thread: AttributeError).
+  The values are what the program computes: the padding rows (copies of the first row) read."""
+
+  def reading(carry, x):
+    s = tpustrat.get_replica_context().all_reduce("sum", jnp.sum(x))
+    return carry + s, s
+
+  stacked = iter(strategy.experimental_distribute_dataset([np.ones((r, 2), np.float32) for r in (8, 5)]))
+  stacked = stacked.take_steps(2)
+  init = strategy.experimental_mirror(np.float32(0.0))
+  padded_sum = 2 * np.ones((8, 2)).sum()  # 8 + 5 real rows, 3 padding copies of the first row
+  run_steps = jax.jit(lambda c, b: strategy.experimental_run_steps(reading, b, init=c)[0])
+  assert float(np.asarray(run_steps(init, stacked))) == padded_sum
+
+  @jax.jit
+  def loop(c, bs):
+    return jax.lax.scan(lambda c, b: (strategy.run(lambda c, x: reading(c, x)[0], args=(c, b)), None), c, bs)[0]
+
+  got = {}
+
+  def work():
+    try:
+      got["out"] = float(np.asarray(loop(init, stacked)))
+    except Exception as e:  # pylint: disable=broad-except  # reported below
+      got["error"] = repr(e)
+
+  thread = threading.Thread(target=work)
+  thread.start()
+  thread.join()
+  assert got == {"out": padded_sum}

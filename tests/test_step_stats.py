@@ -354,6 +354,10 @@ def _accumulate(w, t):
   return w + jnp.sum(t)
 
 
+def _double(t):
+  return t * 2
+
+
 def test_an_array_placed_at_every_call_warns_once_on_the_third_naming_it(fresh):
   table = np.arange(6, dtype=np.float32)
   plain = jax.device_put(table, jax.devices()[-1])  # committed to one device: copied onto all 8 per call
@@ -367,7 +371,7 @@ def test_an_array_placed_at_every_call_warns_once_on_the_third_naming_it(fresh):
   assert len(record) == 1
   message = str(record[0].message)
   assert message.startswith("strategy.run(_accumulate) placed the jax.Array at args[1] (float32[6], laid out as "
-                            f"{plain.sharding}) onto the strategy's devices for the 3rd time")
+                            f"{plain.sharding}) onto the strategy's devices for the 3rd call in a row")
   assert "copies it there (a jax.device_put)" in message and "strategy.experimental_mirror(x)" in message
   assert record[0].filename == __file__
   with warnings.catch_warnings():  # once per function; the placed copies still compute what numpy does
@@ -396,33 +400,91 @@ def test_an_array_renamed_on_one_device_at_every_call_warns_saying_so():
   with pytest.warns(tpustrat.RepeatedPlacementWarning,
                     match=r"args\[0\] \(float32\[2,3\].*renames its buffers \(they are on the right devices"):
     for _ in range(3):
-      out = strategy.run(lambda t: t * 2, args=(plain,))
+      out = strategy.run(_double, args=(plain,))
   np.testing.assert_array_equal(np.asarray(out.values[0]), np.full((2, 3), 2.0, np.float32))
 
 
-def test_placements_count_one_array_object_held_weakly():
+def test_a_large_state_placed_at_every_call_warns_and_counts_stay_per_function(fresh):
+  state = {f"w{i}": jax.device_put(np.full(2, i, np.float32), jax.devices()[-1]) for i in range(300)}
+
+  def total(s):  # 300 plain leaves: more than any count of recent arrays would keep
+    return sum(jnp.sum(v) for v in s.values())
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for _ in range(2):
+      fresh.run(total, args=(state,))
+  with pytest.warns(tpustrat.RepeatedPlacementWarning, match=r"the jax.Array at args\[0\]\['w0'\] .* for the 3rd call"):
+    out = fresh.run(total, args=(state,))
+  np.testing.assert_allclose(np.asarray(out.values[0]), 2 * np.arange(300).sum(), rtol=1e-6)
+
+  # One array given once to each of three functions: no function placed it three times.
+  table = jax.device_put(np.ones(3, np.float32), jax.devices()[-1])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for f in (lambda t: t * 1, lambda t: t * 2, lambda t: t * 3):
+      fresh.run(f, args=(table,))
+
+  # One array at two positions of one call: each position counts its own calls.
+  def pair(a, b):
+    return a + b
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for _ in range(2):
+      fresh.run(pair, args=(table, table))
+  with pytest.warns(tpustrat.RepeatedPlacementWarning, match=r"args\[0\] .* for the 3rd call in a row") as record:
+    fresh.run(pair, args=(table, table))
+  assert len(record) == 1
+
+
+def test_check_numerics_on_and_off_is_one_function_for_the_placement_warning(fresh):
+  table = jax.device_put(np.ones(3, np.float32), jax.devices()[-1])
+  checked = tpustrat.RunOptions(check_numerics=True)
+  with pytest.warns(tpustrat.RepeatedPlacementWarning) as record:
+    for options in (None, checked, None, checked, None, checked):
+      fresh.run(_accumulate, args=(np.float32(0), table), options=options)
+  fresh.experimental_run_wait()
+  assert len([w for w in record if w.category is tpustrat.RepeatedPlacementWarning]) == 1
+
+
+def test_an_array_closed_over_by_a_users_jit_is_placed_once_per_trace_and_not_warned(fresh):
+  table = jax.device_put(np.ones(3, np.float32), jax.devices()[-1])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for n in range(4):  # four traces of the user's jit (another shape each time), each placing `table`
+      out = jax.jit(lambda w: fresh.run(_accumulate, args=(w, table)))(np.zeros(n + 1, np.float32))
+  np.testing.assert_allclose(np.asarray(out.values[0]), np.full(4, 3.0, np.float32))
+
+
+def test_placements_count_one_array_object_per_position_held_weakly():
   class Value:  # referable weakly, like a jax.Array
     pass
 
   placements = step_stats.Placements(limit=4)
   a, b = Value(), Value()
+  said = lambda n: f"placed {n}"  # noqa: E731
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    for v in (a, b, a, b):
-      placements.placed(v, "f", lambda n: f"placed {n}")
+    for v in (a, b, a, b):  # at position 0: another array each call, never twice in a row
+      placements.placed("f", "tree", 0, v, said)
+    for _ in range(2):
+      placements.placed("f", "tree", 1, a, said)
+    placements.placed("g", "tree", 1, a, said)  # another function: its own count
     assert not caught
-    placements.placed(b, "f", lambda n: f"placed {n}")  # b's third
-    placements.placed(a, "f", lambda n: f"placed {n}")  # a's third: the function warned already
-    placements.placed(a, "g", lambda n: f"placed {n} by g")  # a's fourth, another function
-  assert [str(w.message) for w in caught] == ["placed 3", "placed 4 by g"]
-  assert all(w.category is tpustrat.RepeatedPlacementWarning for w in caught)
+    placements.placed("f", "tree", 1, a, said)  # f's third call in a row placing `a` at position 1
+    placements.placed("f", "tree", 2, b, said)
+    for _ in range(3):
+      placements.placed("f", "tree", 3, b, said)  # f warned already
+  assert [str(w.message) for w in caught] == ["placed 3"]
+  assert caught[0].category is tpustrat.RepeatedPlacementWarning
   # an entry whose array is gone does not count for a new object that got its id
   c = Value()
-  placements._seen[id(c)] = [lambda: None, 2]  # pylint: disable=protected-access
+  placements._seen[("h", "tree")] = {0: [lambda: None, 2]}  # pylint: disable=protected-access
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    placements.placed(c, "h", lambda n: f"placed {n}")
-    placements.placed(c, "h", lambda n: f"placed {n}")
+    placements.placed("h", "tree", 0, c, said)
+    placements.placed("h", "tree", 0, c, said)
 
 
 def test_describe_change_of_structures():

@@ -237,7 +237,7 @@ def _make_program(strategy: Strategy, fn: Callable[..., Any], donate: tuple[int,
     with engine_lib.inner_padding_notes() as found:  # the inner run's padding-read warning, said by run_steps
       loop_body = conv_layouts.canonical_convolutions(body) if canonical else body
       result = lax.scan(loop_body, carry, batches, unroll=unroll)  # RunOptions.scan_unroll
-    engine_lib.note_stacked_padding_reads(padding_notes, engine_lib.arguments_signature(carry, batches), found)
+    engine_lib.note_stacked_padding_reads(padding_notes, engine_lib.stacked_signature(carry, batches), found)
     if outputs is not None:  # the stacked flags: the output to wait on (a donating program's too)
       carry, (outs, flags) = result
       return carry, outs, flags

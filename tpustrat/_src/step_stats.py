@@ -380,39 +380,43 @@ class Retraces:
 
 class Placements:
   """The arrays `run` had to place onto the strategy's devices (given whole, not laid out as the program
-  wants them), counted per array object: the `PLACEMENT_LIMIT`-th call that places one array warns
-  (`RepeatedPlacementWarning`), once per function. Arrays are held weakly (an entry whose array is gone
-  is not counted again: `id` values are reused); at most `limit` arrays and functions are remembered."""
+  wants them), per function, argument structure and leaf position: the `PLACEMENT_LIMIT`-th call in a row
+  that places one and the same array object at one position warns (`RepeatedPlacementWarning`), once per
+  function. Counting per position keeps the count as large as the arguments (a model of thousands of
+  plain arrays is counted whole) and apart per function. Arrays are held weakly (an entry whose array is
+  gone, or that another array took over, starts again: `id` values are reused); at most `limit` functions
+  and structures are remembered, the least recently placed forgotten first."""
 
   def __init__(self, limit: int = 256) -> None:
-    self._seen: collections.OrderedDict[int, list[Any]] = collections.OrderedDict()  # id -> [ref, count]
+    # (function, structure) -> {leaf position: [the array placed there last, held weakly; calls in a row]}
+    self._seen: collections.OrderedDict[Any, dict[int, list[Any]]] = collections.OrderedDict()
     self._warned: collections.OrderedDict[Any, None] = collections.OrderedDict()  # function keys warned for
     self._limit = limit
 
-  def placed(self, value: Any, key: Any, message: Callable[[int], str]) -> None:
-    """`run` of the function keyed `key` placed `value`; `message(count)` is the warning's text."""
+  def placed(self, function: Any, structure: Any, position: int, value: Any,
+             message: Callable[[int], str]) -> None:
+    """`run` of the function keyed `function`, called with arguments of `structure`, placed `value` at leaf
+    `position`; `message(count)` is the warning's text."""
     try:
       ref = weakref.ref(value)
-    except TypeError:  # not referable weakly: not counted
+      key = (function, structure)
+      positions = self._seen.get(key)
+    except TypeError:  # not referable weakly, or an unhashable key: not counted
       return
     seen = self._seen
-    entry = seen.get(id(value))
-    if entry is None or entry[0]() is not value:
-      seen[id(value)] = entry = [ref, 0]
+    if positions is None:
+      positions = seen[key] = {}
       if len(seen) > self._limit:
         seen.popitem(last=False)
     else:
-      seen.move_to_end(id(value))
+      seen.move_to_end(key)
+    entry = positions.get(position)
+    if entry is None or entry[0]() is not value:
+      entry = positions[position] = [ref, 0]
     entry[1] += 1
-    if entry[1] < PLACEMENT_LIMIT:
+    if entry[1] != PLACEMENT_LIMIT or function in self._warned:
       return
-    try:
-      if key in self._warned:
-        return
-      self._warned[key] = None
-    except TypeError:  # an unhashable function key: warned for every array, once each
-      if entry[1] > PLACEMENT_LIMIT:
-        return
+    self._warned[function] = None
     if len(self._warned) > self._limit:
       self._warned.popitem(last=False)
     warnings.warn(message(entry[1]), RepeatedPlacementWarning, stacklevel=user_stacklevel(jax_dirs()))

@@ -40,10 +40,10 @@ from tpustrat._src.engine.in_flight import (
 )
 from tpustrat._src.engine.options import RunOptions, donate_argnums_of
 from tpustrat._src.engine.output_padding import (
-  arguments_signature,
   inner_padding_notes,
   note_stacked_padding_reads,
   output_padding,
+  stacked_signature,
   warn_padding_reads,
   warn_padding_reads_stacked,
 )
@@ -57,8 +57,8 @@ __all__ = ["RunOptions", "Engine", "InFlight", "check_not_deleted", "dispatch", 
            "dispatch_default_hooks", "dispatch_flat",
            "donated_leaves",
            "donation_used", "wait_leaf", "donate_argnums_of", "DEFAULT_STEPS_IN_FLIGHT", "DONATION_USED",
-           "STEP_HOOKS", "FlatProgram", "StepJaxpr", "arguments_signature", "batch_group", "check_donatable",
+           "STEP_HOOKS", "FlatProgram", "StepJaxpr", "batch_group", "check_donatable",
            "check_run_call",
            "inner_padding_notes", "is_output_node", "note_stacked_padding_reads", "make_program", "output_padding",
-           "same_over_replicas",
+           "same_over_replicas", "stacked_signature",
            "warn_padding_reads", "warn_padding_reads_stacked", "weak_callable", "weak_key"]

@@ -53,6 +53,7 @@ from tpustrat._src.engine.options import RunOptions, donate_argnums_of
 from tpustrat._src.engine.output_padding import warn_padding_reads
 from tpustrat._src.engine.program import batch_group, make_program
 from tpustrat._src.engine.weak_keys import weak_key
+from tpustrat._src.jax_compat import staging
 from tpustrat._src.logical import LayoutMap, check_layout_map
 from tpustrat._src.names import REPLICA_AXIS
 from tpustrat._src.sharded_variable import ShardedVariable
@@ -181,7 +182,7 @@ class Engine:
       raise TypeError(f"strategy.run expects `options` to be a tpustrat.RunOptions or None, got {options!r}.")
     limit = (options.max_steps_in_flight if options is not None else None) or self.max_steps_in_flight
     leaves, in_tree = jax.tree.flatten((tuple(args), kwargs))
-    fn_key = weak_key(fn)
+    fn_key = function = weak_key(fn)
     key = (fn_key, in_tree)
     layout_map = options.experimental_layout_map if options is not None else None
     if layout_map is not None:  # a program per layout: the map's patterns and layouts join the cache keys
@@ -214,11 +215,11 @@ class Engine:
         except ValueError:
           _check_sharded_replicas((args, kwargs), self._num_replicas)  # the clearer error, if that is the cause
           raise
-        if placed is not x and isinstance(x, jax.Array):  # the same array placed call after call warns
-          split = targets[i] is self._split
-          renamed = not split and self._equivalent(x.sharding, x.ndim)  # the same buffers, renamed: no copy
-          self._placements.placed(x, fn_key, functools.partial(
-              _placement_message, fn, _run_arg_path(in_tree, i), x, split, renamed))
+        if placed is not x and isinstance(x, jax.Array) and not staging():
+          # The same array placed call after call warns (not while a user's jit traces `run`: placed once
+          # into the compiled program).
+          self._placements.placed(function, in_tree, i, x, functools.partial(
+              _placement_message, fn, _run_arg_path(in_tree, i), x, targets[i], targets[i] is self._split))
     donate_argnums = donate_argnums_of(options)
     donate: tuple[int, ...] | None = ()
     if donate_argnums:
@@ -468,26 +469,28 @@ def _signature(seen_tree: Any, leaves: list[Any]) -> step_stats_lib.Signature:
   return paths, tuple(types_), tops, len(args), tuple(kwargs)
 
 
-def _placement_message(fn: Any, where: str, x: jax.Array, split: bool, renamed: bool, count: int) -> str:
-  """The `RepeatedPlacementWarning`'s text: `run` of `fn` placed the array `x` at `where` for the `count`-th
-  time (`split`: as a `PerReplica`'s component, else as a value given whole; `renamed`: its buffers, already
-  where the program wants them, were only renamed)."""
+def _placement_message(fn: Any, where: str, x: jax.Array, target: NamedSharding, split: bool, count: int) -> str:
+  """The `RepeatedPlacementWarning`'s text: `run` of `fn` placed the array `x` at `where` onto `target` for the
+  `count`-th call in a row (`split`: as a `PerReplica`'s component, else as a value given whole)."""
   name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
   if split:
     wants, fix = ("split over the replicas (a PerReplica's component)",
-                  "make the PerReplica value once (strategy.experimental_distribute_values_from_function) or "
-                  "pass on the PerReplica value run returned")
+                  "place it once, `value = strategy.experimental_mirror(value)` (a PerReplica value stays per "
+                  "replica), and pass what that returns (or pass on the PerReplica value run returned)")
   else:
     wants, fix = ("replicated on every device of the strategy",
                   "place it once, `x = strategy.experimental_mirror(x)`, and pass what that returns (or pass "
                   "on the Mirrored value run returned)")
+  try:  # its buffers already where the program wants them, under another name: no copy
+    renamed = bool(x.sharding.is_equivalent_to(target, x.ndim))
+  except Exception:  # pylint: disable=broad-except  # shardings of other meshes compare unequal or raise
+    renamed = False
+  how = ("renames its buffers (they are on the right devices already)" if renamed else
+         "copies it there (a jax.device_put)")
   return (f"strategy.run({name}) placed the jax.Array at {where} ({x.dtype}[{','.join(map(str, x.shape))}], "
-          f"laid out as {x.sharding}) onto the strategy's devices for the {_ordinal(count)} time: the program wants it "
-          f"{wants}, so every call "
-          + ("renames its buffers (they are on the right devices already)" if renamed else
-             "copies it there (a jax.device_put)")
-          + f" and takes run's checked path. If it does not change between calls, {fix}. This warning is given "
-          "once per function.")
+          f"laid out as {x.sharding}) onto the strategy's devices for the {_ordinal(count)} call in a row: the "
+          f"program wants it {wants}, so every call {how} and takes run's checked path. If it does not change "
+          f"between calls, {fix}. This warning is given once per function.")
 
 
 def _ordinal(n: int) -> str:

@@ -33,8 +33,8 @@ from tpustrat._src.padding_reads import PaddingReadWarning
 from tpustrat._src.step_stats import jax_dirs, user_stacklevel
 from tpustrat._src.values import PerReplica, is_distributed
 
-__all__ = ["inner_padding_notes", "note_stacked_padding_reads", "output_padding", "warn_padding_reads",
-           "warn_padding_reads_stacked"]
+__all__ = ["inner_padding_notes", "note_stacked_padding_reads", "output_padding", "stacked_signature",
+           "warn_padding_reads", "warn_padding_reads_stacked"]
 
 
 def output_padding(out_leaves: list[Any], paths: list[str], is_varying: list[bool],
@@ -125,7 +125,8 @@ def inner_padding_notes() -> Iterator[list[tuple[dict[str, Any], Any]]]:
 
 def note_stacked_padding_reads(notes: dict[str, Any], signature: Any,
                                found: list[tuple[dict[str, Any], Any]]) -> None:
-  """At the trace of a program of stacked steps for arguments of `signature`: keeps in `notes`
+  """At the trace of a program of stacked steps for arguments of `signature` (`stacked_signature`): keeps in
+  `notes`
   (`note_padding_reads`) what the inner `run` calls its trace made say of their padding reads (`found`, from
   `inner_padding_notes`: each the message of the inner trace for that call's signature)."""
   messages: list[str] = []
@@ -137,19 +138,27 @@ def note_stacked_padding_reads(notes: dict[str, Any], signature: Any,
   note_padding_reads(notes, signature, "\n".join(messages) or None)
 
 
+def stacked_signature(carry: Any, batches: Any) -> Any:
+  """The key of a program of stacked steps' padding-read warnings: one `jax.jit` over every structure of its
+  arguments (a padded batch's kind of padding is in its structure), so the structure too."""
+  return jax.tree.structure((carry, batches)), arguments_signature(carry, batches)
+
+
 def warn_padding_reads_stacked(notes: dict[str, Any], carry: Any, batches: Any) -> None:
   """`warn_padding_reads` for a program of stacked steps (batches ``[steps, num_replicas, rows, ...]``)
   called with `carry` and `batches`: the warning of its trace for this call's signature
-  (`note_stacked_padding_reads`), once, at the first call of that signature whose batches hold a partial
-  one."""
+  (`note_stacked_padding_reads`, `stacked_signature`), once, at the first call of that signature whose
+  batches hold a partial one. Called inside a program the user traces (counts not on the host), nothing."""
   if not notes.get("padding_reads"):
     return
   for node in jax.tree.leaves(batches, is_leaf=is_distributed):
     if isinstance(node, PerReplica) and node.padding_is_marked:
+      if isinstance(node.real_rows_array, jax.core.Tracer):
+        return
       leaves = jax.tree.leaves(node.tree)
       rows = leaves[0].shape[2] if leaves and leaves[0].ndim >= 3 else None
       if rows is not None and (np.asarray(node.host_real_rows()) < rows).any():
-        _say(notes, arguments_signature(carry, batches))
+        _say(notes, stacked_signature(carry, batches))
         return
 
 
@@ -191,8 +200,9 @@ def warn_padding_reads(notes: dict[str, Any], args: Any, kwargs: Any) -> None:
       k = leaves[0].shape[1] if leaves and leaves[0].ndim >= 2 else None
       if isinstance(node.real_rows_array, jax.core.Tracer):  # a run traced inside another program (run_steps):
         # its counts are not known on the host here: the enclosing program says it (`inner_padding_notes`)
-        if _INNER_NOTES.stack:
-          _INNER_NOTES.stack[-1].append((notes, arguments_signature(args, kwargs)))
+        stack = getattr(_INNER_NOTES, "stack", None)  # set in the threads that enter `inner_padding_notes`
+        if stack:
+          stack[-1].append((notes, arguments_signature(args, kwargs)))
         return
       if k is not None and (node.host_real_rows() < k).any():
         _say(notes, arguments_signature(args, kwargs))
