@@ -404,6 +404,25 @@ def test_an_array_renamed_on_one_device_at_every_call_warns_saying_so():
   np.testing.assert_array_equal(np.asarray(out.values[0]), np.full((2, 3), 2.0, np.float32))
 
 
+def test_a_per_replica_component_laid_out_by_another_mesh_is_renamed_and_warned_with_its_fix(fresh):
+  mine = jax.sharding.Mesh(np.array(jax.devices()), ("data",))  # the same devices, another axis name
+  stacked = np.arange(16, dtype=np.float32).reshape(8, 2)
+  value = tpustrat.PerReplica.from_stacked(
+      jax.device_put(stacked, jax.sharding.NamedSharding(mine, jax.sharding.PartitionSpec("data"))))
+  with pytest.warns(tpustrat.RepeatedPlacementWarning) as record:
+    for _ in range(3):
+      out = fresh.run(_double, args=(value,))
+  message = str(record[0].message)
+  assert "split over the replicas" in message and "renames its buffers" in message, message
+  assert "strategy.experimental_mirror(value)" in message, message
+  np.testing.assert_array_equal(np.stack([np.asarray(v) for v in out.values]), 2 * stacked)
+  with warnings.catch_warnings():  # placed once, as the warning says
+    warnings.simplefilter("error")
+    placed = fresh.experimental_mirror(value)
+    for _ in range(4):
+      fresh.run(_double, args=(placed,))
+
+
 def test_a_large_state_placed_at_every_call_warns_and_counts_stay_per_function(fresh):
   state = {f"w{i}": jax.device_put(np.full(2, i, np.float32), jax.devices()[-1]) for i in range(300)}
 

@@ -474,9 +474,9 @@ def _placement_message(fn: Any, where: str, x: jax.Array, target: NamedSharding,
   `count`-th call in a row (`split`: as a `PerReplica`'s component, else as a value given whole)."""
   name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
   if split:
-    wants, fix = ("split over the replicas (a PerReplica's component)",
-                  "place it once, `value = strategy.experimental_mirror(value)` (a PerReplica value stays per "
-                  "replica), and pass what that returns (or pass on the PerReplica value run returned)")
+    wants, fix = ("split over the replicas (a PerReplica's component, or a ShardedVariable's blocks)",
+                  "place it once, `value = strategy.experimental_mirror(value)` (a PerReplica or ShardedVariable "
+                  "stays split), and pass what that returns (or pass on the value run returned)")
   else:
     wants, fix = ("replicated on every device of the strategy",
                   "place it once, `x = strategy.experimental_mirror(x)`, and pass what that returns (or pass "
