@@ -306,6 +306,29 @@ def test_the_cause_names_the_process_that_hangs():
                                                               "coordinator's address is in use")
 
 
+def test_a_peer_killed_in_a_save_is_named_even_when_its_end_is_reported_second():
+  # Under load the kernel reported a SIGKILLed process's end after its peer's, which had seen the connections
+  # close and stopped the save with 69 ("another process stopped in the middle of the save"): the launcher
+  # named the victim, and exited with its 69 (a flaky CI run of test_checkpoint.py's 2 x 4 job).
+  def proc(index, returncode, ended, order, killed=False):
+    return launch._Proc(index, None, 0.0, returncode=returncode, ended=ended, order=order, killed=killed)
+
+  peer = launch._describe(names.EXIT_CHECKPOINT_PEER_LOST)
+  procs = [proc(0, names.EXIT_CHECKPOINT_PEER_LOST, 2.0, 0), proc(1, -9, 2.1, 1)]
+  procs[0].tail.append("tpustrat: checkpoint save failed: another process of the job stopped ...")
+  assert launch._culprit(procs, procs[0]) == (procs[1], "peer")
+  assert launch._cause(procs, procs[0]) == f"process 1 was killed by SIGKILL (process 0 then {peer})"
+  text = launch._report(procs, procs[0], 0.0, 20.0)
+  assert text.startswith("process 1 failed first: it was killed by SIGKILL after 2.1 s."), text
+  assert f"process 0 stopped on its own: it {peer} -0.1 s after the failure." in text, text
+  assert "the launcher exits with 137, the status of process 1." in text, text
+  assert text.endswith("last output of process 0:\n    tpustrat: checkpoint save failed: another process of the "
+                       "job stopped ..."), text  # the evidence: the output of the first process to end
+  # Not when the other process ended well, or was killed by the launcher after the failure: 69 is then first.
+  for other in (proc(1, 0, 2.1, 1), proc(1, -9, 22.0, 1, killed=True)):
+    assert launch._culprit([procs[0], other], procs[0]) == (procs[0], "")
+
+
 def test_a_save_a_peer_died_in_is_not_reported_as_a_storage_error():
   # Issue 43 item 10, 4 processes: process 2 is SIGKILLed during a save; processes 0 and 3 stop the failed
   # save with 69 (a barrier across the processes failed), and process 0's end takes the coordinator with it,

@@ -549,3 +549,18 @@ def test_host_reads_of_a_value_whose_counts_a_map_changed_are_refused(strategy):
     for read in readers:
       with pytest.raises(ValueError, match=r"carries real-row counts .* not integers between 0 and the"):
         read(mapped)
+
+
+def test_experimental_mirror_of_a_padded_batch_keeps_its_padding_skipped(strategy):
+  """`strategy.experimental_mirror` places a padded batch's arrays and its real-row counts: a masked sum,
+  a reduction along the batch and the local results still see the 12 real rows only (numpy), as the batch
+  did before (the counts were dropped: the masked sum read the 4 padding rows, and so did the reduction)."""
+  x, batch = partial_batch(strategy)  # 12 real rows of a global batch of 16: 4 padding rows
+  placed = strategy.experimental_mirror(batch)
+  for value in (batch, placed):
+    masked = strategy.run(
+        lambda b: tpustrat.get_replica_context().all_reduce(
+            "sum", jnp.sum(jnp.where(tpustrat.valid_mask(b)[:, None], b, 0.0))), args=(value,))
+    np.testing.assert_allclose(np.asarray(masked), x.sum(), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(strategy.reduce("SUM", value, axis=0)), x.sum(0), rtol=1e-5)
+    np.testing.assert_array_equal(np.concatenate(components(strategy, value)), x)

@@ -371,7 +371,8 @@ def test_an_array_placed_at_every_call_warns_once_on_the_third_naming_it(fresh):
   assert len(record) == 1
   message = str(record[0].message)
   assert message.startswith("strategy.run(_accumulate) placed the jax.Array at args[1] (float32[6], laid out as "
-                            f"{plain.sharding}) onto the strategy's devices for the 3rd call in a row")
+                            f"{plain.sharding!r}) onto the strategy's devices (")
+  assert f"over devices {[d.id for d in fresh.mesh.devices.ravel()]}) for the 3rd time" in message, message
   assert "copies it there (a jax.device_put)" in message and "strategy.experimental_mirror(x)" in message
   assert record[0].filename == __file__
   with warnings.catch_warnings():  # once per function; the placed copies still compute what numpy does
@@ -414,13 +415,22 @@ def test_a_per_replica_component_laid_out_by_another_mesh_is_renamed_and_warned_
       out = fresh.run(_double, args=(value,))
   message = str(record[0].message)
   assert "split over the replicas" in message and "renames its buffers" in message, message
-  assert "strategy.experimental_mirror(value)" in message, message
+  assert "NamedSharding(strategy.mesh, PartitionSpec('replica'))" in message, message
   np.testing.assert_array_equal(np.stack([np.asarray(v) for v in out.values]), 2 * stacked)
-  with warnings.catch_warnings():  # placed once, as the warning says
+
+  def triple(x):  # a function of its own: `_double` was warned for already
+    return x * 3
+
+  laid_out = tpustrat.PerReplica.from_stacked(jax.device_put(  # laid out once, as the warning says
+      value.tree, jax.sharding.NamedSharding(fresh.mesh, jax.sharding.PartitionSpec("replica"))))
+  with warnings.catch_warnings():
     warnings.simplefilter("error")
-    placed = fresh.experimental_mirror(value)
     for _ in range(4):
-      fresh.run(_double, args=(placed,))
+      out = fresh.run(triple, args=(laid_out,))
+  np.testing.assert_array_equal(np.stack([np.asarray(v) for v in out.values]), 3 * stacked)
+  with pytest.warns(tpustrat.RepeatedPlacementWarning):  # and as given, it would have warned
+    for _ in range(3):
+      fresh.run(triple, args=(value,))
 
 
 def test_a_large_state_placed_at_every_call_warns_and_counts_stay_per_function(fresh):
@@ -433,7 +443,7 @@ def test_a_large_state_placed_at_every_call_warns_and_counts_stay_per_function(f
     warnings.simplefilter("error")
     for _ in range(2):
       fresh.run(total, args=(state,))
-  with pytest.warns(tpustrat.RepeatedPlacementWarning, match=r"the jax.Array at args\[0\]\['w0'\] .* for the 3rd call"):
+  with pytest.warns(tpustrat.RepeatedPlacementWarning, match=r"the jax.Array at args\[0\]\['w0'\] .* for the 3rd time"):
     out = fresh.run(total, args=(state,))
   np.testing.assert_allclose(np.asarray(out.values[0]), 2 * np.arange(300).sum(), rtol=1e-6)
 
@@ -452,7 +462,7 @@ def test_a_large_state_placed_at_every_call_warns_and_counts_stay_per_function(f
     warnings.simplefilter("error")
     for _ in range(2):
       fresh.run(pair, args=(table, table))
-  with pytest.warns(tpustrat.RepeatedPlacementWarning, match=r"args\[0\] .* for the 3rd call in a row") as record:
+  with pytest.warns(tpustrat.RepeatedPlacementWarning, match=r"args\[0\] .* for the 3rd time") as record:
     fresh.run(pair, args=(table, table))
   assert len(record) == 1
 
@@ -491,7 +501,7 @@ def test_placements_count_one_array_object_per_position_held_weakly():
       placements.placed("f", "tree", 1, a, said)
     placements.placed("g", "tree", 1, a, said)  # another function: its own count
     assert not caught
-    placements.placed("f", "tree", 1, a, said)  # f's third call in a row placing `a` at position 1
+    placements.placed("f", "tree", 1, a, said)  # the third time `a` is placed at position 1 by f
     placements.placed("f", "tree", 2, b, said)
     for _ in range(3):
       placements.placed("f", "tree", 3, b, said)  # f warned already

@@ -90,9 +90,11 @@ def _shardings(mesh: jax.sharding.Mesh) -> tuple[NamedSharding, NamedSharding]:
   return NamedSharding(mesh, P()), NamedSharding(mesh, P(REPLICA_AXIS))
 
 
-def as_carry(strategy: Strategy, value: Any) -> Any:
+def as_carry(strategy: Strategy, value: Any, keep_counts: bool = False) -> Any:
   """`value` laid out as `run` returns values: a `Mirrored` per replicated array leaf, a `PerReplica` per
-  per-replica leaf (without padding counts), all placed where the next program wants them."""
+  per-replica leaf (without padding counts: a carry keeps none), all placed where the next program wants
+  them. `keep_counts` (`experimental_mirror`): a `PerReplica` carrying real-row counts (a padded batch, a
+  `per_example` output) stays that value, its arrays and counts placed (its padding still skipped)."""
   mesh = strategy.mesh
   if mesh is None:  # the default strategy: run returns fn's values as they are
     return jax.tree.map(_strong, value)
@@ -104,6 +106,8 @@ def as_carry(strategy: Strategy, value: Any) -> Any:
     if isinstance(node, ShardedVariable):  # already split over the replicas: its blocks where run wants them
       return node.map_global(lambda x: _put(x, split))
     if isinstance(node, PerReplica):
+      if keep_counts and node.real_rows_array is not None:
+        return node.map_global(lambda x: _put(_strong(x), split))
       return jax.tree.map(lambda x: PerReplica.from_stacked(_put(_strong(x), split)), node.tree)
     if isinstance(node, Mirrored):
       node = node.tree

@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import os
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -50,7 +51,7 @@ DEFAULT_THRESHOLD = 0.5  # share of a window's time spent waiting for input abov
 MIN_WINDOW_SECONDS = 0.5  # shorter windows (a few fast steps) are not judged: too little time to tell
 HISTORY = 4096  # dispatches kept one by one
 RETRACE_LIMIT = 5  # compiles of one function before the next one warns
-PLACEMENT_LIMIT = 3  # calls that place one array onto the devices: the last of them warns
+PLACEMENT_LIMIT = 3  # times one array is placed at one argument position: the last of them warns
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../tpustrat
 
@@ -380,18 +381,27 @@ class Retraces:
 
 class Placements:
   """The arrays `run` had to place onto the strategy's devices (given whole, not laid out as the program
-  wants them), per function, argument structure and leaf position: the `PLACEMENT_LIMIT`-th call in a row
-  that places one and the same array object at one position warns (`RepeatedPlacementWarning`), once per
-  function. Counting per position keeps the count as large as the arguments (a model of thousands of
-  plain arrays is counted whole) and apart per function. Arrays are held weakly (an entry whose array is
-  gone, or that another array took over, starts again: `id` values are reused); at most `limit` functions
-  and structures are remembered, the least recently placed forgotten first."""
+  wants them), per function, argument structure and leaf position: the `PLACEMENT_LIMIT`-th time one and
+  the same array object is placed at one position warns (`RepeatedPlacementWarning`), once per function.
+  Counting per position keeps the count as large as the arguments (a model of thousands of plain arrays is
+  counted whole) and apart per function; calls that place nothing there do not reset it. Arrays are held
+  weakly (an entry whose array is gone, or that another array took over, starts again: `id` values are
+  reused); at most `limit` functions and structures are remembered, the least recently placed forgotten
+  first. Thread-safe; a function warned for is no longer counted (`counts`)."""
 
   def __init__(self, limit: int = 256) -> None:
-    # (function, structure) -> {leaf position: [the array placed there last, held weakly; calls in a row]}
+    # (function, structure) -> {leaf position: [the array placed there last, held weakly; times placed]}
     self._seen: collections.OrderedDict[Any, dict[int, list[Any]]] = collections.OrderedDict()
     self._warned: collections.OrderedDict[Any, None] = collections.OrderedDict()  # function keys warned for
     self._limit = limit
+    self._lock = threading.Lock()
+
+  def counts(self, function: Any) -> bool:
+    """Whether placements by `function` are still counted (it has not been warned for)."""
+    try:
+      return function not in self._warned
+    except TypeError:  # an unhashable key: not counted
+      return False
 
   def placed(self, function: Any, structure: Any, position: int, value: Any,
              message: Callable[[int], str]) -> None:
@@ -400,25 +410,27 @@ class Placements:
     try:
       ref = weakref.ref(value)
       key = (function, structure)
-      positions = self._seen.get(key)
+      hash(key)
     except TypeError:  # not referable weakly, or an unhashable key: not counted
       return
-    seen = self._seen
-    if positions is None:
-      positions = seen[key] = {}
-      if len(seen) > self._limit:
-        seen.popitem(last=False)
-    else:
-      seen.move_to_end(key)
-    entry = positions.get(position)
-    if entry is None or entry[0]() is not value:
-      entry = positions[position] = [ref, 0]
-    entry[1] += 1
-    if entry[1] != PLACEMENT_LIMIT or function in self._warned:
-      return
-    self._warned[function] = None
-    if len(self._warned) > self._limit:
-      self._warned.popitem(last=False)
+    with self._lock:
+      seen = self._seen
+      positions = seen.get(key)
+      if positions is None:
+        positions = seen[key] = {}
+        if len(seen) > self._limit:
+          seen.popitem(last=False)
+      else:
+        seen.move_to_end(key)
+      entry = positions.get(position)
+      if entry is None or entry[0]() is not value:
+        entry = positions[position] = [ref, 0]
+      entry[1] += 1
+      if entry[1] != PLACEMENT_LIMIT or function in self._warned:
+        return
+      self._warned[function] = None
+      if len(self._warned) > self._limit:
+        self._warned.popitem(last=False)
     warnings.warn(message(entry[1]), RepeatedPlacementWarning, stacklevel=user_stacklevel(jax_dirs()))
 
 

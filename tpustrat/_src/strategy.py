@@ -257,13 +257,14 @@ class Strategy:
 
     `run` wraps each replicated output leaf in `Mirrored`; a `jax.lax.scan` whose body calls `run` needs
     its initial carry in that form too (``lax.scan`` requires the carry to keep its pytree type).
-    `PerReplica` values inside `value` stay per replica; Python numbers become arrays.
+    `PerReplica` values inside `value` stay per replica (a padded batch keeps its real-row counts, so its
+    padding is still skipped); Python numbers become arrays.
 
     >>> strategy = tpustrat.TPUStrategy()
     >>> strategy.experimental_mirror({"w": np.zeros(3, np.float32), "step": 0})
     {'step': Mirrored(int32[]), 'w': Mirrored(float32[3])}
     """
-    return multistep.as_carry(self, value)
+    return multistep.as_carry(self, value, keep_counts=True)
 
   def experimental_shard(self, value: Any, partitioner: Any = None, layout_map: Any = None,
                          groups: Any = None) -> Any:

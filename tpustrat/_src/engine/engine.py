@@ -207,6 +207,10 @@ class Engine:
       check_not_deleted(leaves, _where(in_tree))
     given = list(leaves)  # as the caller gave them (placed copies of one array share its buffer on its device)
     array_types = self._array_types
+    # The same array placed call after call warns, once per function (`RepeatedPlacementWarning`); not
+    # counted while a user's jit traces `run` (placed once, into the compiled program): decided at the first
+    # placed array, None until then.
+    counting: bool | None = None if self._placements.counts(function) else False
     for i, x in enumerate(leaves):  # arrays already where the program wants them pass untouched
       if type(x) not in array_types or x.sharding != targets[i]:
         _check_host_integers(x, in_tree, i)
@@ -215,11 +219,12 @@ class Engine:
         except ValueError:
           _check_sharded_replicas((args, kwargs), self._num_replicas)  # the clearer error, if that is the cause
           raise
-        if placed is not x and isinstance(x, jax.Array) and not staging():
-          # The same array placed call after call warns (not while a user's jit traces `run`: placed once
-          # into the compiled program).
-          self._placements.placed(function, in_tree, i, x, functools.partial(
-              _placement_message, fn, _run_arg_path(in_tree, i), x, targets[i], targets[i] is self._split))
+        if placed is not x and counting is not False and isinstance(x, jax.Array):
+          if counting is None:
+            counting = not staging()
+          if counting:
+            self._placements.placed(function, in_tree, i, x, functools.partial(
+                _placement_message, fn, in_tree, i, x, targets[i], targets[i] is self._split))
     donate_argnums = donate_argnums_of(options)
     donate: tuple[int, ...] | None = ()
     if donate_argnums:
@@ -469,28 +474,39 @@ def _signature(seen_tree: Any, leaves: list[Any]) -> step_stats_lib.Signature:
   return paths, tuple(types_), tops, len(args), tuple(kwargs)
 
 
-def _placement_message(fn: Any, where: str, x: jax.Array, target: NamedSharding, split: bool, count: int) -> str:
-  """The `RepeatedPlacementWarning`'s text: `run` of `fn` placed the array `x` at `where` onto `target` for the
-  `count`-th call in a row (`split`: as a `PerReplica`'s component, else as a value given whole)."""
+def _placement_message(fn: Any, in_tree: Any, i: int, x: jax.Array, target: NamedSharding, split: bool,
+                       count: int) -> str:
+  """The `RepeatedPlacementWarning`'s text: `run` of `fn` placed the array `x`, leaf `i` of its arguments (of
+  structure `in_tree`), onto `target` for the `count`-th time (`split`: as a `PerReplica`'s component or a
+  `ShardedVariable`'s blocks, else as a value given whole)."""
   name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
   if split:
-    wants, fix = ("split over the replicas (a PerReplica's component, or a ShardedVariable's blocks)",
-                  "place it once, `value = strategy.experimental_mirror(value)` (a PerReplica or ShardedVariable "
-                  "stays split), and pass what that returns (or pass on the value run returned)")
+    wants = "split over the replicas (a PerReplica's component, or a ShardedVariable's blocks)"
+    fix = ("lay it out once as the program wants it, its leading axis split over the strategy's replica axis "
+           "(`jax.device_put(x, NamedSharding(strategy.mesh, PartitionSpec('replica')))`), or pass on the "
+           "value run returned")
   else:
-    wants, fix = ("replicated on every device of the strategy",
-                  "place it once, `x = strategy.experimental_mirror(x)`, and pass what that returns (or pass "
-                  "on the Mirrored value run returned)")
+    wants = "replicated on every device of the strategy"
+    fix = ("place it once, `x = strategy.experimental_mirror(x)`, and pass what that returns (or pass on the "
+           "Mirrored value run returned)")
   try:  # its buffers already where the program wants them, under another name: no copy
     renamed = bool(x.sharding.is_equivalent_to(target, x.ndim))
   except Exception:  # pylint: disable=broad-except  # shardings of other meshes compare unequal or raise
     renamed = False
   how = ("renames its buffers (they are on the right devices already)" if renamed else
          "copies it there (a jax.device_put)")
-  return (f"strategy.run({name}) placed the jax.Array at {where} ({x.dtype}[{','.join(map(str, x.shape))}], "
-          f"laid out as {x.sharding}) onto the strategy's devices for the {_ordinal(count)} call in a row: the "
-          f"program wants it {wants}, so every call {how} and takes run's checked path. If it does not change "
-          f"between calls, {fix}. This warning is given once per function.")
+  return (f"strategy.run({name}) placed the jax.Array at {_run_arg_path(in_tree, i)} "
+          f"({x.dtype}[{','.join(map(str, x.shape))}], laid out as {_layout(x.sharding)}) onto the strategy's "
+          f"devices ({_layout(target)}) for the {_ordinal(count)} time: the program wants it {wants}, so every "
+          f"call {how} and takes run's checked path. If it does not change between calls, {fix}. This warning "
+          "is given once per function (and strategy).")
+
+
+def _layout(sharding: Any) -> str:
+  """A sharding as the placement warning writes it: its repr, with a mesh's device ids in order (two meshes
+  of the same devices in another order print alike otherwise)."""
+  ids = getattr(getattr(sharding, "mesh", None), "device_ids", None)
+  return f"{sharding!r}" if ids is None else f"{sharding!r} over devices {np.asarray(ids).ravel().tolist()}"
 
 
 def _ordinal(n: int) -> str:

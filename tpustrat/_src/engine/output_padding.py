@@ -126,9 +126,8 @@ def inner_padding_notes() -> Iterator[list[tuple[dict[str, Any], Any]]]:
 def note_stacked_padding_reads(notes: dict[str, Any], signature: Any,
                                found: list[tuple[dict[str, Any], Any]]) -> None:
   """At the trace of a program of stacked steps for arguments of `signature` (`stacked_signature`): keeps in
-  `notes`
-  (`note_padding_reads`) what the inner `run` calls its trace made say of their padding reads (`found`, from
-  `inner_padding_notes`: each the message of the inner trace for that call's signature)."""
+  `notes` (`note_padding_reads`) what the inner `run` calls its trace made say of their padding reads
+  (`found`, from `inner_padding_notes`: each the message of the inner trace for that call's signature)."""
   messages: list[str] = []
   for inner, inner_signature in found:
     pending = inner.get("signatures", {})
@@ -186,7 +185,7 @@ def note_padding_reads(notes: dict[str, Any], signature: Any, message: str | Non
   to say for some signature (what a call checks first)."""
   pending = notes.setdefault("signatures", {})
   pending[signature] = message
-  notes["padding_reads"] = message or next((m for m in pending.values() if m), None)
+  notes["padding_reads"] = message or next((m for m in list(pending.values()) if m), None)
 
 
 def warn_padding_reads(notes: dict[str, Any], args: Any, kwargs: Any) -> None:
@@ -219,5 +218,5 @@ def _say(notes: dict[str, Any], signature: Any) -> None:
       pending[signature] = None
     else:  # which trace ran is not known: said once for all
       pending.clear()
-    notes["padding_reads"] = next((m for m in pending.values() if m), None)
+    notes["padding_reads"] = next((m for m in list(pending.values()) if m), None)  # another thread may trace
     warnings.warn(message, PaddingReadWarning, stacklevel=user_stacklevel(jax_dirs()))  # the caller's line

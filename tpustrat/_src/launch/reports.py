@@ -67,8 +67,10 @@ def _ended_failed_save(p: Proc) -> bool:
 
 def first_failure(procs: Sequence[Proc], first: Proc) -> tuple[Proc, str]:
   """The process that failed first, and how it is known: (`first`, the first to exit with an error, "")
-  unless JAX's errors name a process that stopped responding to heartbeats before it ("heartbeats"), or
-  the step watchdog whose message `first` printed names a process holding the job up ("watchdog")."""
+  unless JAX's errors name a process that stopped responding to heartbeats before it ("heartbeats"), `first`
+  ended a checkpoint save because a peer stopped in it and another process ended with a failure of its own
+  ("peer"), or the step watchdog whose message `first` printed names a process holding the job up
+  ("watchdog")."""
   def later(i: int) -> bool:  # a process that is still running, or ended after `first`
     return 0 <= i < len(procs) and (procs[i].ended is None or _ended_after(procs[i], first))
 
@@ -80,6 +82,15 @@ def first_failure(procs: Sequence[Proc], first: Proc) -> tuple[Proc, str]:
   hung = sorted({i for p in procs for i in p.unhealthy if later(i) and not _ended_failed_save(procs[i])})
   if hung:
     return procs[hung[0]], "heartbeats"
+  # A process that ended a save with 69 says, by its own status, that another process stopped in the middle
+  # of it: a victim. The process that ended on its own with another failure (a signal, an error) is the
+  # culprit, even when its end came second: the kernel reports a large process's end after tearing it
+  # down, while the peer reacts to its closed connections at once (a SIGKILLed process, in a loaded CI run).
+  if first.returncode == names.EXIT_CHECKPOINT_PEER_LOST and not first.killed:
+    failed = [p for p in procs if p is not first and p.ended is not None and not p.killed
+              and p.returncode not in (0, *_SAVE_FAILED)]
+    if failed:
+      return min(failed, key=lambda p: (p.order is None, p.order or 0, p.end_time)), "peer"
   # A live process stuck in a host callback, or behind, keeps its heartbeats: the step watchdog of a process
   # waiting for it fires, names it (`names.WATCHDOG_BLAMES`, printed by every process) and ends every
   # process with 124, in any order. The process named is the culprit, even when it is the first to end.
@@ -93,6 +104,9 @@ def first_failure(procs: Sequence[Proc], first: Proc) -> tuple[Proc, str]:
 def cause(procs: Sequence[Proc], first: Proc) -> str:
   """Why the job failed, in a few words (for the line that announces a restart)."""
   culprit, how = first_failure(procs, first)
+  if how == "peer":
+    return (f"process {culprit.index} {describe(culprit.code)} (process {first.index} then "
+            f"{describe(first.code)})")
   if how == "heartbeats":
     return (f"process {culprit.index} stopped responding to heartbeats (JAX declared it dead; process "
             f"{first.index} then {describe(first.code)})")
@@ -106,6 +120,9 @@ def report(procs: Sequence[Proc], first: Proc, start: float, grace_period: float
   """Which process failed first, how, and what became of the others; the launcher exits with the status
   of the process named first (`first_failure`)."""
   culprit, how = first_failure(procs, first)
+  evidence = first  # the first process to end: its last output holds the evidence
+  if how == "peer":  # reported as the first failure: the process that ended the save with 69 is its victim
+    first, how = culprit, ""
   if how == "heartbeats":
     lines = [f"process {culprit.index} failed first: it stopped responding to heartbeats (it hangs, or was "
              f"stopped), so JAX's distributed runtime declared it dead; process {first.index} then "
@@ -124,9 +141,9 @@ def report(procs: Sequence[Proc], first: Proc, start: float, grace_period: float
     if p is not first and p is not culprit:
       lines.append(f"process {p.index} {_ending(p, first.end_time, grace_period)}.")
   lines.append(f"the launcher exits with {exit_status(culprit.code)}, the status of process {culprit.index}.")
-  if first.tail:
-    lines.append(f"last output of process {first.index}:")
-    lines.extend(f"  {line}" for line in first.tail)
+  if evidence.tail:
+    lines.append(f"last output of process {evidence.index}:")
+    lines.extend(f"  {line}" for line in evidence.tail)
   return "\n  ".join(lines)
 
 
