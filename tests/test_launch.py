@@ -327,6 +327,14 @@ def test_a_peer_killed_in_a_save_is_named_even_when_its_end_is_reported_second()
   # Not when the other process ended well, or was killed by the launcher after the failure: 69 is then first.
   for other in (proc(1, 0, 2.1, 1), proc(1, -9, 22.0, 1, killed=True)):
     assert launch._culprit([procs[0], other], procs[0]) == (procs[0], "")
+  # A process JAX aborted because it lost the coordinator (process 0, whose failed save ended it) is a victim
+  # too, even when its end is reported before the SIGKILLed one's.
+  aborted = proc(2, -6, 2.05, 1)
+  aborted.note("Terminating process because the JAX distributed service detected fatal errors. absl::Status: "
+               "UNAVAILABLE: Failed to send RPC to coordination service. Either the leader task was "
+               "preempted/died/restarted unexpectedly or this task is experiencing network issues.")
+  killed = proc(1, -9, 2.1, 2)
+  assert launch._culprit([procs[0], killed, aborted], procs[0]) == (killed, "peer")
 
 
 def test_a_save_a_peer_died_in_is_not_reported_as_a_storage_error():

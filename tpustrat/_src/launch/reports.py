@@ -87,8 +87,10 @@ def first_failure(procs: Sequence[Proc], first: Proc) -> tuple[Proc, str]:
   # culprit, even when its end came second: the kernel reports a large process's end after tearing it
   # down, while the peer reacts to its closed connections at once (a SIGKILLed process, in a loaded CI run).
   if first.returncode == names.EXIT_CHECKPOINT_PEER_LOST and not first.killed:
+    # Not one that JAX's errors show reacting to a dead peer (its own `unhealthy`: aborted when it lost the
+    # coordinator, which the save's end took with it).
     failed = [p for p in procs if p is not first and p.ended is not None and not p.killed
-              and p.returncode not in (0, *_SAVE_FAILED)]
+              and p.returncode not in (0, *_SAVE_FAILED) and not p.unhealthy]
     if failed:
       return min(failed, key=lambda p: (p.order is None, p.order or 0, p.end_time)), "peer"
   # A live process stuck in a host callback, or behind, keeps its heartbeats: the step watchdog of a process
