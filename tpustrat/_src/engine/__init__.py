@@ -54,11 +54,8 @@ from tpustrat._src.engine.weak_keys import weak_callable, weak_key
 _same_over_replicas = same_over_replicas  # the name tests/test_logical.py imports
 
 __all__ = ["RunOptions", "Engine", "InFlight", "check_not_deleted", "dispatch", "default_hooks_apply",
-           "dispatch_default_hooks", "dispatch_flat",
-           "donated_leaves",
-           "donation_used", "wait_leaf", "donate_argnums_of", "DEFAULT_STEPS_IN_FLIGHT", "DONATION_USED",
-           "STEP_HOOKS", "FlatProgram", "StepJaxpr", "batch_group", "check_donatable",
-           "check_run_call",
-           "inner_padding_notes", "is_output_node", "note_stacked_padding_reads", "make_program", "output_padding",
-           "same_over_replicas", "stacked_signature",
-           "warn_padding_reads", "warn_padding_reads_stacked", "weak_callable", "weak_key"]
+           "dispatch_default_hooks", "dispatch_flat", "donated_leaves", "donation_used", "wait_leaf",
+           "donate_argnums_of", "DEFAULT_STEPS_IN_FLIGHT", "DONATION_USED", "STEP_HOOKS", "FlatProgram",
+           "StepJaxpr", "batch_group", "check_donatable", "check_run_call", "inner_padding_notes",
+           "is_output_node", "note_stacked_padding_reads", "make_program", "output_padding", "same_over_replicas",
+           "stacked_signature", "warn_padding_reads", "warn_padding_reads_stacked", "weak_callable", "weak_key"]

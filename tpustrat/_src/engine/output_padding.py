@@ -130,8 +130,7 @@ def note_stacked_padding_reads(notes: dict[str, Any], signature: Any,
   (`found`, from `inner_padding_notes`: each the message of the inner trace for that call's signature)."""
   messages: list[str] = []
   for inner, inner_signature in found:
-    pending = inner.get("signatures", {})
-    message = pending.get(inner_signature) if inner_signature in pending else inner.get("padding_reads")
+    message = _message_of(inner, inner_signature)
     if message and message not in messages:
       messages.append(message)
   note_padding_reads(notes, signature, "\n".join(messages) or None)
@@ -148,17 +147,22 @@ def warn_padding_reads_stacked(notes: dict[str, Any], carry: Any, batches: Any) 
   called with `carry` and `batches`: the warning of its trace for this call's signature
   (`note_stacked_padding_reads`, `stacked_signature`), once, at the first call of that signature whose
   batches hold a partial one. Called inside a program the user traces (counts not on the host), nothing."""
-  if not notes.get("padding_reads"):
-    return
-  for node in jax.tree.leaves(batches, is_leaf=is_distributed):
+  if notes.get("padding_reads") and _partial(batches, rows_axis=2) is True:
+    _say(notes, stacked_signature(carry, batches))
+
+
+def _partial(tree: Any, rows_axis: int) -> bool | None:
+  """Whether the first padded batch in `tree` (its rows on `rows_axis` of each leaf: 1 for one step's,
+  2 for stacked steps) holds a partial batch; False with none; None when its counts are traced (inside a
+  program being traced: not known on the host)."""
+  for node in jax.tree.leaves(tree, is_leaf=is_distributed):
     if isinstance(node, PerReplica) and node.padding_is_marked:
       if isinstance(node.real_rows_array, jax.core.Tracer):
-        return
+        return None
       leaves = jax.tree.leaves(node.tree)
-      rows = leaves[0].shape[2] if leaves and leaves[0].ndim >= 3 else None
-      if rows is not None and (np.asarray(node.host_real_rows()) < rows).any():
-        _say(notes, stacked_signature(carry, batches))
-        return
+      rows = leaves[0].shape[rows_axis] if leaves and leaves[0].ndim > rows_axis else None
+      return rows is not None and bool((np.asarray(node.host_real_rows()) < rows).any())
+  return False
 
 
 def arguments_signature(args: Any, kwargs: Any) -> Any:
@@ -193,26 +197,21 @@ def warn_padding_reads(notes: dict[str, Any], args: Any, kwargs: Any) -> None:
   whose padded batch is partial: a dataset whose batches are all full never pads, and is not warned. The
   warning is that of the trace for this call's signature (`note_padding_reads`); for a signature no trace
   noted, that of any trace."""
-  for node in jax.tree.leaves((args, kwargs), is_leaf=is_distributed):
-    if isinstance(node, PerReplica) and node.padding_is_marked:
-      leaves = jax.tree.leaves(node.tree)
-      k = leaves[0].shape[1] if leaves and leaves[0].ndim >= 2 else None
-      if isinstance(node.real_rows_array, jax.core.Tracer):  # a run traced inside another program (run_steps):
-        # its counts are not known on the host here: the enclosing program says it (`inner_padding_notes`)
-        stack = getattr(_INNER_NOTES, "stack", None)  # set in the threads that enter `inner_padding_notes`
-        if stack:
-          stack[-1].append((notes, arguments_signature(args, kwargs)))
-        return
-      if k is not None and (node.host_real_rows() < k).any():
-        _say(notes, arguments_signature(args, kwargs))
-        return
+  partial = _partial((args, kwargs), rows_axis=1)
+  if partial is None:  # a run traced inside another program (run_steps): its counts are not known on the
+    # host here: the enclosing program says it (`inner_padding_notes`)
+    stack = getattr(_INNER_NOTES, "stack", None)  # set in the threads that enter `inner_padding_notes`
+    if stack:
+      stack[-1].append((notes, arguments_signature(args, kwargs)))
+  elif partial:
+    _say(notes, arguments_signature(args, kwargs))
 
 
 def _say(notes: dict[str, Any], signature: Any) -> None:
   """Says the padding-read warning of the trace for arguments of `signature` (`note_padding_reads`), if not
   said yet; for a signature no trace noted, that of any trace, and then none again."""
   pending = notes.get("signatures", {})
-  message = pending.get(signature) if signature in pending else notes["padding_reads"]
+  message = _message_of(notes, signature)
   if message:
     if signature in pending:
       pending[signature] = None
@@ -220,3 +219,10 @@ def _say(notes: dict[str, Any], signature: Any) -> None:
       pending.clear()
     notes["padding_reads"] = next((m for m in list(pending.values()) if m), None)  # another thread may trace
     warnings.warn(message, PaddingReadWarning, stacklevel=user_stacklevel(jax_dirs()))  # the caller's line
+
+
+def _message_of(notes: dict[str, Any], signature: Any) -> str | None:
+  """The padding-read warning still to say of the trace for arguments of `signature` (`note_padding_reads`);
+  for a signature no trace noted, that of any trace."""
+  pending = notes.get("signatures", {})
+  return pending.get(signature) if signature in pending else notes.get("padding_reads")
